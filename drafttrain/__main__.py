@@ -1,0 +1,78 @@
+"""`python -m drafttrain conf=<preset> key=value ...`
+
+A thin entry point (STYLE rule 9): rewrite argv (`conf=X` -> Hydra's `--config-name X`, drop
+a launcher's `--local_rank`), compose the config tree under `conf/` against the dataclass
+schema of `drafttrain.config`, convert once, and call `train(cfg)`. Hydra's own flags work:
+`--cfg job` prints the resolved config, `--help` lists the groups.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from drafttrain.config import DRAFTER_CONFIGS, TrainConfig
+from drafttrain.errors import DraftError
+
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+DEFAULT_PRESET = "eagle3"
+
+
+def rewrite_argv(argv: list[str]) -> list[str]:
+    """`conf=X` -> `--config-name=X`; drop `--local_rank N` / `--local_rank=N` (launchers)."""
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a.startswith("conf="):
+            out.append("--config-name=" + a[len("conf=") :])
+        elif a in ("--local_rank", "--local-rank"):
+            skip = True
+        elif a.startswith(("--local_rank=", "--local-rank=")):
+            continue
+        else:
+            out.append(a)
+    return out
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+    for kind, cls in DRAFTER_CONFIGS.items():
+        cs.store(group="drafter", name=f"{kind}_schema", node=cls)
+
+
+def to_train_config(cfg: DictConfig) -> TrainConfig:
+    """The one omegaconf -> dataclass conversion."""
+    obj = OmegaConf.to_object(cfg)
+    if isinstance(obj, dict):  # composed without the schema: refuse rather than guess
+        raise DraftError("config was not composed against the train_schema")
+    return obj
+
+
+@hydra.main(config_path=CONF_DIR, config_name=DEFAULT_PRESET, version_base="1.3")
+def _hydra_main(cfg: DictConfig) -> None:
+    from drafttrain.train import train
+
+    try:
+        summary = train(to_train_config(cfg))
+    except DraftError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(summary.get("export_dir") or summary["run_dir"])
+
+
+def main() -> None:
+    register_configs()
+    sys.argv = [sys.argv[0], *rewrite_argv(sys.argv[1:])]
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""Training checkpoints: atomic, safetensors-only, exactly resumable.
+
+Layout: `<output_dir>/checkpoints/step_000100/` holding
+- `drafter.safetensors`: the drafter's own tensors (no shared target embedding),
+- `optimizer.safetensors` + `optimizer.json`: AdamW state tensors flattened by name, and the
+  param groups (JSON),
+- `state.json`: step, micro-batch cursor, scheduler state, the drafter architecture,
+- `rng.safetensors`: CPU (and CUDA) generator states as uint8 tensors.
+`<output_dir>/checkpoints/latest` names the newest complete one.
+
+Atomicity: everything is written into `step_N.tmp/` and renamed in one `os.replace`, then
+`latest` is replaced; a run killed at any instant leaves either the old or the new
+checkpoint, never half of one. Nothing is unpickled on load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from drafttrain.errors import CheckpointError
+
+
+def _flatten_optimizer(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    sd = opt.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, Any] = {}
+    for pid, st in sd["state"].items():
+        for k, v in st.items():
+            if torch.is_tensor(v):
+                tensors[f"{pid}.{k}"] = v.detach().cpu().contiguous()
+            else:
+                scalars[f"{pid}.{k}"] = v
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def _unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
+    state: dict[int, dict[str, Any]] = {}
+    for name, t in tensors.items():
+        pid, k = name.split(".", 1)
+        state.setdefault(int(pid), {})[k] = t
+    for name, v in meta["scalars"].items():
+        pid, k = name.split(".", 1)
+        state.setdefault(int(pid), {})[k] = v
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def rng_tensors() -> dict[str, torch.Tensor]:
+    out = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            out[f"cuda{i}"] = s
+    return out
+
+
+def save_checkpoint(
+    ckpt_root: Path,
+    step: int,
+    drafter_tensors: dict[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    state: dict[str, Any],
+    keep_last: int = 2,
+) -> Path:
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    final = ckpt_root / f"step_{step:06d}"
+    tmp = ckpt_root / f"step_{step:06d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_file(
+        {k: v.detach().cpu().contiguous() for k, v in drafter_tensors.items()},
+        str(tmp / "drafter.safetensors"),
+    )
+    opt_tensors, opt_meta = _flatten_optimizer(optimizer)
+    save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+    (tmp / "optimizer.json").write_text(json.dumps(opt_meta))
+    save_file(rng_tensors(), str(tmp / "rng.safetensors"))
+    (tmp / "state.json").write_text(json.dumps({**state, "step": step}, indent=2))
+    for f in tmp.iterdir():  # data on disk before the rename makes it visible
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    latest_tmp = ckpt_root / "latest.tmp"
+    latest_tmp.write_text(final.name)
+    os.replace(latest_tmp, ckpt_root / "latest")
+    steps = sorted(p for p in ckpt_root.glob("step_*") if not p.name.endswith(".tmp"))
+    for old in steps[:-keep_last] if keep_last > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(ckpt_root: Path) -> Path | None:
+    marker = ckpt_root / "latest"
+    if not marker.is_file():
+        return None
+    path = ckpt_root / marker.read_text().strip()
+    return path if path.is_dir() else None
+
+
+def _load(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        first = (str(e).splitlines() or [type(e).__name__])[0]
+        raise CheckpointError(f"corrupted checkpoint file {path}: {first}") from None
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """-> {"drafter": tensors, "optimizer": optimizer state dict, "state": dict, "rng": tensors}"""
+    for name in ("drafter.safetensors", "optimizer.safetensors", "optimizer.json", "state.json"):
+        if not (path / name).is_file():
+            raise CheckpointError(f"incomplete checkpoint {path}: {name} missing")
+    return {
+        "drafter": _load(path / "drafter.safetensors"),
+        "optimizer": _unflatten_optimizer(
+            _load(path / "optimizer.safetensors"), json.loads((path / "optimizer.json").read_text())
+        ),
+        "state": json.loads((path / "state.json").read_text()),
+        "rng": _load(path / "rng.safetensors") if (path / "rng.safetensors").is_file() else {},
+    }
+
+
+def restore_rng(rng: dict[str, torch.Tensor]) -> None:
+    if "cpu" in rng:
+        torch.set_rng_state(rng["cpu"])
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            if f"cuda{i}" in rng:
+                torch.cuda.set_rng_state(rng[f"cuda{i}"], i)

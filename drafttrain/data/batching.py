@@ -1,0 +1,86 @@
+"""Length-bucketed batch sampling and padding collation for tokenized conversations.
+
+Terms:
+
+- **example**: one tokenized conversation, `{"input_ids": [T_i], "loss_mask": [T_i]}`.
+- **mega-chunk**: a run of `MEGA_CHUNK_BATCHES * batch_size` shuffled examples. Sorting by
+  length happens *inside* a mega-chunk only, so batches are length-homogeneous (little
+  padding) while the data order stays random at the scale of the epoch.
+- **epoch order**: the list of batches (lists of example indices) for one pass; it is a pure
+  function of `(seed, epoch)`, so a resumed run replays exactly the batches it would have seen.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+# Batches per mega-chunk: large enough that sorted batches have near-equal lengths, small
+# enough that long and short conversations still mix across the epoch.
+MEGA_CHUNK_BATCHES = 50
+
+
+def length_bucketed_batches(
+    lengths: Sequence[int], batch_size: int, seed: int, epoch: int, shuffle: bool = True
+) -> list[list[int]]:
+    """Split `range(len(lengths))` into batches of at most `batch_size` indices.
+
+    With `shuffle`: shuffle all indices, cut them into mega-chunks, sort each chunk by length
+    (stable, so equal lengths keep their shuffled order), cut into batches and shuffle the
+    batch order. Without it: the same bucketing over the indices in order, batches in order
+    (deterministic evaluation with little padding). Every index appears exactly once; only
+    the last batch of a mega-chunk can be short.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    # A string seed is hashed with SHA-512 by `random`, so the order does not depend on
+    # PYTHONHASHSEED or on the platform.
+    rng = random.Random(f"length_bucketed_batches:{seed}:{epoch}")
+    order = list(range(len(lengths)))
+    if shuffle:
+        rng.shuffle(order)
+    chunk = MEGA_CHUNK_BATCHES * batch_size
+    batches: list[list[int]] = []
+    for lo in range(0, len(order), chunk):
+        bucket = sorted(order[lo : lo + chunk], key=lambda i: lengths[i])
+        batches.extend(bucket[b : b + batch_size] for b in range(0, len(bucket), batch_size))
+    if shuffle:
+        rng.shuffle(batches)
+    return batches
+
+
+def collate(examples: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad `examples` to the longest one (`T = max_i T_i`).
+
+    Returns, all `torch.long` of shape `[B, T]`:
+      - `input_ids`: token ids, `pad_id` at padding;
+      - `attention_mask`: 1 for real tokens, 0 at padding;
+      - `loss_mask`: the examples' loss masks, 0 at padding;
+      - `position_ids`: `0 .. T_i - 1` for real tokens, 0 at padding.
+    """
+    if not examples:
+        raise ValueError("collate needs at least one example")
+    lengths = [len(ex["input_ids"]) for ex in examples]
+    batch, width = len(examples), max(lengths)
+    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)  # [B, T]
+    attention_mask = torch.zeros((batch, width), dtype=torch.long)  # [B, T]
+    loss_mask = torch.zeros((batch, width), dtype=torch.long)  # [B, T]
+    position_ids = torch.zeros((batch, width), dtype=torch.long)  # [B, T]
+    for row, (ex, n) in enumerate(zip(examples, lengths)):
+        if len(ex["loss_mask"]) != n:
+            raise ValueError(
+                f"example {row}: input_ids has {n} tokens, loss_mask {len(ex['loss_mask'])}"
+            )
+        input_ids[row, :n] = torch.as_tensor(ex["input_ids"], dtype=torch.long)
+        loss_mask[row, :n] = torch.as_tensor(ex["loss_mask"], dtype=torch.long)
+        attention_mask[row, :n] = 1
+        position_ids[row, :n] = torch.arange(n)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "loss_mask": loss_mask,
+        "position_ids": position_ids,
+    }

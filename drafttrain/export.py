@@ -1,0 +1,206 @@
+"""Export a training run as a drafter checkpoint directory (DESIGN section 4).
+
+    python -m drafttrain.export RUN_DIR [--out DIR] [--checkpoint step_000200] [--dtype bfloat16]
+
+Writes `config.json` (vLLM/SGLang `LlamaForCausalLMEagle3` layout, our conventions under
+`"drafttrain"`), `model.safetensors`, `config.speculators.json` (vllm-project/speculators
+format), the target's tokenizer files, `training_args.yaml` and a `README.md` model card.
+The tensors come from the run's checkpoint on disk, so the export is exactly what training
+saved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from draftinfer.checkpoint import atomic_write_text, write_drafter
+from draftinfer.drafters import DRAFTERS
+from drafttrain.checkpoint import latest_checkpoint, load_checkpoint
+from drafttrain.errors import CheckpointError, DraftError
+from drafttrain.loggers import read_metrics
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def speculators_config(hf: dict[str, Any], target: str, k: int) -> dict[str, Any]:
+    """The vllm-project/speculators `Eagle3Speculator` form of the same checkpoint."""
+    layer = {
+        key: hf[key]
+        for key in (
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "num_hidden_layers",
+            "rms_norm_eps",
+            "rope_theta",
+            "rope_scaling",
+            "max_position_embeddings",
+            "vocab_size",
+            "hidden_act",
+            "attention_bias",
+            "model_type",
+        )
+    }
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "transformer_layer_config": layer,
+        "draft_vocab_size": hf["draft_vocab_size"],
+        "norm_before_residual": hf["norm_before_residual"],
+        "target_hidden_size": hf["target_hidden_size"],
+        "eagle_aux_hidden_state_layer_ids": hf["eagle_aux_hidden_state_layer_ids"],
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k}],
+            "verifier": {"name_or_path": target},
+        },
+        "torch_dtype": hf.get("torch_dtype"),
+    }
+
+
+def model_card(
+    cfg: dict[str, Any], hf: dict[str, Any], metrics: list[dict[str, float]], has_plot: bool
+) -> str:
+    kind = hf["drafttrain"]["drafter_kind"]
+    target = cfg["target"]["name_or_path"]
+    front = {
+        "base_model": target,
+        "library_name": "drafttrain",
+        "tags": ["speculative-decoding", "drafter", kind],
+    }
+    lines = [
+        "---",
+        yaml.safe_dump(front, sort_keys=False).strip(),
+        "---",
+        "",
+        f"# {kind} drafter for `{target}`",
+        "",
+        f"Trained with `python -m drafttrain conf={cfg.get('preset') or '<preset>'}` "
+        f"for {cfg['trainer']['max_steps']} optimizer steps.",
+        "",
+        "## Serving",
+        "",
+        'vLLM: `--speculative-config \'{"method": "eagle3", "model": "<this dir>", '
+        '"num_speculative_tokens": 3}\'`. SGLang: `--speculative-algorithm EAGLE3 '
+        "--speculative-draft-model-path <this dir>`.",
+        "",
+        f"Aux taps (inputs of target layers): {hf['eagle_aux_hidden_state_layer_ids']}; "
+        f"draft vocabulary {hf['draft_vocab_size']} of {hf['vocab_size']}.",
+        "",
+    ]
+    if metrics:
+        last = metrics[-1]
+        accs = sorted((k for k in last if k.startswith("acc_")), key=lambda k: int(k[4:]))
+        lines += [
+            "## Training metrics (last logging window)",
+            "",
+            "| TTT step | " + " | ".join(a[4:] for a in accs) + " |",
+            "|---|" + "---|" * len(accs),
+            "| top-1 acc | " + " | ".join(f"{last[a]:.3f}" for a in accs) + " |",
+            "",
+            f"Simulated acceptance length: {last.get('sim_al', float('nan')):.3f}; "
+            f"final loss {last.get('loss', float('nan')):.4f}.",
+            "",
+        ]
+        if has_plot:
+            lines += ["![training curves](training_curves.png)", ""]
+    lines += [
+        "Acceptance length measured by the runner: run `python -m draftinfer drafter=<this "
+        "dir>` (the table is added here when it runs).",
+        "",
+        "## Training config",
+        "",
+        "```yaml",
+        yaml.safe_dump(cfg, sort_keys=False).strip(),
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def export_run(
+    run_dir: str | Path,
+    out_dir: str | Path | None = None,
+    checkpoint: str | None = None,
+    dtype: str | None = None,
+) -> Path:
+    run = Path(run_dir)
+    args_path = run / "training_args.yaml"
+    if not args_path.is_file():
+        raise CheckpointError(f"not a training run: {args_path} does not exist")
+    cfg = yaml.safe_load(args_path.read_text())
+    ckpt = (
+        (run / "checkpoints" / checkpoint) if checkpoint else latest_checkpoint(run / "checkpoints")
+    )
+    if ckpt is None or not ckpt.is_dir():
+        raise CheckpointError(f"no checkpoint to export under {run / 'checkpoints'}")
+    ck = load_checkpoint(ckpt)
+    state = ck["state"]
+    kind = state["drafter_kind"]
+    module_cls = DRAFTERS[kind]
+    drafter = module_cls(module_cls.config_class(**state["drafter_config"]))
+    drafter.load_state_dict(ck["drafter"], strict=False)
+
+    out = Path(out_dir) if out_dir else run / "export"
+    out.mkdir(parents=True, exist_ok=True)
+    dtype_name = dtype or cfg.get("export", {}).get("dtype", "bfloat16")
+    if dtype_name not in _DTYPES:
+        raise DraftError(f"export dtype must be one of {sorted(_DTYPES)}, got {dtype_name!r}")
+    target_name = cfg["target"]["name_or_path"]
+    meta = {
+        "target": target_name,
+        "trained_steps": state["step"],
+        "preset": cfg.get("preset"),
+        **state.get("objective", {}),
+    }
+    write_drafter(out, drafter, meta, _DTYPES[dtype_name])
+    hf = json.loads((out / "config.json").read_text())
+    if cfg.get("export", {}).get("speculators_config", True):
+        spec = speculators_config(
+            hf,
+            target_name,
+            int(state.get("objective", {}).get("ttt_steps", 3)) if kind == "eagle3" else 3,
+        )
+        atomic_write_text(out / "config.speculators.json", json.dumps(spec, indent=2) + "\n")
+    from drafttrain.train import load_tokenizer
+
+    load_tokenizer(target_name).save_pretrained(str(out))
+    shutil.copyfile(args_path, out / "training_args.yaml")
+    plot = run / "training_curves.png"
+    if plot.is_file():
+        shutil.copyfile(plot, out / "training_curves.png")
+    atomic_write_text(out / "README.md", model_card(cfg, hf, read_metrics(run), plot.is_file()))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m drafttrain.export", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument("run_dir")
+    p.add_argument("--out", default=None, help="export directory (default RUN_DIR/export)")
+    p.add_argument("--checkpoint", default=None, help="checkpoint name (default: latest)")
+    p.add_argument("--dtype", default=None, choices=sorted(_DTYPES))
+    a = p.parse_args(argv)
+    try:
+        out = export_run(a.run_dir, a.out, a.checkpoint, a.dtype)
+    except DraftError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,7 @@
+"""Training objectives by drafter kind (same names as `draftinfer.drafters.DRAFTERS`)."""
+
+from drafttrain.objectives.eagle3 import Eagle3Objective
+
+OBJECTIVES: dict[str, type] = {"eagle3": Eagle3Objective}
+
+__all__ = ["OBJECTIVES", "Eagle3Objective"]

@@ -1,0 +1,144 @@
+"""Attention for training-time test (TTT) unrolling, without `[T, T * steps]` score matrices.
+
+At TTT step `k` (0-based) drafter row `i` stands for the k-th chained draft after the
+committed token `t_{i+1}`. In the runner that draft attends to the drafter KV of the
+committed prefix (rows `0..i`, built from *target* features at step 0) and to the KV its own
+chain wrote at steps `1..k` (all at row `i`). So a step-k query sees
+
+    step-0 keys at rows j <= i   (causal, T x T)
+    step-s keys at row i only    (s = 1..k: one "diagonal" score per step)
+
+We compute the causal block with a normal attention kernel and the diagonal scores as k
+row-wise dot products, then merge both under one softmax via log-sum-exp. Memory is
+`O(T^2 + T * k)` per step instead of `O(T^2 * k)`.
+
+Backends:
+- `eager`: explicit causal mask and one softmax over `[T + k]` scores per row. Runs and
+  back-propagates everywhere (CPU CI trains with it).
+- `flex`: `flex_attention(..., return_lse=True)` for the causal block merged with the
+  diagonal scores by LSE. Fast on CUDA (compiled); has no backward on CPU (torch raises),
+  which is why `auto` picks eager there. Tests prove both give the same values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftinfer.drafters.layers import expand_kv
+
+
+def ttt_attention_eager(
+    q: torch.Tensor,
+    k0: torch.Tensor,
+    v0: torch.Tensor,
+    extra: list[tuple[torch.Tensor, torch.Tensor]],
+) -> torch.Tensor:
+    """q `[B, T, nh, D]`; k0/v0 `[B, T, nkv, D]` (step-0 keys/values); extra = [(k_s, v_s)]
+    for steps 1..k, each `[B, T, nkv, D]` -> out `[B, T, nh, D]`."""
+    nh, T, D = q.shape[2], q.shape[1], q.shape[3]
+    scale = D**-0.5
+    qh = q.transpose(1, 2)  # [B, nh, T, D]
+    kh = expand_kv(k0, nh).transpose(1, 2)
+    vh = expand_kv(v0, nh).transpose(1, 2)
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    s0 = (qh @ kh.transpose(-1, -2)).float() * scale  # [B, nh, T, T]
+    s0 = s0.masked_fill(~causal, float("-inf"))
+    if not extra:
+        p = torch.softmax(s0, dim=-1).to(q.dtype)
+        return (p @ vh).transpose(1, 2)
+    ks = [expand_kv(k, nh) for k, _ in extra]
+    vs = [expand_kv(v, nh) for _, v in extra]
+    sd = torch.stack([(q * k).sum(-1) for k in ks], dim=-1).float() * scale  # [B, T, nh, S]
+    sd = sd.permute(0, 2, 1, 3)  # [B, nh, T, S]
+    p = torch.softmax(torch.cat([s0, sd], dim=-1), dim=-1).to(q.dtype)
+    out = p[..., :T] @ vh  # [B, nh, T, D]
+    out = out.transpose(1, 2)
+    pd = p[..., T:].permute(0, 2, 1, 3)  # [B, T, nh, S]
+    for s, v in enumerate(vs):
+        out = out + pd[..., s, None] * v
+    return out
+
+
+_flex_cache: dict[tuple, object] = {}
+
+
+def _flex_fn(device: torch.device):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type == "cuda":
+        key = ("flex", device.type)
+        if key not in _flex_cache:
+            _flex_cache[key] = torch.compile(flex_attention, dynamic=True)
+        return _flex_cache[key]
+    return flex_attention
+
+
+def _causal_block_mask(T: int, device: torch.device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    key = ("mask", T, str(device))
+    if key not in _flex_cache:
+        _flex_cache[key] = create_block_mask(
+            lambda b, h, qi, ki: ki <= qi, None, None, T, T, device=str(device)
+        )
+    return _flex_cache[key]
+
+
+def ttt_attention_flex(
+    q: torch.Tensor,
+    k0: torch.Tensor,
+    v0: torch.Tensor,
+    extra: list[tuple[torch.Tensor, torch.Tensor]],
+) -> torch.Tensor:
+    """Same contract as `ttt_attention_eager`; causal block by flex attention, merged by LSE."""
+    nh, T, D = q.shape[2], q.shape[1], q.shape[3]
+    scale = D**-0.5
+    qh, kh, vh = q.transpose(1, 2), k0.transpose(1, 2), v0.transpose(1, 2)
+    out0, lse0 = _flex_fn(q.device)(
+        qh,
+        kh,
+        vh,
+        block_mask=_causal_block_mask(T, q.device),
+        scale=scale,
+        enable_gqa=kh.shape[1] != nh,
+        return_lse=True,
+    )
+    out0 = out0.transpose(1, 2)  # [B, T, nh, D]
+    if not extra:
+        return out0
+    lse0 = lse0.transpose(1, 2).float()  # [B, T, nh]
+    sd = torch.stack([(q * expand_kv(k, nh)).sum(-1) for k, _ in extra], -1).float() * scale
+    m = torch.logsumexp(torch.cat([lse0[..., None], sd], dim=-1), dim=-1)  # [B, T, nh]
+    out = torch.exp(lse0 - m)[..., None].to(q.dtype) * out0
+    for s, (_, v) in enumerate(extra):
+        out = out + torch.exp(sd[..., s] - m)[..., None].to(q.dtype) * expand_kv(v, nh)
+    return out
+
+
+BACKENDS = {"eager": ttt_attention_eager, "flex": ttt_attention_flex}
+
+
+def pick_backend(name: str, device: torch.device) -> str:
+    if name == "auto":
+        return "flex" if device.type == "cuda" else "eager"
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend must be auto, eager or flex; got {name!r}")
+    return name
+
+
+class TTTAttention:
+    """`attn_fn` for the unrolled forward: remembers each layer's step-0 keys/values and the
+    diagonal keys/values of later steps. Create one per batch; call the drafter once per step.
+    """
+
+    def __init__(self, backend: str = "eager"):
+        self.fn = BACKENDS[backend]
+        self.kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def __call__(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        entries = self.kv.setdefault(layer_idx, [])
+        entries.append((k, v))
+        k0, v0 = entries[0]
+        return self.fn(q, k0, v0, entries[1:])

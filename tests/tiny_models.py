@@ -1,0 +1,104 @@
+"""Tiny random-init targets built from scaled-down configs of the *real* architectures,
+saved to disk and loaded back through the same `from_pretrained` path training uses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
+def llama3_config(vocab_size: int = 512, layers: int = 6, tied: bool = False):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=dict(LLAMA3_ROPE),
+        tie_word_embeddings=tied,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
+def qwen3_config(vocab_size: int = 512, layers: int = 6, tied: bool = True):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=tied,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
+def save_tiny_target(config, path: Path, seed: int = 0) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return path
+
+
+def write_counting_chat(path: Path, n: int = 120, seed: int = 0) -> Path:
+    """Patterned chat data (`count from a` -> `a a+1 ...`) in `messages` jsonl."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            a = rng.randint(0, 5)
+            answer = " ".join(str(x % 10) for x in range(a, a + rng.randint(6, 14)))
+            row = {
+                "messages": [
+                    {"role": "user", "content": f"count from {a}"},
+                    {"role": "assistant", "content": answer},
+                ]
+            }
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+def make_train_env(root: Path) -> dict[str, str]:
+    """A tiny Llama-3-shaped target with a Llama-3 chat tokenizer, plus chat data.
+
+    `initializer_range` is raised so the random target's next-token distributions are peaked
+    (with the default 0.02 they are nearly uniform and a drafter has nothing to learn).
+    """
+    from tests.tiny_tokenizers import make_llama3_tokenizer
+
+    tok = make_llama3_tokenizer(root / "tok")
+    cfg = llama3_config(vocab_size=len(tok), layers=6)
+    cfg.initializer_range = 0.2
+    cfg.pad_token_id = tok.pad_token_id
+    target = save_tiny_target(cfg, root / "target")
+    tok.save_pretrained(str(target))
+    data = write_counting_chat(root / "chat.jsonl")
+    return {"target": str(target), "data": str(data)}
