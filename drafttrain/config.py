@@ -72,6 +72,9 @@ class DataConfig:
     max_samples: int | None = None
     # Sequences per batch; batches are bucketed by length.
     batch_size: int = 8
+    # Held-out split evaluated after training (null: none), and how many batches of it.
+    eval_split: str | None = None
+    eval_batches: int = 16
     # Where tokenized data and the draft vocabulary are cached (null: `<output_dir>/cache`).
     cache_dir: str | None = None
     num_proc: int = 1

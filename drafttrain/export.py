@@ -70,7 +70,11 @@ def speculators_config(hf: dict[str, Any], target: str, k: int) -> dict[str, Any
 
 
 def model_card(
-    cfg: dict[str, Any], hf: dict[str, Any], metrics: list[dict[str, float]], has_plot: bool
+    cfg: dict[str, Any],
+    hf: dict[str, Any],
+    metrics: list[dict[str, float]],
+    has_plot: bool,
+    evaluation: dict[str, float] | None = None,
 ) -> str:
     kind = hf["drafttrain"]["drafter_kind"]
     target = cfg["target"]["name_or_path"]
@@ -113,6 +117,17 @@ def model_card(
             f"final loss {last.get('loss', float('nan')):.4f}.",
             "",
         ]
+        if evaluation:
+            accs = sorted(
+                (k for k in evaluation if k.startswith("eval_acc_")),
+                key=lambda k: int(k.rsplit("_", 1)[1]),
+            )
+            lines += [
+                f"Held-out split `{cfg['data'].get('eval_split')}`: per-step top-1 accuracy "
+                + ", ".join(f"{evaluation[a]:.3f}" for a in accs)
+                + f"; simulated acceptance length {evaluation['eval_sim_al']:.3f}.",
+                "",
+            ]
         if has_plot:
             lines += ["![training curves](training_curves.png)", ""]
     lines += [
@@ -180,7 +195,11 @@ def export_run(
     plot = run / "training_curves.png"
     if plot.is_file():
         shutil.copyfile(plot, out / "training_curves.png")
-    atomic_write_text(out / "README.md", model_card(cfg, hf, read_metrics(run), plot.is_file()))
+    ev_path = run / "eval.json"
+    evaluation = json.loads(ev_path.read_text()) if ev_path.is_file() else None
+    atomic_write_text(
+        out / "README.md", model_card(cfg, hf, read_metrics(run), plot.is_file(), evaluation)
+    )
     return out
 
 

@@ -50,6 +50,9 @@ def read_metrics(run_dir: Path) -> list[dict[str, float]]:
     if not path.exists():
         return []
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    # After a resume, steps past the checkpoint were logged twice; keep the last of each.
-    by_step = {r["step"]: r for r in rows}
+    # Rows of one step merge (training and eval metrics); after a resume, steps past the
+    # checkpoint were logged twice and the later values win.
+    by_step: dict[int, dict[str, float]] = {}
+    for r in rows:
+        by_step.setdefault(r["step"], {}).update(r)
     return [by_step[s] for s in sorted(by_step)]

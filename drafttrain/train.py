@@ -12,6 +12,7 @@ uninterrupted one exactly (test R3).
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import asdict
@@ -113,6 +114,35 @@ def prepare_data(cfg: TrainConfig, tokenizer, target_vocab: int, cache_dir: Path
         data, target_vocab, cfg.drafter.draft_vocab_size, str(cache_dir / "draft_vocab")
     )
     return data, d2t, t2d
+
+
+@torch.no_grad()
+def evaluate(
+    cfg: TrainConfig, objective, target: FrozenTarget, tokenizer, device, pad_id: int
+) -> dict[str, float]:
+    """Mean TTT metrics over `eval_batches` batches of the held-out split (no gradients)."""
+    from dataclasses import replace
+
+    from drafttrain.data import collate, load_chat_dataset, tokenize_dataset
+
+    dcfg = replace(cfg.data, split=cfg.data.eval_split, max_samples=None)
+    data = tokenize_dataset(load_chat_dataset(dcfg), tokenizer, dcfg)
+    from drafttrain.data import length_bucketed_batches
+
+    batches = length_bucketed_batches(
+        list(data["length"]), cfg.data.batch_size, cfg.seed, 0, shuffle=False
+    )[: cfg.data.eval_batches]
+    objective.drafter.eval()
+    sums: dict[str, float] = {}
+    weight = 0.0
+    for ids in batches:
+        batch = {k: v.to(device) for k, v in collate([data[i] for i in ids], pad_id).items()}
+        _, m = objective(batch, target(batch["input_ids"], batch["attention_mask"]))
+        w = m.pop("tokens")
+        weight += w
+        for k, v in m.items():
+            sums[k] = sums.get(k, 0.0) + v * w
+    return {f"eval_{k}": v / max(weight, 1.0) for k, v in sums.items()}
 
 
 def save_training_plot(run_dir: Path) -> Path | None:
@@ -284,15 +314,19 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     bar.close()
     if start_step < tc.max_steps or latest_checkpoint(ckpt_root) is None:
         checkpoint(tc.max_steps)
-    logger.finish()
-    save_training_plot(run_dir)
-
     summary: dict[str, Any] = {
         "run_dir": str(run_dir),
         "steps": tc.max_steps,
         "first_loss": first_loss,
         "last_loss": last_loss,
     }
+    if cfg.data.eval_split:
+        ev = evaluate(cfg, objective, target, tokenizer, device, pad_id)
+        logger.log(ev, tc.max_steps)
+        (run_dir / "eval.json").write_text(json.dumps(ev, indent=2) + "\n")
+        summary.update(ev)
+    logger.finish()
+    save_training_plot(run_dir)
     if cfg.export.enabled:
         from drafttrain.export import export_run
 
