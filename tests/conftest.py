@@ -10,6 +10,10 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# On a CPU-only machine every Triton kernel runs through the interpreter (DESIGN section 5);
+# this must be set before any `@triton.jit` module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,39 @@
+"""Typed schema of `python -m draftinfer` (Hydra converts into this once, in `__main__`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class InferConfig:
+    # Exported drafter directory (required).
+    drafter: str = ""
+    # Target: hub id / local dir / `zoo:<name>`; empty = the target recorded in the drafter.
+    target: str = ""
+    # Prompts: a chat dataset (hub id, local .json/.jsonl/.parquet, `zoo:chat`) whose first
+    # user turn is the prompt, or a .txt file with one prompt per line.
+    prompts: str = "zoo:chat"
+    prompts_split: str = "test"
+    num_prompts: int = 64
+    k: int = 3
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    # "onehot" (drafts = drafter argmax, q one-hot) or "full" (drafts sampled from q).
+    verify: str = "onehot"
+    batch_size: int = 8
+    max_new_tokens: int = 128
+    max_model_len: int = 1024
+    prefill_chunk: int = 512
+    # "auto": fp32 on CPU (exact lossless check), bf16 on CUDA. Or float32 / bfloat16.
+    dtype: str = "auto"
+    device: str = "auto"
+    # "fast" (KV-cached loop) or "reference" (recompute everything each round).
+    mode: str = "fast"
+    # Also run the reference loop and require token equality with the fast path.
+    check_reference: bool = False
+    # JSON report path (a PNG of per-position acceptance is written beside it).
+    report: str = ""
+    progress: bool = True

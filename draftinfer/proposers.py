@@ -1,0 +1,108 @@
+"""Proposers: turn a drafter into K drafts per request per round.
+
+A proposer owns the drafter's KV cache. Each round it receives the *first pass* of every
+active request: the drafter rows that the last commit made final, i.e. row `i` consuming
+`(t_{i+1}, f_i)` at position `pos_i` with the *target's* features (convention 1). Writing
+those rows refreshes the drafter KV at committed positions from target features, replacing
+whatever the previous round's chain wrote there from its own guesses (convention 6). The
+last first-pass row yields draft 1; the chain then feeds each draft back with the drafter's
+own pre-norm output as the carried feature (convention 5) at `pos_last + step`
+(`draft_step_positions`, convention 4), with positions and masks rebuilt for every step
+(convention 7).
+
+Shapes: rows `[B]` (cache rows), first-pass tensors padded to `[B, T]` with position -1 at
+padding slots, `num_drafts [B]` the per-request draft cap (near `max_model_len` or
+`max_tokens` a request drafts fewer than K).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from draftinfer.drafters.eagle3 import Eagle3Drafter
+from draftinfer.errors import CheckpointError
+from draftinfer.kv_cache import StaticKVCache
+from draftinfer.positions import draft_step_positions
+
+# choose(draft_logits [B, Dd], step) -> (draft ids in the draft vocabulary [B],
+#                                        q over the draft vocabulary [B, Dd] or None)
+DraftChooser = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def greedy_chooser(logits: torch.Tensor, step: int) -> tuple[torch.Tensor, None]:
+    return logits.argmax(-1), None
+
+
+class Eagle3ChainProposer:
+    """Chain drafting with an EAGLE-3 drafter: K drafter forwards per round."""
+
+    kind = "eagle3"
+
+    def __init__(
+        self,
+        drafter: Eagle3Drafter,
+        max_batch: int,
+        max_seq_len: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ):
+        if getattr(drafter, "mask_hidden", None) is not None:
+            raise CheckpointError(
+                "this drafter has mask_hidden (parallel drafting); it cannot run in chain mode"
+            )
+        c = drafter.config
+        self.drafter = drafter
+        self.cache = StaticKVCache(
+            c.num_hidden_layers,
+            max_batch,
+            max_seq_len,
+            c.num_key_value_heads,
+            c.head_dim,
+            device,
+            dtype,
+        )
+
+    @torch.no_grad()
+    def propose(
+        self,
+        rows: torch.Tensor,
+        ids: torch.Tensor,
+        aux: torch.Tensor,
+        positions: torch.Tensor,
+        num_drafts: torch.Tensor,
+        k: int,
+        choose: DraftChooser = greedy_chooser,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> draft target ids `[B, k]` (0 past a request's cap) and, when `choose` returns q,
+        the draft-vocabulary probabilities `[B, k, Dd]` (zeros past the cap)."""
+        d = self.drafter
+        B = rows.shape[0]
+        ar = torch.arange(B, device=rows.device)
+        feature = d.project_aux(aux.to(d.fc.weight.dtype))
+        normed, pre = d(ids, feature, positions, self.cache.bind(positions, rows))
+        last = (positions >= 0).sum(1) - 1  # [B] index of each request's last first-pass row
+        base = positions[ar, last]  # [B] position of that row (pos_i, convention 1)
+        logits = d.logits(normed[ar, last])  # [B, Dd]
+        carried = pre[ar, last][:, None]  # [B, 1, H]
+        drafts = torch.zeros(B, k, dtype=torch.long, device=rows.device)
+        qs = None
+        for step in range(k):
+            if step > 0:
+                pos = draft_step_positions(base, step)[:, None]  # [B, 1], rebuilt every step
+                pos = torch.where(num_drafts[:, None] > step, pos, torch.full_like(pos, -1))
+                tok = drafts[:, step - 1 : step]
+                normed, carried = d(tok, carried, pos, self.cache.bind(pos, rows))
+                logits = d.logits(normed[:, 0])
+            choice, q = choose(logits, step)
+            live = num_drafts > step
+            drafts[:, step] = torch.where(live, d.draft_to_target(choice), 0)
+            if q is not None:
+                if qs is None:
+                    qs = torch.zeros(B, k, q.shape[-1], dtype=q.dtype, device=q.device)
+                qs[:, step] = q * live[:, None]
+        return drafts, qs
+
+
+PROPOSERS: dict[str, type] = {"eagle3": Eagle3ChainProposer}
