@@ -116,6 +116,13 @@ class ExportConfig:
     # Also write a vllm-project/speculators-format config beside the vLLM/SGLang one.
     speculators_config: bool = True
     dtype: str = "bfloat16"
+    # After export, load the exported files in `draftinfer` and measure AL + losslessness on
+    # held-out prompts (`data.eval_split`); the table goes into the model card.
+    verify: bool = True
+    verify_k: int = 3
+    verify_prompts: int = 32
+    verify_max_new_tokens: int = 64
+    verify_batch_size: int = 8
 
 
 @dataclass

@@ -75,6 +75,7 @@ def model_card(
     metrics: list[dict[str, float]],
     has_plot: bool,
     evaluation: dict[str, float] | None = None,
+    runner: dict[str, Any] | None = None,
 ) -> str:
     kind = hf["drafttrain"]["drafter_kind"]
     target = cfg["target"]["name_or_path"]
@@ -130,10 +131,33 @@ def model_card(
             ]
         if has_plot:
             lines += ["![training curves](training_curves.png)", ""]
+    if runner:
+        pos = runner["per_position_acceptance"]
+        lines += [
+            "## Acceptance measured by the runner",
+            "",
+            f"`python -m draftinfer` loaded this directory from disk and decoded "
+            f"{runner['num_prompts']} held-out prompts against `{runner['target']}` "
+            f"({runner['device']}, {runner['dtype']}, temperature {runner['temperature']}).",
+            "",
+            "| k | acceptance length | "
+            + " | ".join(f"pos {j + 1}" for j in range(len(pos)))
+            + " | lossless |",
+            "|---|---|" + "---|" * len(pos) + "---|",
+            f"| {runner['k']} | {runner['acceptance_length']:.3f} | "
+            + " | ".join(f"{v:.3f}" for v in pos)
+            + f" | {runner['lossless']} |",
+            "",
+            "![per-position acceptance](acceptance.png)",
+            "",
+        ]
+    else:
+        lines += [
+            "Acceptance length measured by the runner: run `python -m draftinfer "
+            "drafter=<this dir>`.",
+            "",
+        ]
     lines += [
-        "Acceptance length measured by the runner: run `python -m draftinfer drafter=<this "
-        "dir>` (the table is added here when it runs).",
-        "",
         "## Training config",
         "",
         "```yaml",
@@ -195,12 +219,22 @@ def export_run(
     plot = run / "training_curves.png"
     if plot.is_file():
         shutil.copyfile(plot, out / "training_curves.png")
-    ev_path = run / "eval.json"
-    evaluation = json.loads(ev_path.read_text()) if ev_path.is_file() else None
-    atomic_write_text(
-        out / "README.md", model_card(cfg, hf, read_metrics(run), plot.is_file(), evaluation)
-    )
+    write_model_card(run, out)
     return out
+
+
+def write_model_card(run: Path, out: Path) -> None:
+    """(Re)write `out/README.md` from the run's config, metrics, held-out evaluation and, when
+    present, the runner's report `out/runner_report.json`."""
+    cfg = yaml.safe_load((run / "training_args.yaml").read_text())
+    hf = json.loads((out / "config.json").read_text())
+    ev_path, rep_path = run / "eval.json", out / "runner_report.json"
+    evaluation = json.loads(ev_path.read_text()) if ev_path.is_file() else None
+    runner = json.loads(rep_path.read_text()) if rep_path.is_file() else None
+    card = model_card(
+        cfg, hf, read_metrics(run), (out / "training_curves.png").is_file(), evaluation, runner
+    )
+    atomic_write_text(out / "README.md", card)
 
 
 def main(argv: list[str] | None = None) -> int:

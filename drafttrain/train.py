@@ -330,5 +330,39 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.export.enabled:
         from drafttrain.export import export_run
 
-        summary["export_dir"] = str(export_run(run_dir))
+        export_dir = export_run(run_dir)
+        summary["export_dir"] = str(export_dir)
+        if cfg.export.verify:
+            del target, objective, drafter, model, optimizer  # free memory for the runner
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            summary["runner"] = verify_export(cfg, run_dir, export_dir)
     return summary
+
+
+def verify_export(cfg: TrainConfig, run_dir: Path, export_dir: Path) -> dict[str, Any]:
+    """Run `draftinfer` on the exported files (read back from disk) over held-out prompts;
+    write `runner_report.json` + `acceptance.png` into the export and the table into its card."""
+    from draftinfer.config import InferConfig
+    from draftinfer.run import format_report, run_eval
+    from drafttrain.export import write_model_card
+
+    e = cfg.export
+    icfg = InferConfig(
+        drafter=str(export_dir),
+        target=cfg.target.name_or_path,
+        prompts=cfg.data.path,
+        prompts_split=cfg.data.eval_split or cfg.data.split,
+        num_prompts=e.verify_prompts,
+        k=e.verify_k,
+        max_new_tokens=e.verify_max_new_tokens,
+        batch_size=e.verify_batch_size,
+        max_model_len=min(2048, cfg.data.max_length + e.verify_max_new_tokens + 8),
+        report=str(export_dir / "runner_report.json"),
+        progress=cfg.trainer.progress,
+    )
+    report = run_eval(icfg)
+    (export_dir / "runner_report.png").replace(export_dir / "acceptance.png")
+    write_model_card(run_dir, export_dir)
+    print(format_report(report))
+    return report

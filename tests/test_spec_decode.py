@@ -41,6 +41,7 @@ def env(train_env, tmp_path_factory):
             "drafter.draft_vocab_size=96",
             "drafter.ttt_steps=2",
             "data.eval_split=null",
+            "export.verify=false",
         ],
     )
     export = train(cfg)["export_dir"]

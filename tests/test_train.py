@@ -38,6 +38,7 @@ def small_overrides(env: dict[str, str], out: Path, steps: int = 30) -> list[str
         "data.batch_size=4",
         "drafter.draft_vocab_size=64",
         "drafter.ttt_steps=3",
+        "export.verify=false",
     ]
 
 
