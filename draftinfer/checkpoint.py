@@ -127,6 +127,17 @@ def load_drafter(
         first = (str(e).splitlines() or [type(e).__name__])[0]
         raise CheckpointError(f"corrupted safetensors file {path}: {first}") from None
     module_cls = DRAFTERS[kind]
+    # Mode/weights consistency (S8): mask_hidden exists exactly for parallel drafters.
+    wants_mask = getattr(module_cls, "parallel", False)
+    if "mask_hidden" in sd and not wants_mask:
+        raise CheckpointError(
+            f"{path} has mask_hidden (a parallel drafter) but config.json says "
+            f"drafter_kind {kind!r}; it cannot run as a chain drafter"
+        )
+    if wants_mask and "mask_hidden" not in sd:
+        raise CheckpointError(
+            f"{path}: drafter_kind {kind!r} needs mask_hidden, which the checkpoint lacks"
+        )
     drafter = module_cls(arch)
     sd = module_cls.from_serving_names(sd)
     own = drafter.trainable_state_dict()

@@ -13,14 +13,9 @@ from dataclasses import replace
 
 import torch
 
-from draftinfer.drafters.layers import causal_attention
 from draftinfer.engine import Request, RequestOutput, apply_stops, finalize_text
-from draftinfer.positions import draft_step_positions
+from draftinfer.proposers import PROPOSERS
 from draftinfer.verify import Verifier, with_seed
-
-
-def _causal(_layer, q, k, v):
-    return causal_attention(q, k, v)
 
 
 @torch.no_grad()
@@ -65,17 +60,9 @@ def reference_generate(
             feats = drafter.project_aux(aux.to(drafter.fc.weight.dtype))
             pos = torch.arange(L - 1, device=dev)
             choose = verifier.draft_chooser([req.sampling], Lt)
-            drafts, qs = [], []
-            for step in range(n):
-                normed, pre = drafter(ids[None], feats[None], pos[None], _causal)
-                choice, q = choose(drafter.logits(normed[:, -1]), step)
-                d = int(drafter.draft_to_target(choice)[0])
-                drafts.append(d)
-                qs.append(q)
-                # The chained draft: its own pre-norm output, one position further.
-                ids = torch.cat([ids, torch.tensor([d], device=dev)])
-                feats = torch.cat([feats, pre[0, -1:]])
-                pos = torch.cat([pos, draft_step_positions(pos[L - 2 : L - 1], step + 1)])
+            drafts, qs = PROPOSERS[drafter.config.kind].reference_drafts(
+                drafter, ids, feats, pos, n, choose
+            )
             v_logits, _ = full_target(tokens + drafts)
             v_logits = v_logits[L - 1 : L + n]  # [n+1, V]: scores for d_1..d_n and the bonus
             V = v_logits.shape[-1]

@@ -30,45 +30,6 @@ from drafttrain.loggers import read_metrics
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def speculators_config(hf: dict[str, Any], target: str, k: int) -> dict[str, Any]:
-    """The vllm-project/speculators `Eagle3Speculator` form of the same checkpoint."""
-    layer = {
-        key: hf[key]
-        for key in (
-            "hidden_size",
-            "intermediate_size",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "num_hidden_layers",
-            "rms_norm_eps",
-            "rope_theta",
-            "rope_scaling",
-            "max_position_embeddings",
-            "vocab_size",
-            "hidden_act",
-            "attention_bias",
-            "model_type",
-        )
-    }
-    return {
-        "architectures": ["Eagle3Speculator"],
-        "speculators_model_type": "eagle3",
-        "transformer_layer_config": layer,
-        "draft_vocab_size": hf["draft_vocab_size"],
-        "norm_before_residual": hf["norm_before_residual"],
-        "target_hidden_size": hf["target_hidden_size"],
-        "eagle_aux_hidden_state_layer_ids": hf["eagle_aux_hidden_state_layer_ids"],
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k}],
-            "verifier": {"name_or_path": target},
-        },
-        "torch_dtype": hf.get("torch_dtype"),
-    }
-
-
 def model_card(
     cfg: dict[str, Any],
     hf: dict[str, Any],
@@ -96,8 +57,10 @@ def model_card(
         "",
         "## Serving",
         "",
-        'vLLM: `--speculative-config \'{"method": "eagle3", "model": "<this dir>", '
-        '"num_speculative_tokens": 3}\'`. SGLang: `--speculative-algorithm EAGLE3 '
+        "vLLM: `--speculative-config '{\"method\": \"eagle3\", \"model\": \"<this dir>\", "
+        + (f'\"num_speculative_tokens\": {hf.get("parallel_k")}, \"parallel_drafting\": true}}\'`.'
+           if hf.get("parallel_drafting") else '\"num_speculative_tokens\": 3}\'`.')
+        + " SGLang (chain EAGLE-3): `--speculative-algorithm EAGLE3 "
         "--speculative-draft-model-path <this dir>`.",
         "",
         f"Aux taps (inputs of target layers): {hf['eagle_aux_hidden_state_layer_ids']}; "
@@ -204,12 +167,9 @@ def export_run(
         **state.get("objective", {}),
     }
     write_drafter(out, drafter, meta, _DTYPES[dtype_name])
-    hf = json.loads((out / "config.json").read_text())
     if cfg.get("export", {}).get("speculators_config", True):
-        spec = speculators_config(
-            hf,
-            target_name,
-            int(state.get("objective", {}).get("ttt_steps", 3)) if kind == "eagle3" else 3,
+        spec = drafter.config.speculators_config(
+            target_name, int(state.get("objective", {}).get("serving_k", 3))
         )
         atomic_write_text(out / "config.speculators.json", json.dumps(spec, indent=2) + "\n")
     from drafttrain.train import load_tokenizer

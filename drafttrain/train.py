@@ -33,7 +33,7 @@ from drafttrain.config import TrainConfig
 from drafttrain.errors import ConfigError, DataError
 from drafttrain.loggers import MetricLogger, read_metrics
 from drafttrain.objectives import OBJECTIVES
-from drafttrain.objectives.eagle3 import drafter_config_from_target, init_from_target
+from drafttrain.objectives.eagle3 import init_from_target
 from drafttrain.target import FrozenTarget, resolve_target_path
 from drafttrain.ttt import pick_backend
 
@@ -209,7 +209,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     data, d2t, t2d = prepare_data(cfg, tokenizer, target.vocab_size, cache_dir)
 
     kind = cfg.drafter.kind
-    arch = drafter_config_from_target(cfg.drafter, target)
+    arch = OBJECTIVES[kind].arch_from_target(cfg.drafter, target, tokenizer)
     drafter = DRAFTERS[kind](arch)
     init_from_target(drafter, target, d2t, t2d)
     drafter.to(device)

@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
 from drafttrain.__main__ import CONF_DIR, register_configs, rewrite_argv, to_train_config
-from drafttrain.config import Eagle3TrainConfig, TrainConfig
+from drafttrain.config import DrafterTrainConfig, TrainConfig
 
 PRESETS = sorted(p.stem for p in Path(CONF_DIR).glob("*.yaml") if p.stem != "base")
 REPO = Path(__file__).resolve().parents[1]
@@ -25,14 +25,16 @@ def compose_preset(name: str, overrides: list[str] | None = None) -> TrainConfig
 
 
 def test_presets_exist():
-    assert {"eagle3", "eagle3_llama3_8b", "eagle3_qwen3_8b"} <= set(PRESETS)
+    assert {"eagle3", "eagle3_llama3_8b", "eagle3_qwen3_8b", "ptd_eagle3",
+            "ptd_eagle3_llama3_8b"} <= set(PRESETS)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_preset_composes(preset):
     cfg = compose_preset(preset)
     assert isinstance(cfg, TrainConfig)
-    assert isinstance(cfg.drafter, Eagle3TrainConfig)
+    assert isinstance(cfg.drafter, DrafterTrainConfig)
+    assert cfg.drafter.kind in ("eagle3", "ptd")
     assert cfg.preset == preset
     assert cfg.output_dir
 

@@ -117,6 +117,10 @@ class Eagle3Objective:
     def __init__(self, drafter: Eagle3Drafter, cfg: Eagle3TrainConfig, backend: str):
         self.drafter, self.cfg, self.backend = drafter, cfg, backend
 
+    @staticmethod
+    def arch_from_target(cfg: Eagle3TrainConfig, target: FrozenTarget, tokenizer) -> Eagle3Config:
+        return drafter_config_from_target(cfg, target)
+
     def unroll(
         self, input_ids: torch.Tensor, aux: torch.Tensor, positions: torch.Tensor, steps: int
     ) -> list[torch.Tensor]:
@@ -169,4 +173,9 @@ class Eagle3Objective:
         return total, metrics
 
     def checkpoint_meta(self) -> dict:
-        return {"ttt_steps": self.cfg.ttt_steps, "ttt_decay": self.cfg.ttt_decay}
+        # serving_k: the draft length the export advertises (speculators' speculative_tokens).
+        return {
+            "ttt_steps": self.cfg.ttt_steps,
+            "ttt_decay": self.cfg.ttt_decay,
+            "serving_k": min(3, self.cfg.ttt_steps),
+        }

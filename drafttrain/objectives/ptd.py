@@ -1,0 +1,243 @@
+"""Parallel-drafting (P-EAGLE / PTD) objective: K drafts from one forward.
+
+Rows and slots (conventions 1, 3, 9):
+- depth-0 rows are EAGLE-3's first pass: row `i` consumes `(t_{i+1}, fc(f_i))` at `pos_i` and
+  predicts `t_{i+2}` (target distribution at row `i+1`);
+- for a sampled *anchor* row `i`, the depth-`d` slot (d = 1..K-1) consumes the mask token and
+  `fc(mask_hidden)` at position `pos_i + d` and predicts `t_{i+2+d}` (target distribution at
+  row `i+1+d`): exactly what mask slot `d` computes in the runner when row `i` is the last
+  committed row.
+
+Attention (the same predicate builds the eager mask and the flex block mask): a depth-0 row
+sees depth-0 rows up to itself (causal); a depth-d slot of anchor `i` sees depth-0 rows
+`j <= i` and the slots of its own rollout with depth `<= d`. Nothing else.
+
+Conditional drop-token sampling bounds memory: an anchor keeps its depth-d slot with
+probability `keep_ratio` *given* it kept depth d-1 (so a kept slot always has its whole
+lower rollout, as in the runner), with at least `keep_floor` of the anchors kept at every
+depth and at most `max_slots_per_seq` slots per sequence. The number of slots is
+`~ T * sum_d keep_ratio^d`: linear in K at a fixed budget. Sampling uses the global CPU RNG,
+which checkpoints save, so resumes stay exact.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from draftinfer.drafters.layers import causal_attention
+from draftinfer.drafters.ptd import PTDConfig, PTDDrafter
+from drafttrain.config import PTDTrainConfig
+from drafttrain.errors import ConfigError
+from drafttrain.objectives.eagle3 import drafter_config_from_target, shift_left
+from drafttrain.target import FrozenTarget, TargetBatchOutput
+
+PAD_ANCHOR = 1 << 30  # anchor/depth of padding slots: they see depth-0 rows, nobody sees them
+
+
+def ptd_mask_mod(anchor: torch.Tensor, depth: torch.Tensor):
+    """mask_mod(b, h, q, k) -> may q attend to k; anchor/depth `[B, N]` per slot."""
+
+    def mask_mod(b, h, q, k):
+        aq, ak = anchor[b, q], anchor[b, k]
+        dq, dk = depth[b, q], depth[b, k]
+        return ((dk == 0) & (ak <= aq)) | ((ak == aq) & (dk <= dq))
+
+    return mask_mod
+
+
+def ptd_dense_mask(anchor: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+    """The same predicate as a bool `[B, N, N]` tensor (eager / CPU path)."""
+    B, N = anchor.shape
+    b = torch.arange(B, device=anchor.device)[:, None, None]
+    i = torch.arange(N, device=anchor.device)
+    return ptd_mask_mod(anchor, depth)(b, 0, i[None, :, None], i[None, None, :])
+
+
+def make_attention(anchor: torch.Tensor, depth: torch.Tensor, backend: str):
+    """attn_fn(layer, q, k, v) over the combined rows+slots sequence."""
+    if backend == "flex":
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        from drafttrain.ttt import _flex_fn
+
+        B, N = anchor.shape
+        block = create_block_mask(
+            ptd_mask_mod(anchor, depth), B, None, N, N, device=str(anchor.device)
+        )
+        flex = _flex_fn(anchor.device)
+
+        def attn_flex(_layer, q, k, v):
+            o = flex(
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                block_mask=block,
+                enable_gqa=k.shape[2] != q.shape[2],
+            )
+            return o.transpose(1, 2)
+
+        return attn_flex
+    mask = ptd_dense_mask(anchor, depth)[:, None]  # [B, 1, N, N]
+
+    def attn_eager(_layer, q, k, v):
+        return causal_attention(q, k, v, mask=mask)
+
+    return attn_eager
+
+
+def sample_slots(
+    candidates: torch.Tensor, k: int, keep_ratio: float, keep_floor: float, max_slots: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Conditional drop-token sampling for one sequence.
+
+    candidates `[n]` anchor rows -> (anchors `[S]`, depths `[S]`), depth-major order."""
+    anchors, depths = [], []
+    prev = candidates
+    need = math.ceil(keep_floor * candidates.numel())
+    total = 0
+    for d in range(1, k):
+        if prev.numel() == 0 or total >= max_slots:
+            break
+        keep = torch.rand(prev.numel()) < keep_ratio
+        short = min(need, prev.numel()) - int(keep.sum())
+        if short > 0:  # the floor: top up from this depth's eligible anchors
+            dropped = (~keep).nonzero().flatten()
+            keep[dropped[torch.randperm(dropped.numel())[:short]]] = True
+        prev = prev[keep.to(prev.device)][: max_slots - total]
+        anchors.append(prev)
+        depths.append(torch.full_like(prev, d))
+        total += prev.numel()
+    if not anchors:
+        empty = candidates.new_zeros(0)
+        return empty, empty
+    return torch.cat(anchors), torch.cat(depths)
+
+
+class PTDObjective:
+    """Rows + sampled mask slots in one forward; soft cross-entropy per depth."""
+
+    def __init__(self, drafter: PTDDrafter, cfg: PTDTrainConfig, backend: str):
+        self.drafter, self.cfg, self.backend = drafter, cfg, backend
+
+    @staticmethod
+    def arch_from_target(cfg: PTDTrainConfig, target: FrozenTarget, tokenizer) -> PTDConfig:
+        mask_id = cfg.mask_token_id
+        if mask_id is None:
+            mask_id = (
+                tokenizer.pad_token_id
+                if tokenizer.pad_token_id is not None
+                else target.vocab_size - 1
+            )
+        if not 0 <= mask_id < target.vocab_size:
+            raise ConfigError(
+                f"mask_token_id {mask_id} is outside the target vocabulary [0, {target.vocab_size})"
+            )
+        if cfg.parallel_k < 1:
+            raise ConfigError(f"parallel_k must be >= 1, got {cfg.parallel_k}")
+        return drafter_config_from_target(
+            cfg, target, PTDConfig, mask_token_id=int(mask_id), parallel_k=cfg.parallel_k
+        )
+
+    def forward_slots(
+        self,
+        input_ids: torch.Tensor,
+        aux: torch.Tensor,
+        positions: torch.Tensor,
+        slot_anchor: list[torch.Tensor],
+        slot_depth: list[torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One forward over `[T depth-0 rows | S slots]` per sequence.
+
+        input_ids/positions `[B, T]`, aux `[B, T, 3H]`, slot lists per sequence -> (logits
+        `[B, T + S, Dd]`, anchor `[B, T + S]`, depth `[B, T + S]`)."""
+        d = self.drafter
+        B, T = input_ids.shape
+        dev = input_ids.device
+        S = max([int(a.numel()) for a in slot_anchor] + [0])
+        N = T + S
+        ids = torch.full((B, N), d.config.mask_token_id, dtype=torch.long, device=dev)
+        ids[:, :T] = shift_left(input_ids, 1)  # row i consumes t_{i+1}
+        pos = torch.zeros(B, N, dtype=torch.long, device=dev)
+        pos[:, :T] = positions
+        anchor = torch.full((B, N), PAD_ANCHOR, dtype=torch.long, device=dev)
+        depth = torch.full((B, N), PAD_ANCHOR, dtype=torch.long, device=dev)
+        anchor[:, :T] = torch.arange(T, device=dev)
+        depth[:, :T] = 0
+        for b in range(B):
+            n = slot_anchor[b].numel()
+            a, dp = slot_anchor[b].to(dev), slot_depth[b].to(dev)
+            anchor[b, T : T + n], depth[b, T : T + n] = a, dp
+            pos[b, T : T + n] = positions[b, a] + dp  # mask slot m at p_anchor + m
+        feature = torch.zeros(B, N, d.config.hidden_size, device=dev, dtype=d.fc.weight.dtype)
+        feature[:, :T] = d.project_aux(aux.to(d.fc.weight.dtype))
+        is_slot = depth[:, T:] < PAD_ANCHOR
+        feature[:, T:] = torch.where(is_slot[..., None], d.mask_feature(), feature[:, T:])
+        normed, _ = d(ids, feature, pos, make_attention(anchor, depth, self.backend))
+        return d.logits(normed), anchor, depth
+
+    def __call__(
+        self, batch: dict[str, torch.Tensor], tgt: TargetBatchOutput
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        c, d = self.cfg, self.drafter
+        K = c.parallel_k
+        input_ids, positions = batch["input_ids"], batch["position_ids"]
+        B, T = input_ids.shape
+        tlog = tgt.logits
+        in_draft = d.t2d[tlog.argmax(-1)]  # [B, T]
+        target_p = torch.softmax(tlog[..., d.t2d], dim=-1)  # [B, T, Dd]
+        loss_mask = batch["loss_mask"].bool() & batch["attention_mask"].bool()
+        # Anchors worth a depth-1 slot: their t_{i+3} is an assistant token.
+        cand = shift_left(loss_mask, 3, False)
+        anchors, depths = [], []
+        for b in range(B):
+            a, dp = sample_slots(
+                cand[b].nonzero().flatten().cpu(),
+                K,
+                c.keep_ratio,
+                c.keep_floor,
+                c.max_slots_per_seq,
+            )
+            anchors.append(a)
+            depths.append(dp)
+        logits, anchor, depth = self.forward_slots(input_ids, tgt.aux, positions, anchors, depths)
+        # Row/slot with anchor i at depth dd predicts the target distribution at row i+1+dd.
+        real = depth < PAD_ANCHOR
+        src = torch.where(real, anchor + 1 + depth, 0)  # [B, N]
+        inside = real & (src < T)
+        src = src.clamp(max=T - 1)
+        bidx = torch.arange(B, device=tlog.device)[:, None]
+        p = target_p[bidx, src]  # [B, N, Dd]
+        nxt = (src + 1).clamp(max=T - 1)
+        valid = inside & (src + 1 < T) & loss_mask[bidx, nxt] & in_draft[bidx, src]
+        ce = -(p * F.log_softmax(logits.float(), dim=-1)).sum(-1)  # [B, N]
+        hit = logits.argmax(-1) == p.argmax(-1)
+        total = torch.zeros((), device=tlog.device)
+        metrics: dict[str, float] = {}
+        surv, sim_al = 1.0, 1.0
+        for dd in range(K):
+            v = valid & (depth == dd)
+            n = v.sum().clamp(min=1)
+            loss_d = (ce * v).sum() / n
+            total = total + c.depth_decay**dd * loss_d
+            acc = ((hit & v).sum() / n).item()
+            surv *= acc
+            sim_al += surv
+            metrics[f"loss_{dd}"] = loss_d.item()
+            metrics[f"acc_{dd}"] = acc
+            metrics[f"slots_{dd}"] = float((real & (depth == dd)).sum().item())
+        metrics["sim_al"] = sim_al
+        metrics["tokens"] = float(loss_mask.sum().item())
+        return total, metrics
+
+    def checkpoint_meta(self) -> dict:
+        c = self.cfg
+        return {
+            "parallel_k": c.parallel_k,
+            "serving_k": c.parallel_k,
+            "keep_ratio": c.keep_ratio,
+            "keep_floor": c.keep_floor,
+            "depth_decay": c.depth_decay,
+        }
