@@ -57,9 +57,12 @@ def model_card(
         "",
         "## Serving",
         "",
-        "vLLM: `--speculative-config '{\"method\": \"eagle3\", \"model\": \"<this dir>\", "
-        + (f'\"num_speculative_tokens\": {hf.get("parallel_k")}, \"parallel_drafting\": true}}\'`.'
-           if hf.get("parallel_drafting") else '\"num_speculative_tokens\": 3}\'`.')
+        'vLLM: `--speculative-config \'{"method": "eagle3", "model": "<this dir>", '
+        + (
+            f'"num_speculative_tokens": {hf.get("parallel_k")}, "parallel_drafting": true}}\'`.'
+            if hf.get("parallel_drafting")
+            else '"num_speculative_tokens": 3}\'`.'
+        )
         + " SGLang (chain EAGLE-3): `--speculative-algorithm EAGLE3 "
         "--speculative-draft-model-path <this dir>`.",
         "",

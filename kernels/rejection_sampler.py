@@ -68,9 +68,14 @@ if triton is not None:
         HAS_DRAFT_PROBS: tl.constexpr,
         BLOCK_V: tl.constexpr,
     ):
-        """(max score, lowest index reaching it) over the row, in V-chunks of BLOCK_V."""
-        best_val = tl.full((), float("-inf"), tl.float32)
-        best_idx = tl.full((), 0, tl.int64)
+        """(max score, lowest index reaching it) over the row, in V-chunks of BLOCK_V.
+
+        Each lane keeps its own running best across chunks (strict '>' keeps the earliest
+        chunk on ties), so the loop has no cross-lane reduction; one reduction at the end
+        takes the max and, among lanes that reach it, the lowest token id.
+        """
+        lane_val = tl.full((BLOCK_V,), float("-inf"), tl.float32)
+        lane_idx = tl.zeros((BLOCK_V,), tl.int32)
         for off in range(0, V, BLOCK_V):
             offs = off + tl.arange(0, BLOCK_V)
             in_row = offs < V
@@ -91,13 +96,12 @@ if triton is not None:
                 # approximate on GPU, which would break bit-exactness with the reference).
                 score = tl.where(r > 0.0, tl.math.div_rn(r, noise), -1.0)
             score = tl.where(in_row, score, float("-inf"))
-            chunk_max = tl.max(score, axis=0)
-            chunk_idx = tl.argmax(score, axis=0).to(tl.int64) + off
-            # strict '>': an earlier chunk keeps ties, so the overall winner is the lowest index
-            better = chunk_max > best_val
-            best_idx = tl.where(better, chunk_idx, best_idx)
-            best_val = tl.where(better, chunk_max, best_val)
-        return best_val, best_idx
+            better = score > lane_val
+            lane_idx = tl.where(better, offs, lane_idx)
+            lane_val = tl.where(better, score, lane_val)
+        best_val = tl.max(lane_val, axis=0)
+        best_idx = tl.min(tl.where(lane_val == best_val, lane_idx, 2147483647), axis=0)
+        return best_val, best_idx.to(tl.int64)
 
     @triton.jit
     def _rejection_sample_kernel(
@@ -165,6 +169,12 @@ if triton is not None:
         out = tl.where(cols < num_acc, drafts, tl.where(cols == num_acc, token, -1))
         tl.store(output_ptr + b * OUT_WIDTH + cols, out, mask=cols < OUT_WIDTH)
         tl.store(num_accepted_ptr + b, num_acc)
+
+
+def _launch_config(vocab_size: int) -> tuple[int, int]:
+    """(BLOCK_V, num_warps) for a vocabulary size (scripts/bench_rejection_sampler.py --tune)."""
+    block_v = min(triton.next_power_of_2(max(vocab_size, 1)), _MAX_BLOCK_V)
+    return block_v, 8 if block_v >= 2048 else 4
 
 
 def _check(t: torch.Tensor, name: str, dtypes: tuple[torch.dtype, ...], shape: tuple) -> None:
@@ -274,8 +284,8 @@ def rejection_sample(
     num_accepted = torch.empty((b,), dtype=torch.int64, device=device)  # [B]
     if b == 0:
         return output, num_accepted
-    if block_v is None:
-        block_v = min(triton.next_power_of_2(max(v, 1)), _MAX_BLOCK_V)
+    default_block_v, num_warps = _launch_config(v)
+    block_v = default_block_v if block_v is None else block_v
     if block_v <= 0 or block_v & (block_v - 1):
         raise ValueError(f"block_v must be a power of two, got {block_v}")
     _rejection_sample_kernel[(b,)](
@@ -294,7 +304,7 @@ def rejection_sample(
         HAS_DRAFT_PROBS=draft_probs is not None,
         BLOCK_V=block_v,
         BLOCK_K=triton.next_power_of_2(k + 1),
-        num_warps=8 if block_v >= 2048 else 4,
+        num_warps=num_warps,
     )
     return output, num_accepted
 
@@ -344,7 +354,9 @@ def rejection_sample_ref(
 
     # Per-row acceptance, [N].
     rows = torch.arange(n, device=device)
-    req = torch.searchsorted(cu[1:], rows, right=True)  # [N] request of each row
+    # [N] request of each row = number of request ends <= row (a [N, B] compare rather than
+    # searchsorted on a slice, which torch.compile 2.11 cannot lower on CUDA)
+    req = (rows[:, None] >= cu[None, 1:]).sum(dim=1)
     greedy_row = is_greedy[req]
     d = draft_token_ids
     p_d = target_probs.gather(1, d[:, None])[:, 0]

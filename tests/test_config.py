@@ -25,8 +25,13 @@ def compose_preset(name: str, overrides: list[str] | None = None) -> TrainConfig
 
 
 def test_presets_exist():
-    assert {"eagle3", "eagle3_llama3_8b", "eagle3_qwen3_8b", "ptd_eagle3",
-            "ptd_eagle3_llama3_8b"} <= set(PRESETS)
+    assert {
+        "eagle3",
+        "eagle3_llama3_8b",
+        "eagle3_qwen3_8b",
+        "ptd_eagle3",
+        "ptd_eagle3_llama3_8b",
+    } <= set(PRESETS)
 
 
 @pytest.mark.parametrize("preset", PRESETS)

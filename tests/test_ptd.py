@@ -26,10 +26,19 @@ from tests.test_ttt import small_drafter
 
 def small_ptd(k: int = 5, seed: int = 0) -> PTDDrafter:
     torch.manual_seed(seed)
-    cfg = PTDConfig(hidden_size=32, intermediate_size=48, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=8, vocab_size=97, draft_vocab_size=61,
-                    target_hidden_size=32, aux_layer_ids=[1, 2, 3], mask_token_id=96,
-                    parallel_k=k)
+    cfg = PTDConfig(
+        hidden_size=32,
+        intermediate_size=48,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=97,
+        draft_vocab_size=61,
+        target_hidden_size=32,
+        aux_layer_ids=[1, 2, 3],
+        mask_token_id=96,
+        parallel_k=k,
+    )
     d = PTDDrafter(cfg)
     for p in d.parameters():
         torch.nn.init.normal_(p, std=0.3) if p.dim() > 1 else torch.nn.init.uniform_(p, 0.5, 1.5)
@@ -47,12 +56,14 @@ def test_s9_parallel_forward_equals_training_forward(anchor):
     pos = torch.arange(T)[None]  # cache index == position for text targets
     obj = PTDObjective(d, PTDTrainConfig(parallel_k=K), "eager")
     with torch.no_grad():
-        logits, anc, dep = obj.forward_slots(ids, aux, pos, [torch.full((K - 1,), anchor)],
-                                             [torch.arange(1, K)])
+        logits, anc, dep = obj.forward_slots(
+            ids, aux, pos, [torch.full((K - 1,), anchor)], [torch.arange(1, K)]
+        )
     train_logits = torch.cat([logits[0, anchor : anchor + 1], logits[0, T : T + K - 1]])
     # Runner: the committed rows 0..anchor (t_{i+1}, f_i, pos_i), then ONE parallel forward.
-    prop = ParallelProposer(d, max_batch=2, max_seq_len=64, device=torch.device("cpu"),
-                            dtype=torch.float32)
+    prop = ParallelProposer(
+        d, max_batch=2, max_seq_len=64, device=torch.device("cpu"), dtype=torch.float32
+    )
     seen = []
 
     def record(lg, step):
@@ -60,8 +71,9 @@ def test_s9_parallel_forward_equals_training_forward(anchor):
         return lg.argmax(-1), None
 
     n = anchor + 1
-    prop.propose(torch.tensor([1]), ids[:, 1 : n + 1], aux[:, :n], pos[:, :n],
-                 torch.tensor([K]), K, record)
+    prop.propose(
+        torch.tensor([1]), ids[:, 1 : n + 1], aux[:, :n], pos[:, :n], torch.tensor([K]), K, record
+    )
     serve_logits = torch.cat(seen)
     torch.testing.assert_close(serve_logits, train_logits, rtol=1e-5, atol=1e-5)
 
@@ -127,8 +139,14 @@ def test_k_beyond_trained_is_refused():
     d = small_ptd(k=3)
     prop = ParallelProposer(d, 1, 32, torch.device("cpu"), torch.float32)
     with pytest.raises(CheckpointError, match="exceeds the K=3"):
-        prop.propose(torch.tensor([0]), torch.zeros(1, 2, dtype=torch.long),
-                     torch.zeros(1, 2, 96), torch.arange(2)[None], torch.tensor([4]), 4)
+        prop.propose(
+            torch.tensor([0]),
+            torch.zeros(1, 2, dtype=torch.long),
+            torch.zeros(1, 2, 96),
+            torch.arange(2)[None],
+            torch.tensor([4]),
+            4,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -136,11 +154,22 @@ def ptd_env(train_env, tmp_path_factory):
     from drafttrain.train import train
 
     out = tmp_path_factory.mktemp("ptd_run")
-    cfg = compose_preset("ptd_eagle3", [
-        f"target.name_or_path={train_env['target']}", f"data.path={train_env['data']}",
-        f"output_dir={out}", "trainer.max_steps=6", "trainer.progress=false",
-        "trainer.save_every=0", "data.batch_size=4", "drafter.draft_vocab_size=96",
-        "drafter.parallel_k=7", "data.eval_split=null", "export.verify=false"])
+    cfg = compose_preset(
+        "ptd_eagle3",
+        [
+            f"target.name_or_path={train_env['target']}",
+            f"data.path={train_env['data']}",
+            f"output_dir={out}",
+            "trainer.max_steps=6",
+            "trainer.progress=false",
+            "trainer.save_every=0",
+            "data.batch_size=4",
+            "drafter.draft_vocab_size=96",
+            "drafter.parallel_k=7",
+            "data.eval_split=null",
+            "export.verify=false",
+        ],
+    )
     export = train(cfg)["export_dir"]
     target = load_native_target(train_env["target"], max_batch=16, max_seq_len=160)
     drafter, meta = load_drafter(export, embed_tokens=target.embed_tokens.weight)
@@ -153,8 +182,9 @@ def ptd_env(train_env, tmp_path_factory):
 def test_t1_ptd_greedy_equals_plain_greedy(ptd_env, k, batch):
     ps = prompts(batch, seed=k * 10 + batch)
     plain = greedy_generate(ptd_env["model"], ps, 10)
-    dec = SpecDecoder(ptd_env["model"], ptd_env["drafter"], k, max_batch=min(batch, 8),
-                      max_model_len=160)
+    dec = SpecDecoder(
+        ptd_env["model"], ptd_env["drafter"], k, max_batch=min(batch, 8), max_model_len=160
+    )
     outs = dec.generate([Request(p, max_tokens=10) for p in ps])[0]
     assert [o.token_ids for o in outs] == plain
     assert all(sum(o.proposed) > 0 for o in outs)
@@ -163,8 +193,9 @@ def test_t1_ptd_greedy_equals_plain_greedy(ptd_env, k, batch):
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_ptd_fast_path_equals_reference(ptd_env, temperature):
     ps = prompts(3, seed=21)
-    reqs = [Request(p, SamplingParams(temperature, seed=i), max_tokens=10)
-            for i, p in enumerate(ps)]
+    reqs = [
+        Request(p, SamplingParams(temperature, seed=i), max_tokens=10) for i, p in enumerate(ps)
+    ]
     dec = SpecDecoder(ptd_env["model"], ptd_env["drafter"], 4, max_batch=3, max_model_len=160)
     fast = dec.generate(reqs)[0]
     ref = reference_generate(ptd_env["model"], ptd_env["drafter"], reqs, 4, 160)

@@ -318,18 +318,32 @@ def test_all_zero_residual_falls_back_to_p():
 
 @pytest.mark.usefixtures("poison_empty")
 def test_greedy_argmax_ties_go_to_lowest_id_across_chunks():
-    """p has the same maximum at ids 5, 40, 90 (three different V-chunks of 16)."""
+    """p has the same maximum at ids 5, 21 (same lane of the next 16-chunk), 40 and 90."""
     vocab = 101
     batch = make_batch([1, 1, 2], vocab, seed=10, full_q=False, greedy=[True] * 3)
-    p = torch.full((4, vocab), 0.5 / (vocab - 3))
-    p[:, [5, 40, 90]] = 0.5 / 3
+    p = torch.full((4, vocab), 0.5 / (vocab - 4))
+    p[:, [5, 21, 40, 90]] = 0.5 / 4
     batch["target_probs"] = p
-    batch["draft_token_ids"] = torch.tensor([40, 5, 5, 90])
+    batch["draft_token_ids"] = torch.tensor([21, 5, 5, 90])
     out, num_acc = run_both(batch, block_v=16)
     assert num_acc.tolist() == [0, 1, 1]
     assert out[0, :2].tolist() == [5, -1]
     assert out[1, :2].tolist() == [5, int(batch["bonus_token_ids"][1])]
     assert out[2].tolist() == [5, 5, -1]
+
+
+@pytest.mark.usefixtures("poison_empty")
+def test_recovered_ties_go_to_lowest_id():
+    """Equal residual scores (unit noise, flat p) in several chunks and lanes: lowest id wins."""
+    vocab = 101
+    batch = make_batch([1, 1], vocab, seed=14, full_q=False, greedy=[False, False])
+    batch["target_probs"] = torch.full((2, vocab), 1.0 / vocab)
+    batch["draft_token_ids"] = torch.tensor([0, 3])
+    batch["recovery_noise"] = torch.ones(2, vocab)
+    batch["uniforms"] = torch.ones(2)
+    out, num_acc = run_both(batch, block_v=16)
+    assert num_acc.tolist() == [0, 0]
+    assert out[:, 0].tolist() == [1, 0]  # the rejected draft is excluded, then the lowest id
 
 
 @pytest.mark.usefixtures("poison_empty")

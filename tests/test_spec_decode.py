@@ -341,14 +341,35 @@ def test_cli_report_and_plot(env, tmp_path):
 
     report = tmp_path / "r.json"
     r = subprocess.run(
-        [sys.executable, "-m", "draftinfer", f"drafter={env['export']}",
-         f"prompts={env['data']}", "prompts_split=train", "num_prompts=4", "max_new_tokens=8",
-         "batch_size=2", "max_model_len=128", f"report={report}", "progress=false"],
-        capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "draftinfer",
+            f"drafter={env['export']}",
+            f"prompts={env['data']}",
+            "prompts_split=train",
+            "num_prompts=4",
+            "max_new_tokens=8",
+            "batch_size=2",
+            "max_model_len=128",
+            f"report={report}",
+            "progress=false",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     rep = json.loads(report.read_text())
-    for key in ("acceptance_length", "per_position_acceptance", "lossless",
-                "tokens_per_s_plain", "tokens_per_s_spec", "speedup"):
+    for key in (
+        "acceptance_length",
+        "per_position_acceptance",
+        "lossless",
+        "tokens_per_s_plain",
+        "tokens_per_s_spec",
+        "speedup",
+    ):
         assert key in rep, key
     assert rep["lossless"] is True and rep["rounds"] > 0 and rep["acceptance_length"] >= 1.0
     assert len(rep["per_position_acceptance"]) == 3
@@ -361,8 +382,14 @@ def test_drafter_target_mismatch_is_one_line_error(env, tiny_qwen3_dir):
     from draftinfer.errors import CheckpointError
     from draftinfer.run import run_eval
 
-    cfg = InferConfig(drafter=env["export"], target=str(tiny_qwen3_dir), prompts=env["data"],
-                      prompts_split="train", num_prompts=1, progress=False)
+    cfg = InferConfig(
+        drafter=env["export"],
+        target=str(tiny_qwen3_dir),
+        prompts=env["data"],
+        prompts_split="train",
+        num_prompts=1,
+        progress=False,
+    )
     with pytest.raises(CheckpointError) as e:
         run_eval(cfg)
     assert "does not match" in str(e.value) and "\n" not in str(e.value)
