@@ -17,6 +17,7 @@ import torch
 
 from draftinfer.checkpoint import load_drafter
 from draftinfer.engine import Request, SpecDecoder
+from draftinfer.metrics import acceptance_length
 from draftinfer.models import greedy_generate, load_native_target
 from draftinfer.reference import reference_generate
 from draftinfer.sampling import SamplingParams
@@ -393,3 +394,25 @@ def test_drafter_target_mismatch_is_one_line_error(env, tiny_qwen3_dir):
     with pytest.raises(CheckpointError) as e:
         run_eval(cfg)
     assert "does not match" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "ptd"])
+def test_untrained_random_drafter_is_lossless_with_al_near_one(env, kind):
+    from draftinfer.drafters import DRAFTERS, Eagle3Config, PTDConfig
+
+    c = env["model"].config
+    common = dict(hidden_size=c.hidden_size, intermediate_size=96, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=c.vocab_size,
+                  draft_vocab_size=c.vocab_size, target_hidden_size=c.hidden_size,
+                  aux_layer_ids=[1, 2, 3])
+    torch.manual_seed(0)
+    cfg = PTDConfig(**common, parallel_k=3) if kind == "ptd" else Eagle3Config(**common)
+    d = DRAFTERS[kind](cfg).eval()
+    d.embed_tokens.weight.data.copy_(env["model"].embed_tokens.weight)
+    ps = prompts(6, seed=40)
+    plain = greedy_generate(env["model"], ps, 16)
+    outs = SpecDecoder(env["model"], d, 3, max_batch=6, max_model_len=160).generate(
+        [Request(p, max_tokens=16) for p in ps])[0]
+    assert [o.token_ids for o in outs] == plain
+    al = acceptance_length([a for o in outs for a in o.accepted])
+    assert 1.0 <= al <= 1.15, al

@@ -1,0 +1,177 @@
+"""Drafting time per round against K: parallel drafting (`ptd`, one forward) vs EAGLE-3
+chain drafting (K forwards), side by side in one run, on 8B-shaped drafters.
+
+    python scripts/bench_drafting.py --out docs/results/bench_drafting.json
+    python scripts/bench_drafting.py --device cpu --tiny      # smoke test
+
+Both drafters use Llama-3-8B dimensions (hidden 4096, 32 heads / 8 KV heads, intermediate
+14336, target vocabulary 128256, draft vocabulary 32000, random bf16 weights: timing does not
+depend on training). The chain drafter has 1 decoder layer (EAGLE-3); the parallel drafter has
+2 (the `ptd` default). One round = the first pass over the rows the last commit added (a+1 =
+K/2+1 accepted rows, the typical case) + drafting K tokens; the drafter KV already holds a
+`--context`-token prefix. Times are medians of CUDA-event-timed repeats after warm-up.
+Correctness first: each proposer's drafts are checked against its no-cache reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import types
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+SHAPES = {
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                      draft_vocab_size=32000, target_hidden_size=4096),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=512, draft_vocab_size=256,
+                 target_hidden_size=64),
+}
+
+
+def _import_kernels():
+    import importlib.util
+
+    if importlib.util.find_spec("draftkernels") is None:  # running from a plain checkout
+        pkg = types.ModuleType("draftkernels")
+        pkg.__path__ = [str(REPO / "kernels")]
+        sys.modules["draftkernels"] = pkg
+
+
+def build(kind: str, shape: dict, k_max: int, device, dtype):
+    from draftinfer.drafters import Eagle3Config, Eagle3Drafter, PTDConfig, PTDDrafter
+
+    torch.manual_seed(0)
+    common = dict(shape, aux_layer_ids=[2, 16, 29], rope_theta=500000.0)
+    if kind == "ptd":
+        d = PTDDrafter(PTDConfig(**common, num_hidden_layers=2, mask_token_id=0, parallel_k=k_max))
+    else:
+        d = Eagle3Drafter(Eagle3Config(**common, num_hidden_layers=1))
+    with torch.no_grad():
+        for p in d.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.02)
+    return d.to(device=device, dtype=dtype).eval()
+
+
+def time_round(proposer, batch: int, context: int, k: int, device, shape, repeats: int):
+    """Median ms of one drafting round (first pass of k//2+1 rows + k drafts)."""
+    from draftinfer.proposers import greedy_chooser
+
+    d = proposer.drafter
+    H3 = 3 * shape["target_hidden_size"]
+    rows = torch.arange(batch, device=device)
+    # Prefix: fill the drafter KV with `context` rows once.
+    ids = torch.randint(0, shape["vocab_size"], (batch, context), device=device)
+    aux = torch.randn(batch, context, H3, device=device, dtype=d.fc.weight.dtype)
+    pos = torch.arange(context, device=device).expand(batch, -1).contiguous()
+    proposer.propose(rows, ids, aux, pos, torch.zeros(batch, dtype=torch.long, device=device),
+                     1, greedy_chooser)
+    n = k // 2 + 1
+    ids = torch.randint(0, shape["vocab_size"], (batch, n), device=device)
+    aux = torch.randn(batch, n, H3, device=device, dtype=d.fc.weight.dtype)
+    pos = (context + torch.arange(n, device=device)).expand(batch, -1).contiguous()
+    caps = torch.full((batch,), k, dtype=torch.long, device=device)
+    times = []
+    for i in range(repeats + 3):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            proposer.propose(rows, ids, aux, pos, caps, k, greedy_chooser)
+            end.record()
+            torch.cuda.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            import time
+
+            t0 = time.perf_counter()
+            proposer.propose(rows, ids, aux, pos, caps, k, greedy_chooser)
+            ms = (time.perf_counter() - t0) * 1e3
+        if i >= 3:
+            times.append(ms)
+    return statistics.median(times)
+
+
+def check(kind: str, proposer, device, shape) -> bool:
+    """Drafts of the cached proposer == its no-cache reference (greedy, one request)."""
+    from draftinfer.proposers import greedy_chooser
+
+    d = proposer.drafter
+    n, k = 9, 4
+    ids = torch.randint(0, shape["vocab_size"], (1, n), device=device)
+    aux = torch.randn(1, n, 3 * shape["target_hidden_size"], device=device, dtype=d.fc.weight.dtype)
+    pos = torch.arange(n, device=device)[None]
+    drafts, _ = proposer.propose(torch.tensor([0], device=device), ids, aux, pos,
+                                 torch.tensor([k], device=device), k, greedy_chooser)
+    with torch.no_grad():
+        feats = d.project_aux(aux[0])
+        ref, _ = type(proposer).reference_drafts(d, ids[0], feats, pos[0], k, greedy_chooser)
+    return drafts[0].tolist() == ref
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--ks", default="2,3,4,5,6,7,8")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print("bench_drafting: CUDA is not available; nothing timed (use --device cpu --tiny)")
+        return 0
+    _import_kernels()
+    from draftinfer.proposers import PROPOSERS
+
+    device = torch.device(a.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shape = SHAPES["tiny" if a.tiny else "llama3-8b"]
+    ks = [int(x) for x in a.ks.split(",")]
+    batches = [int(x) for x in a.batches.split(",")]
+    max_len = a.context + 64
+    results = {"shape": "tiny" if a.tiny else "llama3-8b", "dtype": str(dtype), "device":
+               torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+               "torch": torch.__version__, "context": a.context, "rows": []}
+    for kind in ("eagle3", "ptd"):
+        d = build(kind, shape, max(ks), device, dtype)
+        ok = check(kind, PROPOSERS[kind](d, 1, max_len, device, dtype), device, shape)
+        results[f"{kind}_matches_reference"] = ok
+        if not ok and device.type != "cuda":
+            print(f"{kind}: cached drafts differ from the reference", file=sys.stderr)
+            return 1
+        for b in batches:
+            prop = PROPOSERS[kind](d, b, max_len, device, dtype)
+            for k in ks:
+                ms = time_round(prop, b, a.context, k, device, shape, a.repeats)
+                results["rows"].append({"kind": kind, "batch": b, "k": k, "ms": round(ms, 4)})
+        del d
+    lines = [f"drafting time per round (ms), {results['shape']} drafters, {results['device']}, "
+             f"context {a.context}",
+             "batch | kind   | " + " | ".join(f"K={k}" for k in ks) + " | K=max/K=min"]
+    for b in batches:
+        for kind in ("eagle3", "ptd"):
+            ms = [r["ms"] for r in results["rows"] if r["kind"] == kind and r["batch"] == b]
+            lines.append(f"{b:5d} | {kind:6s} | " + " | ".join(f"{m:.3f}" for m in ms)
+                         + f" | {ms[-1] / ms[0]:.2f}x")
+            results[f"ratio_{kind}_b{b}"] = ms[-1] / ms[0]
+    lines.append("matches reference: " + ", ".join(
+        f"{kd}={results[f'{kd}_matches_reference']}" for kd in ("eagle3", "ptd")))
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(results, indent=2) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
