@@ -19,7 +19,7 @@ from drafttrain.config import DRAFTER_CONFIGS, TrainConfig
 from drafttrain.errors import DraftError
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
-DEFAULT_PRESET = "eagle3"
+DEFAULT_PRESET = "ptd_eagle3"
 
 
 def rewrite_argv(argv: list[str]) -> list[str]:
