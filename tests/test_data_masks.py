@@ -15,11 +15,6 @@ import json
 
 import datasets
 import pytest
-from tiny_tokenizers import (
-    make_llama3_tokenizer,
-    make_qwen3_tokenizer,
-    make_tokenizer_without_template,
-)
 
 from drafttrain.config import DataConfig
 from drafttrain.data import (
@@ -30,6 +25,11 @@ from drafttrain.data import (
     tokenize_dataset,
 )
 from drafttrain.errors import DataError
+from tests.tiny_tokenizers import (
+    make_llama3_tokenizer,
+    make_qwen3_tokenizer,
+    make_tokenizer_without_template,
+)
 
 SYSTEM = "You are a helpful model."
 CONVERSATION = [
