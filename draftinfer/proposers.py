@@ -21,7 +21,6 @@ from collections.abc import Callable
 
 import torch
 
-from draftinfer.drafters.eagle3 import Eagle3Drafter
 from draftinfer.drafters.layers import causal_attention
 from draftinfer.errors import CheckpointError
 from draftinfer.kv_cache import StaticKVCache
@@ -40,25 +39,20 @@ def _causal(_layer, q, k, v):
     return causal_attention(q, k, v)
 
 
-class Eagle3ChainProposer:
-    """Chain drafting with an EAGLE-3 drafter: K drafter forwards per round."""
+class _Proposer:
+    """What every proposer shares: the drafter's KV cache, the check that the checkpoint's
+    drafting mode matches (S8), and recording the K drafts (and q) step by step."""
 
-    kind = "eagle3"
+    parallel: bool  # whether this proposer runs parallel (mask_hidden) drafters
+    mode_error: str
 
     def __init__(
-        self,
-        drafter: Eagle3Drafter,
-        max_batch: int,
-        max_seq_len: int,
-        device: torch.device,
-        dtype: torch.dtype,
+        self, drafter, max_batch: int, max_seq_len: int, device: torch.device, dtype: torch.dtype
     ):
-        if getattr(drafter, "mask_hidden", None) is not None:
-            raise CheckpointError(
-                "this drafter has mask_hidden (parallel drafting); it cannot run in chain mode"
-            )
+        if drafter.parallel != self.parallel:
+            raise CheckpointError(self.mode_error)
         c = drafter.config
-        self.drafter = drafter
+        self.drafter, self.max_seq_len = drafter, max_seq_len
         self.cache = StaticKVCache(
             c.num_hidden_layers,
             max_batch,
@@ -68,6 +62,33 @@ class Eagle3ChainProposer:
             device,
             dtype,
         )
+
+    def _record(
+        self,
+        drafts: torch.Tensor,
+        qs: torch.Tensor | None,
+        step: int,
+        logits: torch.Tensor,
+        live: torch.Tensor,
+        choose: DraftChooser,
+    ):
+        """Pick draft `step` from logits `[B, Dd]`; requests past their cap (`live` False)
+        get 0 and q = 0. Returns the (lazily allocated) q buffer `[B, k, Dd]` or None."""
+        choice, q = choose(logits, step)
+        drafts[:, step] = torch.where(live, self.drafter.draft_to_target(choice), 0)
+        if q is not None:
+            if qs is None:
+                qs = torch.zeros(*drafts.shape, q.shape[-1], dtype=q.dtype, device=q.device)
+            qs[:, step] = q * live[:, None]
+        return qs
+
+
+class Eagle3ChainProposer(_Proposer):
+    """Chain drafting with an EAGLE-3 drafter: K drafter forwards per round."""
+
+    kind = "eagle3"
+    parallel = False
+    mode_error = "this drafter has mask_hidden (parallel drafting); it cannot run in chain mode"
 
     @torch.no_grad()
     def propose(
@@ -100,13 +121,7 @@ class Eagle3ChainProposer:
                 tok = drafts[:, step - 1 : step]
                 normed, carried = d(tok, carried, pos, self.cache.bind(pos, rows))
                 logits = d.logits(normed[:, 0])
-            choice, q = choose(logits, step)
-            live = num_drafts > step
-            drafts[:, step] = torch.where(live, d.draft_to_target(choice), 0)
-            if q is not None:
-                if qs is None:
-                    qs = torch.zeros(B, k, q.shape[-1], dtype=q.dtype, device=q.device)
-                qs[:, step] = q * live[:, None]
+            qs = self._record(drafts, qs, step, logits, num_drafts > step, choose)
         return drafts, qs
 
     @staticmethod
@@ -131,7 +146,7 @@ class Eagle3ChainProposer:
         return drafts, qs
 
 
-class ParallelProposer:
+class ParallelProposer(_Proposer):
     """Parallel drafting (`ptd`): ONE drafter forward per round yields K drafts.
 
     The first pass is laid out as `valid | bonus | K-1 mask slots | rejected-as-padding`
@@ -143,26 +158,10 @@ class ParallelProposer:
     """
 
     kind = "ptd"
-
-    def __init__(
-        self, drafter, max_batch: int, max_seq_len: int, device: torch.device, dtype: torch.dtype
-    ):
-        if not drafter.parallel:
-            raise CheckpointError(
-                "this drafter has no mask_hidden (a chain EAGLE-3 drafter); "
-                "it cannot run in parallel mode"
-            )
-        c = drafter.config
-        self.drafter, self.max_seq_len = drafter, max_seq_len
-        self.cache = StaticKVCache(
-            c.num_hidden_layers,
-            max_batch,
-            max_seq_len,
-            c.num_key_value_heads,
-            c.head_dim,
-            device,
-            dtype,
-        )
+    parallel = True
+    mode_error = (
+        "this drafter has no mask_hidden (a chain EAGLE-3 drafter); it cannot run in parallel mode"
+    )
 
     @torch.no_grad()
     def propose(
@@ -202,13 +201,7 @@ class ParallelProposer:
         drafts = torch.zeros(B, k, dtype=torch.long, device=rows.device)
         qs = None
         for step in range(k):
-            choice, q = choose(logits[:, step], step)
-            live = sample_idx[:, step] >= 0
-            drafts[:, step] = torch.where(live, d.draft_to_target(choice), 0)
-            if q is not None:
-                if qs is None:
-                    qs = torch.zeros(B, k, q.shape[-1], dtype=q.dtype, device=q.device)
-                qs[:, step] = q * live[:, None]
+            qs = self._record(drafts, qs, step, logits[:, step], sample_idx[:, step] >= 0, choose)
         return drafts, qs
 
     @staticmethod

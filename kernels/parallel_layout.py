@@ -61,6 +61,7 @@ valid rows through `feat_src` and puts mask slot `m` at `(p_last + m)` on all th
 from __future__ import annotations
 
 import torch
+from draftkernels.runtime import check_tensor as _check
 from draftkernels.runtime import triton_available, use_triton
 
 if triton_available():
@@ -134,17 +135,6 @@ if triton is not None:
         sample = tl.where(ms < num_drafts, n_valid - 1 + ms, -1)
         tl.store(sample_idx_ptr + b * K + ms, sample, mask=ms < K)
         tl.store(num_drafts_ptr + b, num_drafts)
-
-
-def _check(t: torch.Tensor, name: str, dtypes: tuple[torch.dtype, ...], shape: tuple) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name} must have dtype in {dtypes}, got {t.dtype}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
 
 
 def _check_inputs(

@@ -44,6 +44,7 @@ return bit-identical outputs for the same inputs (tests/test_rejection_sampler.p
 from __future__ import annotations
 
 import torch
+from draftkernels.runtime import check_tensor as _check
 from draftkernels.runtime import triton_available, use_triton
 
 if triton_available():
@@ -178,17 +179,6 @@ def _launch_config(vocab_size: int) -> tuple[int, int]:
     block_v = min(triton.next_power_of_2(max(vocab_size, 1)), _MAX_BLOCK_V)
     num_warps = 16 if block_v >= 4096 else 8 if block_v >= 2048 else 4
     return block_v, num_warps
-
-
-def _check(t: torch.Tensor, name: str, dtypes: tuple[torch.dtype, ...], shape: tuple) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name} must have dtype in {dtypes}, got {t.dtype}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
 
 
 def _check_inputs(

@@ -27,3 +27,15 @@ def use_triton(device: torch.device) -> bool:
     if not triton_available():
         return False
     return device.type == "cuda" or interpreting()
+
+
+def check_tensor(t: torch.Tensor, name: str, dtypes: tuple[torch.dtype, ...], shape: tuple) -> None:
+    """Launcher argument check shared by the kernels: type, dtype, exact shape, contiguity."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} must have dtype in {dtypes}, got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")

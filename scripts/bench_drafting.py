@@ -19,31 +19,36 @@ import argparse
 import json
 import statistics
 import sys
-import types
 from pathlib import Path
 
 import torch
+from benchlib import import_kernel
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 SHAPES = {
-    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-                      num_key_value_heads=8, head_dim=128, vocab_size=128256,
-                      draft_vocab_size=32000, target_hidden_size=4096),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, vocab_size=512, draft_vocab_size=256,
-                 target_hidden_size=64),
+    "llama3-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        draft_vocab_size=32000,
+        target_hidden_size=4096,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=512,
+        draft_vocab_size=256,
+        target_hidden_size=64,
+    ),
 }
-
-
-def _import_kernels():
-    import importlib.util
-
-    if importlib.util.find_spec("draftkernels") is None:  # running from a plain checkout
-        pkg = types.ModuleType("draftkernels")
-        pkg.__path__ = [str(REPO / "kernels")]
-        sys.modules["draftkernels"] = pkg
 
 
 def build(kind: str, shape: dict, k_max: int, device, dtype):
@@ -73,8 +78,9 @@ def time_round(proposer, batch: int, context: int, k: int, device, shape, repeat
     ids = torch.randint(0, shape["vocab_size"], (batch, context), device=device)
     aux = torch.randn(batch, context, H3, device=device, dtype=d.fc.weight.dtype)
     pos = torch.arange(context, device=device).expand(batch, -1).contiguous()
-    proposer.propose(rows, ids, aux, pos, torch.zeros(batch, dtype=torch.long, device=device),
-                     1, greedy_chooser)
+    proposer.propose(
+        rows, ids, aux, pos, torch.zeros(batch, dtype=torch.long, device=device), 1, greedy_chooser
+    )
     n = k // 2 + 1
     ids = torch.randint(0, shape["vocab_size"], (batch, n), device=device)
     aux = torch.randn(batch, n, H3, device=device, dtype=d.fc.weight.dtype)
@@ -109,8 +115,15 @@ def check(kind: str, proposer, device, shape) -> bool:
     ids = torch.randint(0, shape["vocab_size"], (1, n), device=device)
     aux = torch.randn(1, n, 3 * shape["target_hidden_size"], device=device, dtype=d.fc.weight.dtype)
     pos = torch.arange(n, device=device)[None]
-    drafts, _ = proposer.propose(torch.tensor([0], device=device), ids, aux, pos,
-                                 torch.tensor([k], device=device), k, greedy_chooser)
+    drafts, _ = proposer.propose(
+        torch.tensor([0], device=device),
+        ids,
+        aux,
+        pos,
+        torch.tensor([k], device=device),
+        k,
+        greedy_chooser,
+    )
     with torch.no_grad():
         feats = d.project_aux(aux[0])
         ref, _ = type(proposer).reference_drafts(d, ids[0], feats, pos[0], k, greedy_chooser)
@@ -130,7 +143,7 @@ def main() -> int:
     if a.device == "cuda" and not torch.cuda.is_available():
         print("bench_drafting: CUDA is not available; nothing timed (use --device cpu --tiny)")
         return 0
-    _import_kernels()
+    import_kernel("runtime")  # makes `draftkernels` importable from a plain checkout
     from draftinfer.proposers import PROPOSERS
 
     device = torch.device(a.device)
@@ -139,9 +152,14 @@ def main() -> int:
     ks = [int(x) for x in a.ks.split(",")]
     batches = [int(x) for x in a.batches.split(",")]
     max_len = a.context + 64
-    results = {"shape": "tiny" if a.tiny else "llama3-8b", "dtype": str(dtype), "device":
-               torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-               "torch": torch.__version__, "context": a.context, "rows": []}
+    results = {
+        "shape": "tiny" if a.tiny else "llama3-8b",
+        "dtype": str(dtype),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "context": a.context,
+        "rows": [],
+    }
     for kind in ("eagle3", "ptd"):
         d = build(kind, shape, max(ks), device, dtype)
         ok = check(kind, PROPOSERS[kind](d, 1, max_len, device, dtype), device, shape)
@@ -155,17 +173,24 @@ def main() -> int:
                 ms = time_round(prop, b, a.context, k, device, shape, a.repeats)
                 results["rows"].append({"kind": kind, "batch": b, "k": k, "ms": round(ms, 4)})
         del d
-    lines = [f"drafting time per round (ms), {results['shape']} drafters, {results['device']}, "
-             f"context {a.context}",
-             "batch | kind   | " + " | ".join(f"K={k}" for k in ks) + " | K=max/K=min"]
+    lines = [
+        f"drafting time per round (ms), {results['shape']} drafters, {results['device']}, "
+        f"context {a.context}",
+        "batch | kind   | " + " | ".join(f"K={k}" for k in ks) + " | K=max/K=min",
+    ]
     for b in batches:
         for kind in ("eagle3", "ptd"):
             ms = [r["ms"] for r in results["rows"] if r["kind"] == kind and r["batch"] == b]
-            lines.append(f"{b:5d} | {kind:6s} | " + " | ".join(f"{m:.3f}" for m in ms)
-                         + f" | {ms[-1] / ms[0]:.2f}x")
+            lines.append(
+                f"{b:5d} | {kind:6s} | "
+                + " | ".join(f"{m:.3f}" for m in ms)
+                + f" | {ms[-1] / ms[0]:.2f}x"
+            )
             results[f"ratio_{kind}_b{b}"] = ms[-1] / ms[0]
-    lines.append("matches reference: " + ", ".join(
-        f"{kd}={results[f'{kd}_matches_reference']}" for kd in ("eagle3", "ptd")))
+    lines.append(
+        "matches reference: "
+        + ", ".join(f"{kd}={results[f'{kd}_matches_reference']}" for kd in ("eagle3", "ptd"))
+    )
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(results, indent=2) + "\n")

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import itertools
 import json
 import sys
-import types
 from pathlib import Path
 
+import benchlib
 import torch
+from benchlib import import_kernel
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,17 +37,6 @@ BATCHES = (1, 8, 64, 256)
 NUM_DRAFTS = (2, 4, 8)  # K
 PREFILL_Q = 128
 QUICK = dict(batches=(1, 256), num_drafts=(4,))
-
-
-def import_parallel_layout():
-    """`draftkernels.parallel_layout`, also from a checkout that is not pip-installed."""
-    if importlib.util.find_spec("draftkernels") is None:  # the folder, under its import name
-        pkg = types.ModuleType("draftkernels")
-        pkg.__path__ = [str(REPO / "kernels")]
-        sys.modules["draftkernels"] = pkg
-    import draftkernels.parallel_layout as pl
-
-    return pl
 
 
 def query_widths(k: int) -> tuple[int, ...]:
@@ -161,13 +150,7 @@ def print_table(rows: list[dict]) -> None:
         ("batch", 5), ("Q", 4), ("K", 2), ("drafts", 6), ("kernel_us", 10), ("ref_us", 10),
         ("compiled_us", 11), ("x_ref", 6), ("x_compiled", 10),
     ]  # fmt: skip
-    print(" ".join(f"{name:>{w}}" for name, w in cols))
-    for r in rows:
-        cells = []
-        for name, w in cols:
-            v = r[name]
-            cells.append(f"{v:>{w}.1f}" if isinstance(v, float) else f"{v!s:>{w}}")
-        print(" ".join(cells))
+    benchlib.print_table(rows, cols)
 
 
 def main(argv=None) -> int:
@@ -185,7 +168,7 @@ def main(argv=None) -> int:
         return 0
     import triton
 
-    pl = import_parallel_layout()
+    pl = import_kernel("parallel_layout")
     shapes = shapes_for(args.quick)
 
     # Correctness first: nothing is timed unless the kernel matches the reference everywhere.

@@ -14,15 +14,15 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
-import importlib.util
 import itertools
 import json
 import math
 import sys
-import types
 from pathlib import Path
 
+import benchlib
 import torch
+from benchlib import import_kernel
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,17 +38,6 @@ MODES = ("full_q", "one_hot_q", "greedy")  # random with drafter probs / greedy 
 TUNE_BLOCK_V = (1024, 2048, 4096, 8192, 16384)
 TUNE_NUM_WARPS = (4, 8, 16)
 QUICK = dict(vocabs=("llama3-8b",), batches=(1, 64), num_drafts=(4,), modes=MODES)
-
-
-def import_rejection_sampler():
-    """`draftkernels.rejection_sampler`, also from a checkout that is not pip-installed."""
-    if importlib.util.find_spec("draftkernels") is None:  # the folder, under its import name
-        pkg = types.ModuleType("draftkernels")
-        pkg.__path__ = [str(REPO / "kernels")]
-        sys.modules["draftkernels"] = pkg
-    import draftkernels.rejection_sampler as rs
-
-    return rs
 
 
 def make_inputs(vocab: int, batch: int, k: int, mode: str, seed: int = 0) -> dict:
@@ -138,13 +127,7 @@ def print_table(rows: list[dict]) -> None:
         ("vocab", 10), ("batch", 5), ("K", 2), ("mode", 9), ("accept", 6),
         ("kernel_us", 10), ("ref_us", 10), ("compiled_us", 11), ("x_ref", 6), ("x_compiled", 10),
     ]  # fmt: skip
-    print(" ".join(f"{name:>{w}}" for name, w in cols))
-    for r in rows:
-        cells = []
-        for name, w in cols:
-            v = r[name]
-            cells.append(f"{v:>{w}.1f}" if isinstance(v, float) else f"{v!s:>{w}}")
-        print(" ".join(cells))
+    benchlib.print_table(rows, cols)
 
 
 def main(argv=None) -> int:
@@ -162,7 +145,7 @@ def main(argv=None) -> int:
         return 0
     import triton
 
-    rs = import_rejection_sampler()
+    rs = import_kernel("rejection_sampler")
     if args.tune:
         tune(rs)
         return 0

@@ -20,51 +20,46 @@ BF16_MARGIN = 0.1  # logits units; bf16 rounding of a [B, K+1] verify vs a 1-tok
 
 
 def _drafter(kind: str, target, dtype):
-    """An untrained drafter sized for the tiny target (lossless regardless of its quality)."""
-    from draftinfer.drafters import DRAFTERS, Eagle3Config, PTDConfig
+    from tests.tiny_models import untrained_drafter
 
-    c = target.config
-    common = dict(hidden_size=c.hidden_size, intermediate_size=96, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, vocab_size=c.vocab_size,
-                  draft_vocab_size=c.vocab_size, target_hidden_size=c.hidden_size,
-                  aux_layer_ids=[1, 2, 3])
-    cfg = PTDConfig(**common, parallel_k=7) if kind == "ptd" else Eagle3Config(**common)
-    torch.manual_seed(0)
-    d = DRAFTERS[kind](cfg)
-    d.embed_tokens.weight.data.copy_(target.embed_tokens.weight.float())
-    return d.to("cuda", dtype).eval()
+    return untrained_drafter(kind, target).to("cuda", dtype)
 
 
 def _margins(target, prompt: list[int], out: list[int]) -> list[float]:
     """Top-2 logit margin of the target at each generated position (teacher-forced)."""
     seq = torch.tensor([prompt + out], device="cuda")
-    logits, _ = target(seq, torch.arange(seq.shape[1], device="cuda")[None],
-                       torch.tensor([0], device="cuda"))
+    logits, _ = target(
+        seq, torch.arange(seq.shape[1], device="cuda")[None], torch.tensor([0], device="cuda")
+    )
     top2 = logits[0, len(prompt) - 1 : -1].float().topk(2, dim=-1).values
     return (top2[:, 0] - top2[:, 1]).tolist()
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "ptd"])
 def test_t1_fp32_cuda_exact(tiny_llama3_dir, kind):
-    target = load_native_target(tiny_llama3_dir, "cuda", torch.float32, max_batch=8,
-                                max_seq_len=128)
+    target = load_native_target(
+        tiny_llama3_dir, "cuda", torch.float32, max_batch=8, max_seq_len=128
+    )
     d = _drafter(kind, target, torch.float32)
     ps = prompts(8, seed=31)
     plain = greedy_generate(target, ps, 16)
     outs = SpecDecoder(target, d, 3, max_batch=8, max_model_len=128).generate(
-        [Request(p, max_tokens=16) for p in ps])[0]
+        [Request(p, max_tokens=16) for p in ps]
+    )[0]
     assert [o.token_ids for o in outs] == plain
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "ptd"])
 def test_t1_bf16_margin_aware(tiny_llama3_dir, kind):
-    target = load_native_target(tiny_llama3_dir, "cuda", torch.bfloat16, max_batch=8,
-                                max_seq_len=128)
+    target = load_native_target(
+        tiny_llama3_dir, "cuda", torch.bfloat16, max_batch=8, max_seq_len=128
+    )
     d = _drafter(kind, target, torch.bfloat16)
     ps = prompts(8, seed=32)
     plain = greedy_generate(target, ps, 24)
     outs = SpecDecoder(target, d, 3, max_batch=8, max_model_len=128).generate(
-        [Request(p, max_tokens=24) for p in ps])[0]
+        [Request(p, max_tokens=24) for p in ps]
+    )[0]
     checked = 0
     for p, g, o in zip(ps, plain, outs):
         margins = _margins(target, p, g)

@@ -21,28 +21,12 @@ from drafttrain.config import PTDTrainConfig
 from drafttrain.objectives.ptd import PTDObjective, ptd_dense_mask, sample_slots
 from tests.test_config import compose_preset
 from tests.test_spec_decode import prompts
-from tests.test_ttt import small_drafter
+from tests.test_ttt import SMALL, randomized, small_drafter
 
 
 def small_ptd(k: int = 5, seed: int = 0) -> PTDDrafter:
     torch.manual_seed(seed)
-    cfg = PTDConfig(
-        hidden_size=32,
-        intermediate_size=48,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        vocab_size=97,
-        draft_vocab_size=61,
-        target_hidden_size=32,
-        aux_layer_ids=[1, 2, 3],
-        mask_token_id=96,
-        parallel_k=k,
-    )
-    d = PTDDrafter(cfg)
-    for p in d.parameters():
-        torch.nn.init.normal_(p, std=0.3) if p.dim() > 1 else torch.nn.init.uniform_(p, 0.5, 1.5)
-    return d.eval()
+    return randomized(PTDDrafter(PTDConfig(**SMALL, mask_token_id=96, parallel_k=k)))
 
 
 @pytest.mark.parametrize("anchor", [0, 4, 9])

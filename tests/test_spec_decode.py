@@ -398,21 +398,14 @@ def test_drafter_target_mismatch_is_one_line_error(env, tiny_qwen3_dir):
 
 @pytest.mark.parametrize("kind", ["eagle3", "ptd"])
 def test_untrained_random_drafter_is_lossless_with_al_near_one(env, kind):
-    from draftinfer.drafters import DRAFTERS, Eagle3Config, PTDConfig
+    from tests.tiny_models import untrained_drafter
 
-    c = env["model"].config
-    common = dict(hidden_size=c.hidden_size, intermediate_size=96, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, vocab_size=c.vocab_size,
-                  draft_vocab_size=c.vocab_size, target_hidden_size=c.hidden_size,
-                  aux_layer_ids=[1, 2, 3])
-    torch.manual_seed(0)
-    cfg = PTDConfig(**common, parallel_k=3) if kind == "ptd" else Eagle3Config(**common)
-    d = DRAFTERS[kind](cfg).eval()
-    d.embed_tokens.weight.data.copy_(env["model"].embed_tokens.weight)
+    d = untrained_drafter(kind, env["model"], parallel_k=3)
     ps = prompts(6, seed=40)
     plain = greedy_generate(env["model"], ps, 16)
     outs = SpecDecoder(env["model"], d, 3, max_batch=6, max_model_len=160).generate(
-        [Request(p, max_tokens=16) for p in ps])[0]
+        [Request(p, max_tokens=16) for p in ps]
+    )[0]
     assert [o.token_ids for o in outs] == plain
     al = acceptance_length([a for o in outs for a in o.accepted])
     assert 1.0 <= al <= 1.15, al

@@ -13,32 +13,37 @@ from drafttrain.config import Eagle3TrainConfig
 from drafttrain.objectives.eagle3 import Eagle3Objective
 from drafttrain.ttt import ttt_attention_eager, ttt_attention_flex
 
+# Shapes shared by the small random drafters of the unit tests.
+SMALL = dict(
+    hidden_size=32,
+    intermediate_size=48,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    vocab_size=97,
+    draft_vocab_size=61,
+    target_hidden_size=32,
+    aux_layer_ids=[1, 2, 3],
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    },
+)
+
+
+def randomized(d: torch.nn.Module) -> torch.nn.Module:
+    """O(1) weights so comparisons are not trivially between tiny numbers; eval mode."""
+    for p in d.parameters():
+        torch.nn.init.normal_(p, std=0.3) if p.dim() > 1 else torch.nn.init.uniform_(p, 0.5, 1.5)
+    return d.eval()
+
 
 def small_drafter(layers: int = 1, seed: int = 0) -> Eagle3Drafter:
     torch.manual_seed(seed)
-    cfg = Eagle3Config(
-        hidden_size=32,
-        intermediate_size=48,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        vocab_size=97,
-        draft_vocab_size=61,
-        target_hidden_size=32,
-        aux_layer_ids=[1, 2, 3],
-        num_hidden_layers=layers,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 16,
-        },
-    )
-    d = Eagle3Drafter(cfg)
-    for p in d.parameters():  # O(1) weights so the comparison is not trivially tiny numbers
-        torch.nn.init.normal_(p, std=0.3) if p.dim() > 1 else torch.nn.init.uniform_(p, 0.5, 1.5)
-    return d.eval()
+    return randomized(Eagle3Drafter(Eagle3Config(**SMALL, num_hidden_layers=layers)))
 
 
 class KVCacheAttention:

@@ -21,10 +21,19 @@ pytestmark = pytest.mark.slow
     ],
 )
 def test_short_run_reaches_acceptance_floor(tmp_path, preset, overrides, k, al_floor):
-    cfg = compose_preset(preset, [
-        f"output_dir={tmp_path}", "trainer.progress=false", "trainer.save_every=0",
-        "data.eval_batches=4", f"export.verify_k={k}", "export.verify_prompts=24",
-        "export.verify_max_new_tokens=48", *overrides])
+    cfg = compose_preset(
+        preset,
+        [
+            f"output_dir={tmp_path}",
+            "trainer.progress=false",
+            "trainer.save_every=0",
+            "data.eval_batches=4",
+            f"export.verify_k={k}",
+            "export.verify_prompts=24",
+            "export.verify_max_new_tokens=48",
+            *overrides,
+        ],
+    )
     summary = train(cfg)
     rows = [r for r in read_metrics(tmp_path) if "loss" in r]
     assert rows[-1]["loss"] < 0.6 * rows[0]["loss"]

@@ -102,3 +102,27 @@ def make_train_env(root: Path) -> dict[str, str]:
     tok.save_pretrained(str(target))
     data = write_counting_chat(root / "chat.jsonl")
     return {"target": str(target), "data": str(data)}
+
+
+def untrained_drafter(kind: str, target, parallel_k: int = 7):
+    """A random-init drafter of `kind` sized for a native `target`, sharing its embedding.
+    Lossless whatever its quality; its acceptance length should be about 1."""
+    from draftinfer.drafters import DRAFTERS, Eagle3Config, PTDConfig
+
+    c = target.config
+    common = dict(
+        hidden_size=c.hidden_size,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=c.vocab_size,
+        draft_vocab_size=c.vocab_size,
+        target_hidden_size=c.hidden_size,
+        aux_layer_ids=[1, 2, 3],
+    )
+    cfg = PTDConfig(**common, parallel_k=parallel_k) if kind == "ptd" else Eagle3Config(**common)
+    torch.manual_seed(0)
+    d = DRAFTERS[kind](cfg)
+    d.embed_tokens.weight.data.copy_(target.embed_tokens.weight.float())
+    return d.eval()

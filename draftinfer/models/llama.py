@@ -25,6 +25,7 @@ from torch import nn
 from draftinfer.drafters.layers import (
     RMSNorm,
     RotaryEmbedding,
+    SwiGLU,
     apply_rope,
     rope_inv_freq,
     rope_params_from_hf,
@@ -58,19 +59,6 @@ class NativeConfig:
     @property
     def num_hidden_layers(self) -> int:  # HF spelling, for callers that use it
         return self.num_layers
-
-
-class MLP(nn.Module):
-    """SwiGLU with an optional bias (Llama's `mlp_bias`); `layers.SwiGLU` has none."""
-
-    def __init__(self, hidden: int, intermediate: int, bias: bool):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class CachedAttention(nn.Module):
@@ -139,7 +127,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: NativeConfig):
         super().__init__()
         self.self_attn = CachedAttention(cfg)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
