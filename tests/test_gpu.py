@@ -67,3 +67,49 @@ def test_t1_bf16_margin_aware(tiny_llama3_dir, kind):
         assert o.token_ids[:safe] == g[:safe], (safe, o.token_ids, g)
         checked += safe
     assert checked > 0
+
+
+def test_flex_ttt_attention_matches_eager_on_cuda():
+    from drafttrain.ttt import ttt_attention_eager, ttt_attention_flex
+
+    torch.manual_seed(0)
+    B, T, nh, nkv, D = 2, 300, 8, 2, 64
+    q = torch.randn(B, T, nh, D, device="cuda")
+    k0, v0 = torch.randn(B, T, nkv, D, device="cuda"), torch.randn(B, T, nkv, D, device="cuda")
+    extra = [(torch.randn_like(k0), torch.randn_like(v0)) for _ in range(3)]
+    torch.testing.assert_close(
+        ttt_attention_flex(q, k0, v0, extra),
+        ttt_attention_eager(q, k0, v0, extra),
+        rtol=2e-4,
+        atol=2e-4,
+    )
+
+
+@pytest.mark.parametrize("preset", ["eagle3", "ptd_eagle3"])
+def test_training_steps_on_cuda_with_flex_and_bf16(train_env, tmp_path, preset):
+    """The GPU training path: bf16 target, bf16 autocast, flex attention (auto backend)."""
+    from drafttrain.loggers import read_metrics
+    from drafttrain.train import train
+    from tests.test_config import compose_preset
+
+    cfg = compose_preset(
+        preset,
+        [
+            f"target.name_or_path={train_env['target']}",
+            f"data.path={train_env['data']}",
+            f"output_dir={tmp_path}",
+            "trainer.max_steps=12",
+            "trainer.progress=false",
+            "trainer.save_every=0",
+            "trainer.log_every=4",
+            "data.batch_size=4",
+            "drafter.draft_vocab_size=96",
+            "data.eval_split=null",
+            "export.verify=false",
+        ],
+    )
+    assert cfg.drafter.attention_backend == "auto"
+    train(cfg)
+    rows = [r for r in read_metrics(tmp_path) if "loss" in r]
+    assert all(r["loss"] == r["loss"] for r in rows)  # finite, not NaN
+    assert rows[-1]["loss"] < rows[0]["loss"]
