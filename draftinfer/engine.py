@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 import torch
+from draftkernels.chain_inputs import prepare_chain_inputs
 
 from draftinfer.proposers import PROPOSERS
 from draftinfer.sampling import SamplingParams
@@ -177,6 +178,9 @@ class SpecDecoder:
         v_pos = torch.where(j[None] <= num_drafts[:, None], (L - 1)[:, None] + j[None], -1)
         logits, v_aux = self.target(v_ids, v_pos, rows, self.aux_ids)
         out_ids, n_acc = self.verifier.verify(logits, drafts, q, num_drafts, params, L)
+        # Next first pass (shift: rows L-1..L-1+a consume the emitted tokens; positions; the
+        # last emitted token is the next bonus slot), built on device for the whole batch.
+        fp_ids, fp_pos, _, _ = prepare_chain_inputs(out_ids, n_acc, L)
         n_acc_l, out_l = n_acc.tolist(), out_ids.tolist()
         for b, s in enumerate(slots):
             a = n_acc_l[b]
@@ -188,11 +192,9 @@ class SpecDecoder:
                 s.req, s.out, emitted, Lb, self.max_model_len, self.tokenizer
             )
             s.tokens.extend(s.out[n_before:])
-            # Next first pass: rows L-1..L-1+a consume the emitted tokens with the verify
-            # forward's target features (the KV refresh of convention 6).
-            s.fp_ids = torch.tensor(emitted, device=dev)
+            # With the verify forward's target features: the KV refresh of convention 6.
+            s.fp_ids, s.fp_pos = fp_ids[b, : a + 1], fp_pos[b, : a + 1]
             s.fp_aux = v_aux[b, : a + 1]
-            s.fp_pos = torch.arange(Lb - 1, Lb + a, device=dev)
 
     def generate(self, requests: list[Request], on_finish=None) -> tuple[list[RequestOutput], dict]:
         """Continuous batching over `max_batch` cache rows; outputs in request order.
