@@ -73,6 +73,25 @@ def test_train_loss_decreases_and_exports(train_env, tmp_path):
         want = want.to(torch.bfloat16).float() if want.is_floating_point() else want
         assert torch.equal(t, want), name
     assert (tmp_path / "run" / "training_curves.png").stat().st_size > 1000
+    # The same export from the command line, into another directory, is identical.
+    again = tmp_path / "again"
+    r = subprocess.run(
+        [sys.executable, "-m", "drafttrain.export", str(tmp_path / "run"), "--out", str(again)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-1000:]
+    assert (again / "model.safetensors").read_bytes() == (exp / "model.safetensors").read_bytes()
+    bad = subprocess.run(
+        [sys.executable, "-m", "drafttrain.export", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
+    assert bad.returncode == 2 and "not a training run" in bad.stderr
 
 
 def _cli(env, out: Path, *extra: str) -> list[str]:
