@@ -74,10 +74,6 @@ def make_inputs(
     )
 
 
-def same(a, b) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a, b))
-
-
 def shapes_for(quick: bool) -> list[tuple[int, int, int]]:
     grid = QUICK if quick else dict(batches=BATCHES, num_drafts=NUM_DRAFTS)
     return [
@@ -91,34 +87,23 @@ def check_correctness(pl, shapes, target: str, device: str) -> str | None:
     """None when the kernel equals the reference on every shape, else the first mismatch."""
     for batch, q, k in shapes:
         inputs = make_inputs(batch, q, k, target, device)
-        if not same(pl.parallel_layout(**inputs), pl.parallel_layout_ref(**inputs)):
+        if not benchlib.same_outputs(
+            pl.parallel_layout(**inputs), pl.parallel_layout_ref(**inputs)
+        ):
             return f"MISMATCH kernel vs reference at B={batch} Q={q} K={k}"
     return None
 
 
-def median_ms(fn) -> float:
-    from triton.testing import do_bench
-
-    return float(do_bench(fn, warmup=10, rep=50, return_mode="median"))
-
-
-def bench_rows(pl, shapes, target: str, device: str, compiled_ref, timer=median_ms) -> list:
+def bench_rows(
+    pl, shapes, target: str, device: str, compiled_ref, timer=benchlib.median_ms
+) -> list:
     rows = []
     for batch, q, k in shapes:
         inputs = make_inputs(batch, q, k, target, device)
         want = pl.parallel_layout_ref(**inputs)
-        kernel_ms = timer(lambda: pl.parallel_layout(**inputs))  # noqa: B023
-        ref_ms = timer(lambda: pl.parallel_layout_ref(**inputs))  # noqa: B023
-        compiled_ms, compiled_match = float("nan"), ""
-        if compiled_ref is not None:
-            try:
-                got = compiled_ref(**inputs)
-            except Exception as e:  # an inductor failure must not hide the kernel's numbers
-                print(f"torch.compile(reference) failed, skipping it: {type(e).__name__}: {e}")
-                compiled_ref = None
-            else:
-                compiled_match = same(got, want)
-                compiled_ms = timer(lambda: compiled_ref(**inputs))  # noqa: B023
+        t, compiled_ref = benchlib.time_three(
+            pl.parallel_layout, pl.parallel_layout_ref, compiled_ref, inputs, want, timer
+        )
         rows.append(
             dict(
                 target=target,
@@ -126,15 +111,10 @@ def bench_rows(pl, shapes, target: str, device: str, compiled_ref, timer=median_
                 Q=q,
                 K=k,
                 drafts=round(float(want[4].float().mean()), 2),  # mean num_drafts per request
-                kernel_us=kernel_ms * 1e3,
-                ref_us=ref_ms * 1e3,
-                compiled_us=compiled_ms * 1e3,
-                x_ref=ref_ms / kernel_ms,
-                x_compiled=compiled_ms / kernel_ms,
-                compiled_matches_ref=compiled_match,
+                **t,
             )
         )
-        print(f"  B={batch} Q={q} K={k}: kernel {kernel_ms * 1e3:.1f} us", flush=True)
+        print(f"  B={batch} Q={q} K={k}: kernel {t['kernel_us']:.1f} us", flush=True)
     return rows
 
 

@@ -95,16 +95,10 @@ def tune(rs) -> None:
                 rs._launch_config = lambda v, bv=bv, nw=nw: (bv, nw)
                 got = rs.rejection_sample(**inputs)
                 assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-                cells.append(median_ms(lambda: rs.rejection_sample(**inputs)) * 1e3)  # noqa: B023
+                cells.append(benchlib.median_ms(lambda: rs.rejection_sample(**inputs)) * 1e3)  # noqa: B023
             print(f"{f'B={batch} K={k} {mode}':>22} " + " ".join(f"{c:>10.1f}" for c in cells))
     finally:
         rs._launch_config = real_config
-
-
-def median_ms(fn) -> float:
-    from triton.testing import do_bench
-
-    return float(do_bench(fn, warmup=10, rep=50, return_mode="median"))
 
 
 def append_rows(path: Path, rows: list[dict]) -> None:
@@ -177,19 +171,9 @@ def main(argv=None) -> int:
         inputs = make_inputs(VOCABS[vocab_name], batch, k, mode)
         out, num_acc = rs.rejection_sample(**inputs)
         n = int(inputs["cu_num_draft"][-1])
-        kernel_ms = median_ms(lambda: rs.rejection_sample(**inputs))  # noqa: B023
-        ref_ms = median_ms(lambda: rs.rejection_sample_ref(**inputs))  # noqa: B023
-        compiled_ms, compiled_match = float("nan"), ""
-        if compiled_ref is not None:
-            try:
-                c_out = compiled_ref(**inputs)
-            except Exception as e:  # an inductor failure must not hide the kernel's numbers
-                print(f"torch.compile(reference) failed, skipping it: {type(e).__name__}: {e}")
-                compiled_ref = None
-            else:
-                same = torch.equal(c_out[0], out) and torch.equal(c_out[1], num_acc)
-                compiled_match = bool(same)
-                compiled_ms = median_ms(lambda: compiled_ref(**inputs))  # noqa: B023
+        t, compiled_ref = benchlib.time_three(
+            rs.rejection_sample, rs.rejection_sample_ref, compiled_ref, inputs, (out, num_acc)
+        )
         rows.append(
             dict(
                 vocab=vocab_name,
@@ -198,16 +182,11 @@ def main(argv=None) -> int:
                 K=k,
                 mode=mode,
                 accept=round(float(num_acc.sum()) / n, 3),
-                kernel_us=kernel_ms * 1e3,
-                ref_us=ref_ms * 1e3,
-                compiled_us=compiled_ms * 1e3,
-                x_ref=ref_ms / kernel_ms,
-                x_compiled=compiled_ms / kernel_ms,
-                compiled_matches_ref=compiled_match,
+                **t,
                 **env,
             )
         )
-        print(f"  {vocab_name} B={batch} K={k} {mode}: kernel {kernel_ms * 1e3:.1f} us", flush=True)
+        print(f"  {vocab_name} B={batch} K={k} {mode}: kernel {t['kernel_us']:.1f} us", flush=True)
 
     append_rows(args.out, rows)
     print(f"\nappended {len(rows)} rows to {args.out}\n")

@@ -32,3 +32,45 @@ def print_table(rows: list[dict], cols: list[tuple[str, int]]) -> None:
             v = r[name]
             cells.append(f"{v:>{w}.1f}" if isinstance(v, float) else f"{v!s:>{w}}")
         print(" ".join(cells))
+
+
+def median_ms(fn) -> float:
+    """Median milliseconds of `fn()` by `triton.testing.do_bench` (CUDA events)."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=10, rep=50, return_mode="median"))
+
+
+def same_outputs(a, b) -> bool:
+    """Tuples of tensors equal element for element."""
+    import torch
+
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def time_three(kernel, ref, compiled, inputs: dict, want, timer=median_ms):
+    """Times kernel, reference and (when given) `torch.compile(reference)` on `inputs`.
+
+    Returns (timings dict in µs with speed ratios and `compiled_matches_ref`, the compiled
+    function or None). An inductor failure is reported and drops the compiled variant for the
+    rest of the run, so it never hides the kernel's numbers."""
+    kernel_ms = timer(lambda: kernel(**inputs))
+    ref_ms = timer(lambda: ref(**inputs))
+    compiled_ms, match = float("nan"), ""
+    if compiled is not None:
+        try:
+            got = compiled(**inputs)
+        except Exception as e:
+            print(f"torch.compile(reference) failed, skipping it: {type(e).__name__}: {e}")
+            compiled = None
+        else:
+            match = same_outputs(got, want)
+            compiled_ms = timer(lambda: compiled(**inputs))
+    return {
+        "kernel_us": kernel_ms * 1e3,
+        "ref_us": ref_ms * 1e3,
+        "compiled_us": compiled_ms * 1e3,
+        "x_ref": ref_ms / kernel_ms,
+        "x_compiled": compiled_ms / kernel_ms,
+        "compiled_matches_ref": match,
+    }, compiled

@@ -13,13 +13,12 @@ from draftinfer.checkpoint import load_drafter, write_drafter
 from draftinfer.drafters.ptd import PTDConfig, PTDDrafter
 from draftinfer.engine import Request, SpecDecoder
 from draftinfer.errors import CheckpointError
-from draftinfer.models import greedy_generate, load_native_target
+from draftinfer.models import greedy_generate
 from draftinfer.proposers import Eagle3ChainProposer, ParallelProposer
 from draftinfer.reference import reference_generate
 from draftinfer.sampling import SamplingParams
 from drafttrain.config import PTDTrainConfig
 from drafttrain.objectives.ptd import PTDObjective, ptd_dense_mask, sample_slots
-from tests.test_config import compose_preset
 from tests.test_spec_decode import prompts
 from tests.test_ttt import SMALL, randomized, small_drafter
 
@@ -135,28 +134,11 @@ def test_k_beyond_trained_is_refused():
 
 @pytest.fixture(scope="module")
 def ptd_env(train_env, tmp_path_factory):
-    from drafttrain.train import train
+    from tests.tiny_models import train_tiny_export
 
-    out = tmp_path_factory.mktemp("ptd_run")
-    cfg = compose_preset(
-        "ptd_eagle3",
-        [
-            f"target.name_or_path={train_env['target']}",
-            f"data.path={train_env['data']}",
-            f"output_dir={out}",
-            "trainer.max_steps=6",
-            "trainer.progress=false",
-            "trainer.save_every=0",
-            "data.batch_size=4",
-            "drafter.draft_vocab_size=96",
-            "drafter.parallel_k=7",
-            "data.eval_split=null",
-            "export.verify=false",
-        ],
+    target, drafter, meta, _ = train_tiny_export(
+        "ptd_eagle3", train_env, tmp_path_factory.mktemp("ptd_run"), 6, "drafter.parallel_k=7"
     )
-    export = train(cfg)["export_dir"]
-    target = load_native_target(train_env["target"], max_batch=16, max_seq_len=160)
-    drafter, meta = load_drafter(export, embed_tokens=target.embed_tokens.weight)
     assert meta["parallel_k"] == 7 and drafter.parallel
     return {"model": target, "drafter": drafter}
 

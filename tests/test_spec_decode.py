@@ -21,33 +21,15 @@ from draftinfer.metrics import acceptance_length
 from draftinfer.models import greedy_generate, load_native_target
 from draftinfer.reference import reference_generate
 from draftinfer.sampling import SamplingParams
-from tests.test_config import compose_preset
 
 
 @pytest.fixture(scope="module")
 def env(train_env, tmp_path_factory):
-    from drafttrain.train import train
+    from tests.tiny_models import train_tiny_export
 
-    out = tmp_path_factory.mktemp("spec_run")
-    cfg = compose_preset(
-        "eagle3",
-        [
-            f"target.name_or_path={train_env['target']}",
-            f"data.path={train_env['data']}",
-            f"output_dir={out}",
-            "trainer.max_steps=8",
-            "trainer.progress=false",
-            "trainer.save_every=0",
-            "data.batch_size=4",
-            "drafter.draft_vocab_size=96",
-            "drafter.ttt_steps=2",
-            "data.eval_split=null",
-            "export.verify=false",
-        ],
+    target, drafter, _, export = train_tiny_export(
+        "eagle3", train_env, tmp_path_factory.mktemp("spec_run"), 8, "drafter.ttt_steps=2"
     )
-    export = train(cfg)["export_dir"]
-    target = load_native_target(train_env["target"], max_batch=16, max_seq_len=160)
-    drafter, _ = load_drafter(export, embed_tokens=target.embed_tokens.weight)
     return {
         "model": target,
         "drafter": drafter,

@@ -126,3 +126,33 @@ def untrained_drafter(kind: str, target, parallel_k: int = 7):
     d = DRAFTERS[kind](cfg)
     d.embed_tokens.weight.data.copy_(target.embed_tokens.weight.float())
     return d.eval()
+
+
+def train_tiny_export(preset: str, train_env: dict[str, str], out: Path, steps: int, *extra: str):
+    """Briefly train a drafter on the tiny target, export it (no runner verification), and load
+    target + export back natively: (native target, drafter, meta, export dir)."""
+    from draftinfer.checkpoint import load_drafter
+    from draftinfer.models import load_native_target
+    from drafttrain.train import train
+    from tests.test_config import compose_preset
+
+    cfg = compose_preset(
+        preset,
+        [
+            f"target.name_or_path={train_env['target']}",
+            f"data.path={train_env['data']}",
+            f"output_dir={out}",
+            f"trainer.max_steps={steps}",
+            "trainer.progress=false",
+            "trainer.save_every=0",
+            "data.batch_size=4",
+            "drafter.draft_vocab_size=96",
+            "data.eval_split=null",
+            "export.verify=false",
+            *extra,
+        ],
+    )
+    export = train(cfg)["export_dir"]
+    target = load_native_target(train_env["target"], max_batch=16, max_seq_len=160)
+    drafter, meta = load_drafter(export, embed_tokens=target.embed_tokens.weight)
+    return target, drafter, meta, export
