@@ -30,6 +30,8 @@ class InferConfig:
     # "auto": fp32 on CPU (exact lossless check), bf16 on CUDA. Or float32 / bfloat16.
     dtype: str = "auto"
     device: str = "auto"
+    # Compile the target's verify forward and the drafter forward(s) (useful on CUDA).
+    compile: bool = False
     # "fast" (KV-cached loop) or "reference" (recompute everything each round).
     mode: str = "fast"
     # Also run the reference loop and require token equality with the fast path.

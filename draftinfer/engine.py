@@ -1,35 +1,44 @@
-"""The speculative decoding loop (DESIGN section 2).
+"""The speculative decoding loop (DESIGN section 2), for every drafter kind.
 
-Vocabulary: a *round* = drafter proposes up to K *drafts* per request -> the target scores
+Vocabulary: a *round* = the proposer drafts up to K *drafts* per request -> the target scores
 `[bonus, d_1..d_K]` in one forward -> verification accepts `a` drafts and emits one more
 token (the *recovered* token at the first rejection, or the *bonus* token when all K are
 accepted) -> commit `a + 1` tokens -> the committed rows become the drafter's next first pass.
 
 Invariants per request (length `L` = committed tokens, prompt included):
-- the target KV holds positions `0..L-2`; the last committed token `t_{L-1}` is *pending*:
+- the target KV holds cache indices `0..L-2`; the last committed token `t_{L-1}` is *pending*:
   it is the first slot of the next verify forward;
-- the drafter KV holds rows `0..L-2` built from target features once the round's first pass
-  ran (convention 6); the first pass of a round is exactly the rows the last commit added.
+- the drafter state holds rows `0..L-2` built from target features once the round's first
+  pass ran (convention 6); the first pass of a round is exactly the rows the last commit added.
+
+Static shapes, one readback. The round works on all `max_batch` cache rows at once (batch row
+b is cache row b; a row with no live request is all padding), with a first pass of fixed width
+K + 1 and an attention length bucketed on the host (`attn_bucket`), so its shapes depend on
+(max_batch, K, bucket) only. The host uploads the per-row lengths once per round (pinned,
+asynchronous) and reads back once per round (the emitted tokens and accepted counts, for stop
+checks and scheduling); the round's tensor work in between makes no host-device sync
+(`sync_check=True` enforces it on CUDA with `torch.cuda.set_sync_debug_mode("error")`).
 
 Rejected drafts leave stale KV past the committed length in both caches; it is never read
 (see `draftinfer.kv_cache`). Randomness is keyed by (request seed, position), so a request's
 output does not depend on the rest of the batch (convention 12).
-
-The loop syncs with the host once per round (stop checks, scheduling); the round's tensor
-work (`_round`) is free of data-dependent host control flow besides that.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field, replace
 
 import torch
 from draftkernels.chain_inputs import prepare_chain_inputs
 
-from draftinfer.proposers import PROPOSERS
-from draftinfer.sampling import SamplingParams
-from draftinfer.verify import Verifier, with_seed
+from draftinfer.compiled import compiled, target_forward
+from draftinfer.proposer import FirstPass
+from draftinfer.registry import spec_of
+from draftinfer.sampling import SamplingParams, SamplingState, with_seed
+from draftinfer.slots import Slots, attn_bucket
+from draftinfer.verify import Verifier
 
 
 @dataclass
@@ -80,9 +89,29 @@ def finalize_text(req: Request, out: RequestOutput, tokenizer) -> None:
     out.text = text
 
 
+def draft_cap(max_model_len: int, length: int, remaining: int, k: int) -> int:
+    """Drafts a request may propose this round: the round emits up to n + 1 tokens, so
+    n <= max_model_len - L - 1 and n <= max_tokens - produced - 1 (never wrap or overshoot)."""
+    return max(0, min(k, min(max_model_len - length, remaining) - 1))
+
+
+@contextlib.contextmanager
+def no_host_sync(enabled: bool, device: torch.device):
+    """Within the block, any host-device sync on CUDA raises (the round's contract)."""
+    if not enabled or device.type != "cuda":
+        yield
+        return
+    prev = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
+
+
 @dataclass
-class _Slot:
-    """An active request bound to a cache row."""
+class _Active:
+    """A request bound to a cache row."""
 
     idx: int
     req: Request
@@ -91,15 +120,16 @@ class _Slot:
     out: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
     proposed: list[int] = field(default_factory=list)
-    # Pending drafter first pass: ids `[n]`, aux `[n, A]`, positions `[n]`.
-    fp_ids: torch.Tensor | None = None
-    fp_aux: torch.Tensor | None = None
-    fp_pos: torch.Tensor | None = None
     finish: str | None = None
 
 
 class SpecDecoder:
-    """Speculative decoding of a batch of requests with a native target and a drafter."""
+    """Speculative decoding of a batch of requests with a native target and a drafter.
+
+    `compile="all"` (or True) wraps the target's verify forward and the proposer's drafter
+    forward(s) in `torch.compile` from here (STYLE rule 3; `"target"`: the verify forward only);
+    `sync_check=True` makes any host sync inside a round an error (CUDA only).
+    """
 
     def __init__(
         self,
@@ -111,121 +141,209 @@ class SpecDecoder:
         verify: str = "onehot",
         prefill_chunk: int = 512,
         tokenizer=None,
+        compile: bool | str = False,
+        sync_check: bool = False,
     ):
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
+        if max_model_len > target.max_seq_len or max_batch > target.max_batch:
+            raise ValueError(
+                f"max_batch={max_batch} / max_model_len={max_model_len} exceed the target's "
+                f"cache ({target.max_batch} rows x {target.max_seq_len})"
+            )
         self.target, self.drafter, self.k = target, drafter, k
         self.max_batch, self.max_model_len = max_batch, max_model_len
-        self.prefill_chunk, self.tokenizer = prefill_chunk, tokenizer
+        self.prefill_chunk, self.tokenizer, self.sync_check = prefill_chunk, tokenizer, sync_check
         self.device = next(target.parameters()).device
-        self.aux_ids = list(drafter.config.aux_layer_ids)
+        self.features = drafter.config.features
+        spec_of(drafter).check_k(drafter.config, k)
         dtype = next(drafter.parameters()).dtype
-        self.proposer = PROPOSERS[drafter.config.kind](
+        self.proposer = spec_of(drafter).proposer_class(
             drafter, max_batch, max_model_len, self.device, dtype
         )
-        self.verifier = Verifier(verify, drafter)
+        self.verifier = Verifier(verify, target.info.vocab_size)
+        self.sampling = SamplingState(max_batch, self.device)
+        self.rows = torch.arange(max_batch, device=self.device)
+        # Per-row device state: the pending first pass (width K + 1) and the bonus token.
+        B, W, dev = max_batch, k + 1, self.device
+        width = self.features.width(target.info.hidden_size)
+        fdtype = next(target.parameters()).dtype
+        axes = () if target.info.rope_axes == 1 else (target.info.rope_axes,)
+        self.fp = FirstPass(
+            self.rows,
+            torch.zeros(B, W, dtype=torch.long, device=dev),
+            torch.zeros(B, W, width, dtype=fdtype, device=dev),
+            torch.full((B, W), -1, dtype=torch.long, device=dev),
+            torch.zeros(*axes, B, W, dtype=torch.long, device=dev),
+        )
+        self.bonus = torch.zeros(B, dtype=torch.long, device=dev)
+        pin = dev.type == "cuda"
+        self._upload = torch.zeros(3, B, dtype=torch.long, pin_memory=pin)  # L, remaining, live
+        self._target_fwd = target_forward
+        mode = {False: "none", True: "all"}.get(compile, compile)
+        if mode not in ("none", "target", "all"):
+            raise ValueError(f"compile must be none, target or all, got {compile!r}")
+        if mode != "none":
+            self._target_fwd = compiled(target_forward, dynamic=True)
+        if mode == "all":
+            self.proposer.compile(dynamic=True)
 
     # -- target passes ------------------------------------------------------------------
-    def _prefill(self, slot: _Slot) -> None:
-        """Target over the whole prompt (in chunks); sample the first token from the target
-        alone; the prompt rows become the drafter's first pass."""
-        P = len(slot.tokens)
-        ids = torch.tensor(slot.tokens, device=self.device)
-        aux_parts, logits = [], None
-        row = torch.tensor([slot.row], device=self.device)
+    def _admit(self, slot: _Active) -> None:
+        """Prefill the prompt (in chunks), sample the first token from the target alone, hand
+        the prompt rows to the proposer and keep the rows it returns as the pending first pass.
+        Runs between rounds (host syncs allowed)."""
+        P, dev = len(slot.tokens), self.device
+        ids = torch.tensor(slot.tokens, device=dev)
+        row = self.rows[slot.row : slot.row + 1]
+        feats, ropes, logits = [], [], None
         for s in range(0, P, self.prefill_chunk):
             chunk = ids[s : s + self.prefill_chunk]
-            pos = torch.arange(s, s + chunk.numel(), device=self.device)
-            logits, aux = self.target(chunk[None], pos[None], row, self.aux_ids)
-            aux_parts.append(aux[0])
-        first = self.verifier.sample_next(logits[0, -1:], [slot.req.sampling], [P])
+            cache_pos = torch.arange(s, s + chunk.numel(), device=dev)[None]
+            out = self.target(chunk[None], Slots(row, cache_pos), self.features)
+            feats.append(out.features)
+            ropes.append(out.rope_pos)
+            logits = out.logits
+        self.sampling.set(slot.row, slot.req.sampling)
+        t = {name: x[slot.row : slot.row + 1] for name, x in self.sampling.tensors.items()}
+        first = self.verifier.sample_next(logits[0, -1:], t, torch.tensor([P], device=dev))
         tok = int(first[0])
-        slot.out, reason = apply_stops(slot.req, [], [tok], P, self.max_model_len, self.tokenizer)
+        slot.out, slot.finish = apply_stops(
+            slot.req, [], [tok], P, self.max_model_len, self.tokenizer
+        )
         slot.tokens.append(tok)
+        if slot.finish is not None:
+            return
         # Row i consumes (t_{i+1}, f_i) at pos_i for i = 0..P-1 (convention 1).
-        slot.fp_ids = torch.tensor(slot.tokens[1:], device=self.device)
-        slot.fp_aux = torch.cat(aux_parts)
-        slot.fp_pos = torch.arange(P, device=self.device)
-        slot.finish = reason
+        first_pass = FirstPass(
+            row,
+            torch.tensor(slot.tokens[1:], device=dev)[None],
+            torch.cat(feats, dim=1),
+            torch.arange(P, device=dev)[None],
+            torch.cat(ropes, dim=-1),
+        )
+        pending = self.proposer.admit(slot.row, first_pass, attn_bucket(P, self.max_model_len))
+        n = pending.width
+        if n > self.k + 1:
+            raise RuntimeError(f"{type(self.proposer).__name__}.admit kept {n} rows > K + 1")
+        r = slot.row
+        self.fp.ids[r], self.fp.cache_pos[r] = 0, -1
+        self.fp.ids[r, :n] = pending.ids[0]
+        self.fp.features[r, :n] = pending.features[0]
+        self.fp.cache_pos[r, :n] = pending.cache_pos[0]
+        self.fp.rope_pos[..., r, :n] = pending.rope_pos[..., 0, :]
+        self.bonus[r] = tok
 
-    def _pad_first_pass(self, slots: list[_Slot]):
-        T = max(s.fp_ids.numel() for s in slots)
-        B, A = len(slots), slots[0].fp_aux.shape[-1]
-        ids = torch.zeros(B, T, dtype=torch.long, device=self.device)
-        aux = torch.zeros(B, T, A, dtype=slots[0].fp_aux.dtype, device=self.device)
-        pos = torch.full((B, T), -1, dtype=torch.long, device=self.device)
-        for b, s in enumerate(slots):
-            n = s.fp_ids.numel()
-            ids[b, :n], aux[b, :n], pos[b, :n] = s.fp_ids, s.fp_aux, s.fp_pos
-        return ids, aux, pos
-
-    def _round(self, slots: list[_Slot]) -> None:
-        dev, K = self.device, self.k
-        rows = torch.tensor([s.row for s in slots], device=dev)
-        L = torch.tensor([len(s.tokens) for s in slots], device=dev)
-        # Draft cap: the round emits up to n+1 tokens, so n <= max_model_len - L - 1 and
-        # n <= max_tokens - produced - 1 (never wrap, never overshoot).
-        remaining = torch.tensor([s.req.max_tokens - len(s.out) for s in slots], device=dev)
-        num_drafts = torch.clamp(torch.minimum(self.max_model_len - L, remaining) - 1, 0, K)
-        ids, aux, pos = self._pad_first_pass(slots)
-        params = [s.req.sampling for s in slots]
-        choose = self.verifier.draft_chooser(params, L)
-        drafts, q = self.proposer.propose(rows, ids, aux, pos, num_drafts, K, choose)
-        # Verify forward over [t_{L-1}, d_1..d_n] at positions L-1..L-1+n.
-        last = torch.tensor([s.tokens[-1] for s in slots], device=dev)
-        v_ids = torch.cat([last[:, None], drafts], 1)  # [B, K+1]
-        j = torch.arange(K + 1, device=dev)
-        v_pos = torch.where(j[None] <= num_drafts[:, None], (L - 1)[:, None] + j[None], -1)
-        logits, v_aux = self.target(v_ids, v_pos, rows, self.aux_ids)
-        out_ids, n_acc = self.verifier.verify(logits, drafts, q, num_drafts, params, L)
-        # Next first pass (shift: rows L-1..L-1+a consume the emitted tokens; positions; the
-        # last emitted token is the next bonus slot), built on device for the whole batch.
-        fp_ids, fp_pos, _, _ = prepare_chain_inputs(out_ids, n_acc, L)
-        n_acc_l, out_l = n_acc.tolist(), out_ids.tolist()
-        for b, s in enumerate(slots):
-            a = n_acc_l[b]
-            emitted = out_l[b][: a + 1]
+    def _round(self, live: list[_Active]) -> None:
+        """One round for every live request: tensor work with no host sync, then one readback."""
+        K, B = self.k, self.max_batch
+        lengths, remaining = [1] * B, [0] * B
+        host_caps = {}
+        for s in live:
+            lengths[s.row], remaining[s.row] = len(s.tokens), s.req.max_tokens - len(s.out)
+            host_caps[s.row] = draft_cap(self.max_model_len, len(s.tokens), remaining[s.row], K)
+        # Keys the verify forward reads: up to cache index L - 1 + K.
+        needed = min(max(lengths[s.row] for s in live) + K, self.max_model_len)
+        attn_len = attn_bucket(needed, self.max_model_len)
+        all_greedy = all(self.sampling.greedy[s.row] for s in live)
+        self._upload[0] = torch.tensor(lengths)
+        self._upload[1] = torch.tensor(remaining)
+        self._upload[2] = 0
+        self._upload[2, [s.row for s in live]] = 1
+        host = self._upload.to(self.device, non_blocking=True, copy=True)
+        packed = self._round_tensors(host, attn_len, all_greedy)
+        table = packed.tolist()  # the round's one readback: [B, K + 2]
+        for s in live:
+            a = table[s.row][K + 1]
+            emitted = table[s.row][: a + 1]
             s.accepted.append(a)
-            s.proposed.append(int(num_drafts[b]))
-            Lb, n_before = len(s.tokens), len(s.out)
+            s.proposed.append(host_caps[s.row])
+            L, n_before = len(s.tokens), len(s.out)
             s.out, s.finish = apply_stops(
-                s.req, s.out, emitted, Lb, self.max_model_len, self.tokenizer
+                s.req, s.out, emitted, L, self.max_model_len, self.tokenizer
             )
             s.tokens.extend(s.out[n_before:])
-            # With the verify forward's target features: the KV refresh of convention 6.
-            s.fp_ids, s.fp_pos = fp_ids[b, : a + 1], fp_pos[b, : a + 1]
-            s.fp_aux = v_aux[b, : a + 1]
+
+    def _round_tensors(self, host: torch.Tensor, attn_len: int, all_greedy: bool) -> torch.Tensor:
+        """The round's tensor work: propose, verify forward, verify, next first pass.
+        -> `[B, K + 2]`: emitted tokens (-1 padded) and the accepted count last."""
+        K = self.k
+        with no_host_sync(self.sync_check, self.device):
+            L, remaining, live = host[0], host[1], host[2].bool()
+            # Draft cap (see `draft_cap`), 0 for rows with no live request.
+            cap = torch.clamp(torch.minimum(self.max_model_len - L, remaining) - 1, 0, K)
+            num_drafts = torch.where(live, cap, 0)
+            fp = replace(self.fp, cache_pos=torch.where(live[:, None], self.fp.cache_pos, -1))
+            t = self.sampling.tensors
+            choose = self.verifier.draft_chooser(t, L)
+            drafts, q = self.proposer.propose(fp, num_drafts, K, choose, attn_len)
+            # Verify forward over [t_{L-1}, d_1..d_n] at cache indices L-1..L-1+n.
+            j = torch.arange(K + 1, device=self.device)
+            v_ids = torch.cat([self.bonus[:, None], drafts], 1)  # [B, K + 1]
+            v_live = live[:, None] & (j[None] <= num_drafts[:, None])
+            v_cache = torch.where(v_live, (L - 1)[:, None] + j[None], -1)
+            v_rope = self.target.rope_positions(v_cache, self.rows)
+            f = self.features
+            logits, v_feat = self._target_fwd(
+                self.target,
+                v_ids,
+                self.rows,
+                v_cache,
+                v_rope,
+                attn_len,
+                f.layer_inputs,
+                f.final_hidden,
+            )
+            out_ids, n_acc = self.verifier.verify(
+                logits, drafts, q, self.proposer.draft_vocab_ids(), num_drafts, t, L, all_greedy
+            )
+            # Next first pass: rows L-1..L-1+a consume the emitted tokens with the verify
+            # forward's target features (the KV refresh of convention 6); the last emitted
+            # token is the next bonus slot. Built on the device for the whole batch.
+            fp_ids, fp_cache, _, bonus = prepare_chain_inputs(out_ids, n_acc, L)
+            self.fp = FirstPass(self.rows, fp_ids, v_feat, fp_cache, v_rope)
+            self.bonus = bonus
+            return torch.cat([out_ids, n_acc[:, None]], dim=1)
 
     def generate(self, requests: list[Request], on_finish=None) -> tuple[list[RequestOutput], dict]:
         """Continuous batching over `max_batch` cache rows; outputs in request order.
-        `on_finish()` is called as each request completes (progress bars)."""
+        `on_finish()` is called as each request completes (progress bars). The stats hold the
+        wall time of every round (`round_seconds`; each round ends in its readback)."""
         for r in requests:
             if len(r.prompt_ids) >= self.max_model_len:
                 raise ValueError(
                     f"prompt of {len(r.prompt_ids)} tokens does not fit "
                     f"max_model_len {self.max_model_len}"
                 )
+            if not r.prompt_ids:
+                raise ValueError("every prompt needs at least one token")
         pending = list(enumerate(requests))[::-1]
         free_rows = list(range(self.max_batch))[::-1]
-        active: list[_Slot] = []
+        active: list[_Active] = []
         results: dict[int, RequestOutput] = {}
+        round_seconds: list[float] = []
         t0 = time.perf_counter()
-        rounds = 0
         while pending or active:
             while pending and free_rows:
                 idx, req = pending.pop()
-                req = replace(req, sampling=with_seed(req.sampling))
-                slot = _Slot(idx, req, free_rows.pop(), list(req.prompt_ids))
-                self._prefill(slot)
+                slot = _Active(
+                    idx,
+                    replace(req, sampling=with_seed(req.sampling)),
+                    free_rows.pop(),
+                    list(req.prompt_ids),
+                )
+                self._admit(slot)
                 active.append(slot)
             live = [s for s in active if s.finish is None]
             if live:
+                start = time.perf_counter()
                 self._round(live)
-                rounds += 1
+                round_seconds.append(time.perf_counter() - start)
             for s in [s for s in active if s.finish is not None]:
                 res = RequestOutput(s.out, s.finish, accepted=s.accepted, proposed=s.proposed)
                 finalize_text(s.req, res, self.tokenizer)
                 results[s.idx] = res
+                self.proposer.release(s.row)
                 free_rows.append(s.row)
                 active.remove(s)
                 if on_finish is not None:
@@ -236,6 +354,7 @@ class SpecDecoder:
         outs = [results[i] for i in range(len(requests))]
         return outs, {
             "seconds": elapsed,
-            "rounds": rounds,
+            "rounds": len(round_seconds),
+            "round_seconds": round_seconds,
             "tokens": sum(len(o.token_ids) for o in outs),
         }

@@ -12,3 +12,7 @@ class ConfigError(DraftError):
 
 class CheckpointError(DraftError):
     """A checkpoint on disk is missing, corrupted, or of the wrong kind or size."""
+
+
+class DataError(DraftError):
+    """The dataset or tokenizer cannot give what training (or the runner's prompts) need."""

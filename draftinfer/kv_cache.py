@@ -1,15 +1,19 @@
-"""A static (preallocated) KV cache addressed by (cache row, position), gpt-fast style.
+"""One KV-cache design for targets and drafters: static (preallocated), addressed by
+(cache row, cache index), with a scratch column for padding slots (gpt-fast style).
 
-Every query slot carries its position; its key/value are written at `[row, position]` and
-it attends to indices `0..position` of its row. Slots with position -1 are padding: they
-write nothing and their outputs are garbage the caller ignores.
+Per layer, `k` and `v` are `[max_batch, max_len + 1, n_kv, head_dim]`. Slot `(b, t)` writes
+its key/value at `[rows[b], cache_pos[b, t]]`; a padding slot (`cache_pos = -1`) writes into
+the extra last column, which no query ever reads (reads stop at `attn_len <= max_len`). So a
+padded batch needs no boolean indexing and no host sync, and with a fixed `attn_len` every
+forward has static shapes.
 
-Why no explicit rollback is ever needed: a round writes positions from the committed length
-on, and every later query at position p only reads indices <= p. Entries a rejected draft
-left past the committed length are therefore overwritten (by the next round's writes, which
-start at the committed length and proceed in order) before any query can see them.
-Conventions 6 and 7 follow from the same rule: the mask is rebuilt from positions at every
-call, so no sequence-length state can go stale between draft steps.
+Visibility: a query at cache index `p` reads cache indices `0..p` of its row (padding slots
+read index 0 only, so no softmax row is empty). Why no rollback is ever needed: a round writes
+indices from the committed length on, in order, and each layer writes before it reads; a query
+at `p` never looks past `p`. An entry a rejected draft left past the committed length is
+therefore overwritten before any query can see it, or never read at all. Conventions 6 and 7
+follow from the same rule: the mask is rebuilt from `cache_pos` at every call, so no
+sequence-length state can go stale between draft steps.
 """
 
 from __future__ import annotations
@@ -17,62 +21,112 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from draftinfer.drafters.layers import expand_kv
+from draftinfer.slots import Slots, max_live_position
 
 
-class StaticKVCache:
-    """Per-layer K/V tensors `[max_batch, max_seq_len, n_kv, head_dim]`."""
+def write_index(cache_pos: torch.Tensor, scratch: int) -> torch.Tensor:
+    """Cache index each slot writes: its `cache_pos`, or the scratch column for padding."""
+    return torch.where(cache_pos >= 0, cache_pos, torch.full_like(cache_pos, scratch))
+
+
+def visibility_mask(cache_pos: torch.Tensor, attn_len: int, group: int) -> torch.Tensor:
+    """Bool `[B, 1, T * group, attn_len]`: query slot `(b, t)` (repeated for the `group` query
+    heads of each KV head, see `cached_attention`) may read cache index `j` iff
+    `j <= cache_pos[b, t]`; padding slots read index 0 only."""
+    B, T = cache_pos.shape
+    keys = torch.arange(attn_len, device=cache_pos.device)
+    mask = keys <= cache_pos.clamp(min=0)[..., None]  # [B, T, L]
+    return mask[:, None, :, None, :].expand(B, 1, T, group, attn_len).reshape(B, 1, T * group, -1)
+
+
+def resolve_attn_len(slots: Slots, max_len: int) -> int:
+    """`slots.attn_len`, or max live cache index + 1 found with one host sync (and checked)."""
+    if slots.attn_len is not None:
+        if not 1 <= slots.attn_len <= max_len:
+            raise ValueError(f"attn_len={slots.attn_len} must be in 1..{max_len}")
+        return slots.attn_len
+    top = max_live_position(slots.cache_pos)
+    if top >= max_len:
+        raise ValueError(
+            f"cache index {top} is out of range: the KV cache holds {max_len} positions "
+            f"(0..{max_len - 1}); positions never wrap"
+        )
+    return max(top + 1, 1)
+
+
+def cached_attention(
+    q: torch.Tensor,  # [B, T, nh, D]
+    k: torch.Tensor,  # [B, T, nkv, D]
+    v: torch.Tensor,  # [B, T, nkv, D]
+    k_cache: torch.Tensor,  # [max_batch, max_len + 1, nkv, D]
+    v_cache: torch.Tensor,
+    rows: torch.Tensor,  # [B]
+    write_pos: torch.Tensor,  # [B, T] from `write_index`
+    mask: torch.Tensor,  # [B, 1, T * g, L] from `visibility_mask`
+    attn_len: int,  # L
+) -> torch.Tensor:
+    """Write this forward's K/V, then attend over the row's first `attn_len` cache indices.
+    -> `[B, T, nh, D]`.
+
+    GQA without copying K/V per query head: head h uses KV head h // g (HF's repeat_kv order),
+    so the group is folded into the query-length axis: `[B, nkv, T * g, D]`.
+    """
+    B, T, nh, d = q.shape
+    nkv = k.shape[2]
+    write_rows = rows[:, None].expand(B, T)
+    k_cache.index_put_((write_rows, write_pos), k.to(k_cache.dtype))
+    v_cache.index_put_((write_rows, write_pos), v.to(v_cache.dtype))
+    kc = k_cache[rows, :attn_len].transpose(1, 2).to(q.dtype)  # [B, nkv, L, D]
+    vc = v_cache[rows, :attn_len].transpose(1, 2).to(q.dtype)
+    g = nh // nkv
+    qf = q.view(B, T, nkv, g, d).permute(0, 2, 1, 3, 4).reshape(B, nkv, T * g, d)
+    o = F.scaled_dot_product_attention(qf, kc, vc, attn_mask=mask)  # [B, nkv, T * g, D]
+    return o.view(B, nkv, T, g, d).permute(0, 2, 1, 3, 4).reshape(B, T, nh, d)
+
+
+def bind_cache(k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], slots: Slots):
+    """An `attn_fn(layer, q, k, v)` over per-layer caches `[max_batch, max_len + 1, nkv, D]`
+    for one forward over `slots`: the write index and the mask are built once and shared by
+    every layer."""
+    max_len = k_cache[0].shape[1] - 1
+    attn_len = resolve_attn_len(slots, max_len)
+    write_pos = write_index(slots.cache_pos, max_len)
+    masks: dict[int, torch.Tensor] = {}
+
+    def attn_fn(layer: int, q, k, v):
+        g = q.shape[2] // k.shape[2]
+        if g not in masks:
+            masks[g] = visibility_mask(slots.cache_pos, attn_len, g)
+        return cached_attention(
+            q, k, v, k_cache[layer], v_cache[layer], slots.rows, write_pos, masks[g], attn_len
+        )
+
+    return attn_fn
+
+
+class KVCache:
+    """Per-layer K/V for a stack of attention layers (a drafter's, or anything outside an
+    `nn.Module`); the native targets keep the same tensors as module buffers."""
 
     def __init__(
         self,
         num_layers: int,
         max_batch: int,
-        max_seq_len: int,
+        max_len: int,
         n_kv: int,
         head_dim: int,
         device: torch.device | str,
         dtype: torch.dtype,
     ):
-        shape = (max_batch, max_seq_len, n_kv, head_dim)
+        shape = (max_batch, max_len + 1, n_kv, head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
-        self.max_seq_len = max_seq_len
+        self.max_len, self.n_kv = max_len, n_kv
 
-    def attend(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        positions: torch.Tensor,
-        rows: torch.Tensor,
-    ) -> torch.Tensor:
-        """q `[B, T, nh, D]`, k/v `[B, T, nkv, D]`, positions `[B, T]` (-1 = padding),
-        rows `[B]` -> `[B, T, nh, D]`."""
-        B, T = positions.shape
-        valid = positions >= 0
-        if int(positions.max()) >= self.max_seq_len:
-            raise ValueError(f"position {int(positions.max())} >= cache length {self.max_seq_len}")
-        r = rows[:, None].expand(B, T)[valid]
-        p = positions[valid]
-        self.k[layer][r, p] = k[valid].to(self.k[layer].dtype)
-        self.v[layer][r, p] = v[valid].to(self.v[layer].dtype)
-        S = max(int(positions.max()) + 1, 1)  # all-padding calls still attend to index 0
-        nh = q.shape[2]
-        K = expand_kv(self.k[layer][rows, :S], nh).transpose(1, 2)  # [B, nh, S, D]
-        V = expand_kv(self.v[layer][rows, :S], nh).transpose(1, 2)
-        idx = torch.arange(S, device=positions.device)
-        mask = idx[None, None, :] <= positions[:, :, None]  # [B, T, S]
-        mask[..., 0] |= ~valid  # padding slots see index 0 so softmax stays finite
-        o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), K.to(q.dtype), V.to(q.dtype), attn_mask=mask[:, None]
-        )
-        return o.transpose(1, 2)
+    def bind(self, slots: Slots):
+        """An `attn_fn(layer, q, k, v)` for one forward over `slots`."""
+        return bind_cache(self.k, self.v, slots)
 
-    def bind(self, positions: torch.Tensor, rows: torch.Tensor):
-        """An `attn_fn(layer, q, k, v)` for one forward over these slots."""
-
-        def attn_fn(layer: int, q, k, v):
-            return self.attend(layer, q, k, v, positions, rows)
-
-        return attn_fn
+    def snapshot(self, row: int, n: int) -> list[torch.Tensor]:
+        """K and V of every layer at cache indices `0..n-1` of `row` (tests: KV refresh)."""
+        return [t[row, :n].clone() for pair in zip(self.k, self.v) for t in pair]

@@ -4,7 +4,8 @@ Every round recomputes the target over the whole committed sequence and the draf
 scratch over all its rows (causal attention over the concatenation, no KV cache), then
 verifies with the same `Verifier` as the fast path. The fast path (`SpecDecoder`) must
 match it token for token; any stale-cache, pairing, position or refresh bug in the fast
-path shows up as a difference.
+path shows up as a difference. Works for every registered kind through its proposer's
+`reference_drafts`.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ from dataclasses import replace
 
 import torch
 
-from draftinfer.engine import Request, RequestOutput, apply_stops, finalize_text
-from draftinfer.proposers import PROPOSERS
-from draftinfer.verify import Verifier, with_seed
+from draftinfer.engine import Request, RequestOutput, apply_stops, draft_cap, finalize_text
+from draftinfer.registry import spec_of
+from draftinfer.sampling import SamplingState, with_seed
+from draftinfer.slots import Slots
+from draftinfer.verify import Verifier
 
 
 @torch.no_grad()
@@ -28,42 +31,41 @@ def reference_generate(
     verify: str = "onehot",
     tokenizer=None,
 ) -> list[RequestOutput]:
-    verifier = Verifier(verify, drafter)
+    verifier = Verifier(verify, target.info.vocab_size)
+    reference_drafts = spec_of(drafter).proposer_class.reference_drafts
+    features = drafter.config.features
+    vocab_ids = drafter.draft_vocab_ids()
     dev = next(target.parameters()).device
-    aux_ids = list(drafter.config.aux_layer_ids)
     row0 = torch.zeros(1, dtype=torch.long, device=dev)
 
     def full_target(tokens: list[int]):
-        """Target over tokens[0..n-1] from position 0: (logits [n, V], aux taps [n, 3H])."""
+        """Target over tokens[0..n-1] from cache index 0: logits `[n, V]`, features
+        `[n, F]`, RoPE positions `[n]` / `[3, n]`."""
         ids = torch.tensor(tokens, device=dev)[None]
-        pos = torch.arange(len(tokens), device=dev)[None]
-        logits, aux = target(ids, pos, row0, aux_ids)
-        return logits[0], aux[0]
+        out = target(ids, Slots(row0, torch.arange(len(tokens), device=dev)[None]), features)
+        return out.logits[0], out.features[0], out.rope_pos[..., 0, :]
 
     outputs = []
     for req in requests:
         req = replace(req, sampling=with_seed(req.sampling))
+        t = SamplingState.of([req.sampling], dev).tensors
         tokens = list(req.prompt_ids)
-        logits, _ = full_target(tokens)
+        logits, _, _ = full_target(tokens)
         P = len(tokens)
-        first = int(verifier.sample_next(logits[-1:], [req.sampling], [P])[0])
+        first = int(verifier.sample_next(logits[-1:], t, torch.tensor([P], device=dev))[0])
         out, finish = apply_stops(req, [], [first], P, max_model_len, tokenizer)
         tokens.append(first)
         accepted, proposed = [], []
         while finish is None:
             L = len(tokens)
-            n = max(0, min(k, min(max_model_len - L, req.max_tokens - len(out)) - 1))
+            n = draft_cap(max_model_len, L, req.max_tokens - len(out), k)
             Lt = torch.tensor([L], device=dev)
-            _, aux = full_target(tokens[:-1])  # features f_0..f_{L-2}
-            # Drafter rows 0..L-2: row i consumes (t_{i+1}, f_i) at position i.
+            _, feats, rope = full_target(tokens[:-1])  # features f_0..f_{L-2}
+            # Drafter rows 0..L-2: row i consumes (t_{i+1}, f_i) at position pos_i.
             ids = torch.tensor(tokens[1:], device=dev)
-            feats = drafter.project_aux(aux.to(drafter.fc.weight.dtype))
-            pos = torch.arange(L - 1, device=dev)
-            choose = verifier.draft_chooser([req.sampling], Lt)
-            drafts, qs = PROPOSERS[drafter.config.kind].reference_drafts(
-                drafter, ids, feats, pos, n, choose
-            )
-            v_logits, _ = full_target(tokens + drafts)
+            choose = verifier.draft_chooser(t, Lt)
+            drafts, qs = reference_drafts(drafter, ids, feats, rope, n, choose)
+            v_logits, _, _ = full_target(tokens + drafts)
             v_logits = v_logits[L - 1 : L + n]  # [n+1, V]: scores for d_1..d_n and the bonus
             V = v_logits.shape[-1]
             pad = torch.zeros(k + 1, V, device=dev, dtype=v_logits.dtype)
@@ -75,7 +77,7 @@ def reference_generate(
                 q_t = torch.zeros(1, k, qs[0].shape[-1], device=dev, dtype=qs[0].dtype)
                 q_t[0, :n] = torch.cat(qs)
             out_ids, n_acc = verifier.verify(
-                pad[None], d_t, q_t, torch.tensor([n], device=dev), [req.sampling], Lt
+                pad[None], d_t, q_t, vocab_ids, torch.tensor([n], device=dev), t, Lt
             )
             a = int(n_acc[0])
             accepted.append(a)

@@ -24,9 +24,10 @@ import torch
 from draftinfer.checkpoint import load_drafter, read_drafter_config
 from draftinfer.config import InferConfig
 from draftinfer.engine import Request, SpecDecoder
-from draftinfer.errors import CheckpointError, ConfigError
+from draftinfer.errors import ConfigError
 from draftinfer.metrics import acceptance_length, per_position_acceptance
 from draftinfer.paths import resolve_path
+from draftinfer.prompts import load_conversations, render_prompts
 from draftinfer.sampling import SamplingParams
 
 
@@ -43,61 +44,6 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in table:
         raise ConfigError(f"dtype must be auto or one of {sorted(table)}, got {name!r}")
     return table[name]
-
-
-def check_fit(drafter_cfg, target) -> None:
-    """One-line errors when the drafter was not made for this target."""
-    tc = target.config
-    if drafter_cfg.vocab_size != tc.vocab_size:
-        raise CheckpointError(
-            f"drafter vocabulary {drafter_cfg.vocab_size} does not match the "
-            f"target's {tc.vocab_size}"
-        )
-    if drafter_cfg.target_hidden_size != tc.hidden_size:
-        raise CheckpointError(
-            f"drafter expects target hidden size "
-            f"{drafter_cfg.target_hidden_size}, target has {tc.hidden_size}"
-        )
-    bad = [j for j in drafter_cfg.aux_layer_ids if not 0 <= j < tc.num_layers]
-    if bad:
-        raise CheckpointError(
-            f"drafter taps target layers {bad}; the target has {tc.num_layers} layers"
-        )
-
-
-def load_prompts(cfg: InferConfig, tokenizer) -> list[list[int]]:
-    """Token ids of each prompt, rendered with the target's chat template."""
-    path = resolve_path(cfg.prompts)
-    if path.endswith(".txt"):
-        if not Path(path).is_file():
-            raise ConfigError(f"prompts file not found: {cfg.prompts}")
-        convs = [
-            [{"role": "user", "content": ln}]
-            for ln in Path(path).read_text().splitlines()
-            if ln.strip()
-        ]
-    else:
-        from drafttrain.config import DataConfig  # the same loader training uses
-        from drafttrain.data import load_chat_dataset, normalize_messages
-
-        ds = load_chat_dataset(DataConfig(path=cfg.prompts, split=cfg.prompts_split))
-        convs = []
-        for row in ds:
-            msgs = normalize_messages(row["messages"])
-            first_asst = next(
-                (i for i, m in enumerate(msgs) if m["role"] == "assistant"), len(msgs)
-            )
-            if first_asst:
-                convs.append(msgs[:first_asst])
-    convs = convs[: cfg.num_prompts]
-    if not convs:
-        raise ConfigError(f"no prompts in {cfg.prompts!r}")
-    out = []
-    for c in convs:
-        enc = tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True)
-        ids = enc["input_ids"] if hasattr(enc, "keys") else enc
-        out.append([int(t) for t in ids][: cfg.max_model_len - 2])
-    return out
 
 
 def save_acceptance_plot(per_pos: list[float], al: float, title: str, path: Path) -> None:
@@ -126,6 +72,28 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def check_infer_config(cfg: InferConfig) -> None:
+    """One-line `ConfigError`s for values that would fail later (after loading and decoding)."""
+    from draftinfer.verify import VERIFY_MODES
+
+    if not cfg.drafter:
+        raise ConfigError("drafter=DIR is required (an exported drafter directory)")
+    if cfg.mode not in ("fast", "reference"):
+        raise ConfigError(f"mode must be fast or reference, got {cfg.mode!r}")
+    if cfg.verify not in VERIFY_MODES:
+        raise ConfigError(f"verify must be one of {VERIFY_MODES}, got {cfg.verify!r}")
+    for name in ("k", "batch_size", "num_prompts", "max_new_tokens", "prefill_chunk"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.max_model_len < 4:
+        raise ConfigError(f"max_model_len must be >= 4, got {cfg.max_model_len}")
+    if not cfg.temperature >= 0.0 or not 0.0 < cfg.top_p <= 1.0 or cfg.top_k < -1:
+        raise ConfigError(
+            f"sampling needs temperature >= 0, 0 < top_p <= 1, top_k >= -1; got "
+            f"{cfg.temperature}, {cfg.top_p}, {cfg.top_k}"
+        )
+
+
 def run_eval(cfg: InferConfig) -> dict[str, Any]:
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
@@ -133,13 +101,10 @@ def run_eval(cfg: InferConfig) -> dict[str, Any]:
     from draftinfer.models import greedy_generate, load_native_target
     from draftinfer.reference import reference_generate
 
-    if not cfg.drafter:
-        raise ConfigError("drafter=DIR is required (an exported drafter directory)")
-    if cfg.mode not in ("fast", "reference"):
-        raise ConfigError(f"mode must be fast or reference, got {cfg.mode!r}")
+    check_infer_config(cfg)
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
-    _, arch, meta = read_drafter_config(cfg.drafter)
+    spec, arch, meta = read_drafter_config(cfg.drafter)
     target_name = cfg.target or meta.get("target") or ""
     if not target_name:
         raise ConfigError("target=... is required: the drafter does not record its target")
@@ -147,12 +112,12 @@ def run_eval(cfg: InferConfig) -> dict[str, Any]:
     target = load_native_target(
         target_path, device, dtype, max_batch=cfg.batch_size, max_seq_len=cfg.max_model_len
     )
-    check_fit(arch, target)
-    drafter, _ = load_drafter(
-        cfg.drafter, embed_tokens=target.embed_tokens.weight, device=device, dtype=dtype
-    )
+    spec.check_fit(arch, target.info)
+    spec.check_k(arch, cfg.k)
+    drafter, _ = load_drafter(cfg.drafter, target.shared_weights(), device=device, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(target_path)
-    prompts = load_prompts(cfg, tokenizer)
+    convs = load_conversations(cfg.prompts, cfg.prompts_split, cfg.num_prompts)
+    prompts = render_prompts(convs, tokenizer, cfg.max_model_len - 2)
     eos = list(target.config.eos_token_ids)
     requests = [
         Request(
@@ -189,6 +154,7 @@ def run_eval(cfg: InferConfig) -> dict[str, Any]:
         verify=cfg.verify,
         prefill_chunk=cfg.prefill_chunk,
         tokenizer=tokenizer,
+        compile=cfg.compile,
     )
     if cfg.mode == "fast":
         decoder.generate(requests[:1])  # warm-up
@@ -231,7 +197,7 @@ def run_eval(cfg: InferConfig) -> dict[str, Any]:
     report = {
         "drafter": str(cfg.drafter),
         "target": target_name,
-        "drafter_kind": arch.kind,
+        "drafter_kind": spec.name,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "dtype": str(dtype).removeprefix("torch."),
         "mode": cfg.mode,
@@ -260,7 +226,7 @@ def run_eval(cfg: InferConfig) -> dict[str, Any]:
         save_acceptance_plot(
             per_pos,
             al,
-            f"{arch.kind} k={cfg.k} on {Path(target_name).name}",
+            f"{spec.name} k={cfg.k} on {Path(target_name).name}",
             path.with_suffix(".png"),
         )
     return report

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -211,19 +211,20 @@ def uniforms_for(
     seeds: torch.Tensor,  # [B] int64, one seed per request
     positions: torch.Tensor,  # [B] int64, position of each request's first draft token
     cu_num_draft: torch.Tensor,  # [B + 1] int, request b owns draft rows cu[b]:cu[b+1]
-    num_draft_tokens: int,  # N = cu[-1] (passed so no host sync is needed)
+    num_draft_tokens: int,  # N >= cu[-1] (passed so no host sync is needed)
     stream: int = STREAM_ACCEPT,
 ) -> torch.Tensor:
     """Uniforms in (0, 1] for the acceptance test of every draft row. [N] fp32.
 
     Row `cu[b] + j` is keyed by `(seeds[b], positions[b] + j)`: the draft's own position, so
-    the value does not depend on the batch or on how many drafts the round has.
+    the value does not depend on the batch or on how many drafts the round has. `N` may exceed
+    `cu[-1]` (a static-shape buffer); rows past it hold values nobody reads.
     """
     device = cu_num_draft.device
     seeds, positions = _as_tensor(seeds, device), _as_tensor(positions, device)
     cu = cu_num_draft.to(torch.int64)
     rows = torch.arange(num_draft_tokens, device=device)
-    req = torch.searchsorted(cu[1:], rows, right=True)  # [N]
+    req = torch.searchsorted(cu[1:], rows, right=True).clamp(max=cu.numel() - 2)  # [N]
     row_pos = positions[req] + (rows - cu[req])
     bits = random_bits(seeds[req], row_pos, stream)
     # Top 24 bits + 1 over 2**24: exactly representable fp32 in (0, 1], never 0, so a draft
@@ -254,3 +255,38 @@ def exponential_noise(
     u = (_shr(bits, 11) + 1).to(torch.float64) * 2.0**-53
     noise = (-torch.log(u)).to(torch.float32)
     return noise[0] if scalar else noise
+
+
+def with_seed(params: SamplingParams) -> SamplingParams:
+    """The request's params with its seed fixed (a fresh one when unseeded)."""
+    return replace(params, seed=resolve_seed(params.seed))
+
+
+class SamplingState:
+    """Per-row sampling tensors on the device (`temperature`, `top_k`, `top_p`, `is_greedy`,
+    `seed`, each `[R]`), written when a request is admitted to a row, so a round reads them
+    without building tensors from Python lists (no host-to-device copy inside the round).
+    `greedy` mirrors `is_greedy` on the host (the all-greedy fast path is a host decision)."""
+
+    def __init__(self, rows: int, device: torch.device | str):
+        self.device = torch.device(device)
+        self.tensors = sampling_tensors([SamplingParams(0.0, seed=0)] * rows, self.device)
+        self.tensors["seed"] = torch.zeros(rows, dtype=torch.long, device=self.device)
+        self.greedy = [True] * rows
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams], device: torch.device | str) -> SamplingState:
+        state = cls(len(params), device)
+        for row, p in enumerate(params):
+            state.set(row, p)
+        return state
+
+    def set(self, row: int, params: SamplingParams) -> None:
+        """Row `row` now samples with `params` (seed resolved by `with_seed` beforehand)."""
+        if params.seed is None:
+            raise ValueError("unresolved seed: admit requests through with_seed()")
+        one = sampling_tensors([params], self.device)
+        one["seed"] = torch.tensor([params.seed], dtype=torch.long, device=self.device)
+        for name, t in one.items():
+            self.tensors[name][row] = t[0]
+        self.greedy[row] = params.is_greedy

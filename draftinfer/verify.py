@@ -1,5 +1,5 @@
 """Verification of one round: target probabilities, seeded randomness and the rejection
-sampler, for a padded batch of requests.
+sampler, for a padded batch of requests, with static shapes and no host sync.
 
 Modes:
 - `onehot` (default): drafts are the drafter's argmax; q is one-hot, so a draft `d` is
@@ -11,12 +11,14 @@ Modes:
 Randomness is keyed by (request seed, position of the token it decides) through
 `draftinfer.sampling` (DESIGN 3.12). Greedy requests (temperature 0) accept while the draft
 equals the target argmax and emit the argmax at the first mismatch.
+
+Static shapes: the padded drafts `[B, K]` (request b owns its first `num_drafts[b]`) are
+scattered into the rejection sampler's ragged layout (`cu` offsets) inside a buffer of the
+fixed size `B * K`, and every tensor is sized by `(B, K, V)` alone; the only data the host
+needs (how many drafts were accepted) comes back with the engine's one readback per round.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
-from dataclasses import replace
 
 import torch
 from draftkernels.rejection_sampler import rejection_sample
@@ -24,58 +26,40 @@ from draftkernels.rejection_sampler import rejection_sample
 from draftinfer.sampling import (
     STREAM_DRAFT,
     STREAM_RECOVERY,
-    SamplingParams,
     exponential_noise,
     logits_to_probs,
-    resolve_seed,
     sample_from_probs,
-    sampling_tensors,
     uniforms_for,
 )
 
 VERIFY_MODES = ("onehot", "full")
 
 
-def with_seed(params: SamplingParams) -> SamplingParams:
-    """The request's params with its seed fixed (a fresh one when unseeded)."""
-    return replace(params, seed=resolve_seed(params.seed))
+def _one_hot_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy target distribution: one-hot at the (lowest) argmax. `[R, V]` fp32."""
+    out = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+    return out.scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
 
 
 class Verifier:
-    def __init__(self, mode: str, drafter):
+    def __init__(self, mode: str, vocab_size: int):
         if mode not in VERIFY_MODES:
             raise ValueError(f"verify mode must be one of {VERIFY_MODES}, got {mode!r}")
-        self.mode = mode
-        self.drafter = drafter
-        self.vocab = drafter.config.vocab_size
-
-    @staticmethod
-    def _params(params: Sequence[SamplingParams], device) -> dict[str, torch.Tensor]:
-        """Per-request tensors incl. `seed [B]`; seeds are resolved when a request is admitted
-        (`with_seed`), so a None here is a bug, not an unseeded request."""
-        if any(p.seed is None for p in params):
-            raise ValueError("unresolved seed: admit requests through with_seed()")
-        t = sampling_tensors(params, device)
-        t["seed"] = torch.tensor([p.seed for p in params], dtype=torch.long, device=device)
-        return t
+        self.mode, self.vocab = mode, vocab_size
 
     def sample_next(
-        self, logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]
+        self, logits: torch.Tensor, t: dict[str, torch.Tensor], positions: torch.Tensor
     ) -> torch.Tensor:
         """A token per row from the target alone (first token after prefill). logits `[R, V]`,
-        positions: the position each sampled token will occupy -> `[R]`."""
-        t = self._params(params, logits.device)
+        sampling tensors `[R]`, positions `[R]`: where each sampled token will sit -> `[R]`."""
         probs = logits_to_probs(logits, t["temperature"], t["top_k"], t["top_p"])
-        pos = torch.as_tensor(list(positions), device=logits.device)
-        return sample_from_probs(
-            probs, exponential_noise(t["seed"], pos, probs.shape[-1], logits.device)
-        )
+        noise = exponential_noise(t["seed"], positions, probs.shape[-1], logits.device)
+        return sample_from_probs(probs, noise)
 
-    def draft_chooser(self, params: Sequence[SamplingParams], L: torch.Tensor):
-        """How the proposer picks drafts. The draft of step `s` sits at position `L + s`."""
+    def draft_chooser(self, t: dict[str, torch.Tensor], L: torch.Tensor):
+        """How the proposer picks drafts; the draft of step `s` sits at position `L + s`."""
         if self.mode == "onehot":
             return lambda logits, step: (logits.argmax(-1), None)
-        t = self._params(params, L.device)
 
         def choose(logits: torch.Tensor, step: int):
             q = logits_to_probs(logits, t["temperature"], t["top_k"], t["top_p"])  # [B, Dd]
@@ -91,43 +75,67 @@ class Verifier:
         logits: torch.Tensor,
         drafts: torch.Tensor,
         q: torch.Tensor | None,
+        draft_vocab_ids: torch.Tensor,
         num_drafts: torch.Tensor,
-        params: Sequence[SamplingParams],
+        t: dict[str, torch.Tensor],
         L: torch.Tensor,
+        all_greedy: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits `[B, K+1, V]` of the verify forward over `[t_{L-1}, d_1..d_K]`; drafts
-        `[B, K]` (target ids); q `[B, K, Dd]` or None; num_drafts `[B]`; L `[B]` committed
-        lengths -> (emitted tokens `[B, K+1]` padded with -1, accepted counts `[B]`)."""
+        """Accept drafts and emit one recovered or bonus token per request.
+
+        logits `[B, K+1, V]` of the verify forward over `[t_{L-1}, d_1..d_K]`; drafts `[B, K]`
+        (target ids); q `[B, K, Dd]` over the draft vocabulary whose target ids are
+        `draft_vocab_ids [Dd]`, or None (one-hot); num_drafts `[B]`; sampling tensors `[B]`;
+        L `[B]` committed lengths; `all_greedy` (a host fact) skips the sampling maths.
+        -> (emitted tokens `[B, K+1]` padded with -1, accepted counts `[B]`).
+        """
         B, K1, V = logits.shape
         K = K1 - 1
         dev = logits.device
-        t = self._params(params, dev)
-        live = torch.arange(K, device=dev)[None] < num_drafts[:, None]  # [B, K]
+        N = B * K  # static buffer size; request b's drafts go to rows cu[b]..cu[b+1]-1
         cu = torch.zeros(B + 1, dtype=torch.long, device=dev)
         cu[1:] = torch.cumsum(num_drafts, 0)
-        N = int(cu[-1])
-        rep = lambda x: x.repeat_interleave(num_drafts)  # noqa: E731  per-request -> per-draft
-        target_probs = logits_to_probs(
-            logits[:, :K][live], rep(t["temperature"]), rep(t["top_k"]), rep(t["top_p"])
-        )  # [N, V]
+        j = torch.arange(K, device=dev)
+        live = j[None] < num_drafts[:, None]  # [B, K]
+        dst = torch.where(live, cu[:-1, None] + j[None], N).reshape(-1)  # [B*K], N = dump row
+
+        def ragged(x: torch.Tensor) -> torch.Tensor:
+            """Padded `[B*K, ...]` rows -> the ragged layout in a `[N, ...]` buffer."""
+            out = torch.zeros((N + 1, *x.shape[1:]), dtype=x.dtype, device=dev)
+            return out.index_copy_(0, dst, x)[:N]
+
+        draft_logits = logits[:, :K].reshape(N, V)
+        if all_greedy:
+            target_probs = ragged(_one_hot_rows(draft_logits))
+        else:
+            rep = lambda x: x.repeat_interleave(K)  # noqa: E731  per-request -> per-draft row
+            target_probs = ragged(
+                logits_to_probs(
+                    draft_logits, rep(t["temperature"]), rep(t["top_k"]), rep(t["top_p"])
+                )
+            )
         # The bonus token sits right after the last draft: position L + n.
         bonus_logits = logits[torch.arange(B, device=dev), num_drafts]  # [B, V]
-        bonus_probs = logits_to_probs(bonus_logits, t["temperature"], t["top_k"], t["top_p"])
-        bonus = sample_from_probs(bonus_probs, exponential_noise(t["seed"], L + num_drafts, V, dev))
+        if all_greedy:
+            bonus = bonus_logits.argmax(-1)
+            noise = torch.ones(B, V, device=dev)  # unused by greedy rows
+        else:
+            probs = logits_to_probs(bonus_logits, t["temperature"], t["top_k"], t["top_p"])
+            bonus = sample_from_probs(probs, exponential_noise(t["seed"], L + num_drafts, V, dev))
+            noise = exponential_noise(t["seed"], L, V, dev, stream=STREAM_RECOVERY)
         draft_probs = None
         if q is not None:
-            ids = torch.arange(q.shape[-1], device=dev) + self.drafter.d2t
-            draft_probs = torch.zeros(N, V, device=dev)
-            draft_probs[:, ids] = q[live].float()
-        out, n_acc = rejection_sample(
-            drafts[live].contiguous(),
+            full = torch.zeros(B * K, V, device=dev)
+            full[:, draft_vocab_ids] = q.reshape(B * K, -1).float()
+            draft_probs = ragged(full)
+        return rejection_sample(
+            ragged(drafts.reshape(-1)),
             cu,
             draft_probs,
             target_probs.contiguous(),
             bonus,
-            t["temperature"] == 0.0,
+            t["is_greedy"],
             uniforms_for(t["seed"], L, cu, N),
-            exponential_noise(t["seed"], L, V, dev, stream=STREAM_RECOVERY),
+            noise,
             max_num_draft=K,
         )
-        return out, n_acc

@@ -2,7 +2,8 @@
 
 A thin entry point (STYLE rule 9): rewrite argv (`conf=X` -> Hydra's `--config-name X`, drop
 a launcher's `--local_rank`), compose the config tree under `conf/` against the dataclass
-schema of `drafttrain.config`, convert once, and call `train(cfg)`. Hydra's own flags work:
+schema of `drafttrain.config` (each registered kind's config under `drafter/<kind>_schema`),
+convert once, and call `run_job(cfg)` (train -> export -> verify). Hydra's own flags work:
 `--cfg job` prints the resolved config, `--help` lists the groups.
 """
 
@@ -15,8 +16,9 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from drafttrain.config import DRAFTER_CONFIGS, TrainConfig
+from drafttrain.config import TrainConfig
 from drafttrain.errors import DraftError
+from drafttrain.registry import load_train_kinds
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 DEFAULT_PRESET = "ptd_eagle3"
@@ -44,8 +46,8 @@ def rewrite_argv(argv: list[str]) -> list[str]:
 def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
-    for kind, cls in DRAFTER_CONFIGS.items():
-        cs.store(group="drafter", name=f"{kind}_schema", node=cls)
+    for kind, spec in load_train_kinds().items():
+        cs.store(group="drafter", name=f"{kind}_schema", node=spec.config_class)
 
 
 def to_train_config(cfg: DictConfig) -> TrainConfig:
@@ -58,10 +60,10 @@ def to_train_config(cfg: DictConfig) -> TrainConfig:
 
 @hydra.main(config_path=CONF_DIR, config_name=DEFAULT_PRESET, version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
-    from drafttrain.train import train
+    from drafttrain.job import run_job
 
     try:
-        summary = train(to_train_config(cfg))
+        summary = run_job(to_train_config(cfg))
     except DraftError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -6,13 +6,20 @@ key), and `drafttrain.__main__` converts the composed config into these objects 
 nothing below the entry point imports omegaconf.
 
 Drafter configs are polymorphic: each drafter kind registers its own dataclass (a subclass
-of `DrafterTrainConfig`) under the `drafter/` group, selected by name.
+of `DrafterTrainConfig`, in `drafttrain/kinds/<kind>/`) under the `drafter/` group, selected
+by name. A run's resolved config is read back through the same schema
+(`load_train_config`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+from draftinfer.errors import CheckpointError, ConfigError
 
 
 @dataclass
@@ -31,52 +38,19 @@ class TargetConfig:
 
 @dataclass
 class DrafterTrainConfig:
-    """Fields every drafter kind shares. Kinds subclass this (STYLE rule 6)."""
+    """Fields every drafter kind shares. Kinds subclass this in their own folder
+    (`drafttrain/kinds/<kind>/config.py`, STYLE rule 6) and register it with their `TrainSpec`."""
 
-    kind: str = "eagle3"
+    kind: str = ""
     # Decoder layers in the drafter.
     num_layers: int = 1
-    # Target decoder layers whose *inputs* are tapped (DESIGN 3.2). Empty: (2, L//2, L-3).
-    aux_layer_ids: list[int] = field(default_factory=list)
-    draft_vocab_size: int = 32000
     # Architecture sizes; null means "copy the target's". hidden_size must equal the target's.
     hidden_size: int | None = None
     intermediate_size: int | None = None
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None
     head_dim: int | None = None
-    norm_before_residual: bool = False
-
-
-@dataclass
-class Eagle3TrainConfig(DrafterTrainConfig):
-    kind: str = "eagle3"
-    # Training-time test: number of unrolled draft steps and per-step loss weight decay^k.
-    ttt_steps: int = 7
-    ttt_decay: float = 0.8
     # "auto": flex attention on CUDA, eager (explicit mask) on CPU. Or "eager" / "flex".
-    attention_backend: str = "auto"
-
-
-@dataclass
-class PTDTrainConfig(DrafterTrainConfig):
-    """Parallel drafting (P-EAGLE / PTD): K drafts from one forward via mask slots."""
-
-    kind: str = "ptd"
-    num_layers: int = 2
-    # Drafts per forward (depths 0..K-1) the drafter is trained for.
-    parallel_k: int = 4
-    # Mask token: a reserved id of the target vocabulary; null = the tokenizer's pad token
-    # (else the last id).
-    mask_token_id: int | None = None
-    # Conditional drop-token sampling: an anchor keeps its depth-d slot with probability
-    # keep_ratio given it kept depth d-1 (so ~keep_ratio^d overall), but every depth keeps at
-    # least keep_floor of the anchors; max_slots_per_seq caps the slots of one sequence.
-    keep_ratio: float = 0.7
-    keep_floor: float = 0.1
-    max_slots_per_seq: int = 1024
-    # Loss weight of depth d: depth_decay^d.
-    depth_decay: float = 0.8
     attention_backend: str = "auto"
 
 
@@ -162,8 +136,44 @@ class TrainConfig:
     preset: str = ""
 
 
-# Drafter kind -> its training-config dataclass. Registered with Hydra as `drafter/<kind>_schema`.
-DRAFTER_CONFIGS: dict[str, type[DrafterTrainConfig]] = {
-    "eagle3": Eagle3TrainConfig,
-    "ptd": PTDTrainConfig,
-}
+def _strict(cls, d: Any, where: str):
+    """`d` (parsed YAML) as dataclass `cls`, recursively; unknown keys are errors."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where} must be a mapping, got {type(d).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in d:
+        if key not in names:
+            raise ConfigError(f"{where}: unknown key {key!r} (not in {cls.__name__})")
+    kwargs = {}
+    for key, value in d.items():
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint) and value is not None:
+            value = _strict(hint, value, f"{where}.{key}")
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def train_config_from_dict(d: dict[str, Any], where: str = "training_args.yaml") -> TrainConfig:
+    """The typed schema from a resolved config dict (e.g. a run's `training_args.yaml`): the
+    same classes Hydra composes against, unknown keys are one-line `ConfigError`s, and the
+    drafter section is parsed with its kind's registered config class."""
+    from drafttrain.registry import train_spec
+
+    d = dict(d)
+    drafter = d.pop("drafter", None)
+    if not isinstance(drafter, dict) or "kind" not in drafter:
+        raise ConfigError(f"{where}: the drafter section has no 'kind'")
+    cfg = _strict(TrainConfig, d, where)
+    cfg.drafter = _strict(train_spec(drafter["kind"]).config_class, drafter, f"{where}.drafter")
+    return cfg
+
+
+def load_train_config(path: str | Path) -> TrainConfig:
+    """Read a run's resolved `training_args.yaml` back through the typed schema."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"not a training run: {path} does not exist")
+    return train_config_from_dict(yaml.safe_load(path.read_text()) or {}, str(path))

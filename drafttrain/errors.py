@@ -1,12 +1,8 @@
 """Errors a user can cause in training. Each carries a one-line message naming the problem."""
 
-from draftinfer.errors import CheckpointError, ConfigError, DraftError
+from draftinfer.errors import CheckpointError, ConfigError, DataError, DraftError
 
 DraftTrainError = DraftError
-
-
-class DataError(DraftError):
-    """The dataset or tokenizer cannot give what training needs."""
 
 
 class TargetError(DraftError):

@@ -2,11 +2,12 @@
 
     python -m drafttrain.export RUN_DIR [--out DIR] [--checkpoint step_000200] [--dtype bfloat16]
 
-Writes `config.json` (vLLM/SGLang `LlamaForCausalLMEagle3` layout, our conventions under
-`"drafttrain"`), `model.safetensors`, `config.speculators.json` (vllm-project/speculators
-format), the target's tokenizer files, `training_args.yaml` and a `README.md` model card.
-The tensors come from the run's checkpoint on disk, so the export is exactly what training
-saved.
+Writes `config.json` (the kind's serving layout, e.g. vLLM/SGLang `LlamaForCausalLMEagle3`;
+our conventions under `"drafttrain"`), `model.safetensors`, `config.speculators.json` (when
+the kind has a vllm-project/speculators format), the target's tokenizer files,
+`training_args.yaml` and a `README.md` model card. The run's config is read back through the
+typed schema and the tensors come from the run's checkpoint on disk, so the export is exactly
+what training saved. Nothing here names a drafter kind (`draftinfer.registry`).
 """
 
 from __future__ import annotations
@@ -21,24 +22,27 @@ from typing import Any
 import torch
 import yaml
 
-from draftinfer.checkpoint import atomic_write_text, write_drafter
-from draftinfer.drafters import DRAFTERS
+from draftinfer.checkfields import require
+from draftinfer.checkpoint import atomic_write_text, read_drafter_config, write_drafter
+from draftinfer.registry import drafter_spec
 from drafttrain.checkpoint import latest_checkpoint, load_checkpoint
+from drafttrain.config import load_train_config
 from drafttrain.errors import CheckpointError, DraftError
 from drafttrain.loggers import read_metrics
+from drafttrain.target import load_tokenizer
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def model_card(
     cfg: dict[str, Any],
-    hf: dict[str, Any],
+    kind: str,
+    serving: str,
     metrics: list[dict[str, float]],
     has_plot: bool,
     evaluation: dict[str, float] | None = None,
     runner: dict[str, Any] | None = None,
 ) -> str:
-    kind = hf["drafttrain"]["drafter_kind"]
     target = cfg["target"]["name_or_path"]
     front = {
         "base_model": target,
@@ -57,17 +61,7 @@ def model_card(
         "",
         "## Serving",
         "",
-        'vLLM: `--speculative-config \'{"method": "eagle3", "model": "<this dir>", '
-        + (
-            f'"num_speculative_tokens": {hf.get("parallel_k")}, "parallel_drafting": true}}\'`.'
-            if hf.get("parallel_drafting")
-            else '"num_speculative_tokens": 3}\'`.'
-        )
-        + " SGLang (chain EAGLE-3): `--speculative-algorithm EAGLE3 "
-        "--speculative-draft-model-path <this dir>`.",
-        "",
-        f"Aux taps (inputs of target layers): {hf['eagle_aux_hidden_state_layer_ids']}; "
-        f"draft vocabulary {hf['draft_vocab_size']} of {hf['vocab_size']}.",
+        serving,
         "",
     ]
     if metrics:
@@ -76,7 +70,7 @@ def model_card(
         lines += [
             "## Training metrics (last logging window)",
             "",
-            "| TTT step | " + " | ".join(a[4:] for a in accs) + " |",
+            "| draft | " + " | ".join(a[4:] for a in accs) + " |",
             "|---|" + "---|" * len(accs),
             "| top-1 acc | " + " | ".join(f"{last[a]:.3f}" for a in accs) + " |",
             "",
@@ -139,63 +133,70 @@ def export_run(
     out_dir: str | Path | None = None,
     checkpoint: str | None = None,
     dtype: str | None = None,
+    card: bool = True,
 ) -> Path:
+    """Write the export of `run_dir`'s checkpoint (default: the latest). `card=False` leaves
+    the model card to the caller (the job writes it once, after verification)."""
     run = Path(run_dir)
-    args_path = run / "training_args.yaml"
-    if not args_path.is_file():
-        raise CheckpointError(f"not a training run: {args_path} does not exist")
-    cfg = yaml.safe_load(args_path.read_text())
+    cfg = load_train_config(run / "training_args.yaml")
     ckpt = (
         (run / "checkpoints" / checkpoint) if checkpoint else latest_checkpoint(run / "checkpoints")
     )
     if ckpt is None or not ckpt.is_dir():
         raise CheckpointError(f"no checkpoint to export under {run / 'checkpoints'}")
+    dtype_name = dtype or cfg.export.dtype
+    if dtype_name not in _DTYPES:
+        raise DraftError(f"export dtype must be one of {sorted(_DTYPES)}, got {dtype_name!r}")
     ck = load_checkpoint(ckpt)
     state = ck["state"]
-    kind = state["drafter_kind"]
-    module_cls = DRAFTERS[kind]
-    drafter = module_cls(module_cls.config_class(**state["drafter_config"]))
-    drafter.load_state_dict(ck["drafter"], strict=False)
+    where = str(ckpt / "state.json")
+    spec = drafter_spec(require(state, "drafter_kind", where))
+    arch = spec.config_class(**require(state, "drafter_config", where))
+    drafter = spec.build(arch)
+    drafter.load_own_state(ck["drafter"])
+    objective_meta = require(state, "objective", where)
+    serving_k = int(require(objective_meta, "serving_k", where))
 
     out = Path(out_dir) if out_dir else run / "export"
     out.mkdir(parents=True, exist_ok=True)
-    dtype_name = dtype or cfg.get("export", {}).get("dtype", "bfloat16")
-    if dtype_name not in _DTYPES:
-        raise DraftError(f"export dtype must be one of {sorted(_DTYPES)}, got {dtype_name!r}")
-    target_name = cfg["target"]["name_or_path"]
+    target_name = cfg.target.name_or_path
     meta = {
         "target": target_name,
         "trained_steps": state["step"],
-        "preset": cfg.get("preset"),
-        **state.get("objective", {}),
+        "preset": cfg.preset,
+        **objective_meta,
     }
     write_drafter(out, drafter, meta, _DTYPES[dtype_name])
-    if cfg.get("export", {}).get("speculators_config", True):
-        spec = drafter.config.speculators_config(
-            target_name, int(state.get("objective", {}).get("serving_k", 3))
-        )
-        atomic_write_text(out / "config.speculators.json", json.dumps(spec, indent=2) + "\n")
-    from drafttrain.train import load_tokenizer
-
+    spec_cfg = spec.speculators_config(arch, target_name, serving_k)
+    if cfg.export.speculators_config and spec_cfg is not None:
+        atomic_write_text(out / "config.speculators.json", json.dumps(spec_cfg, indent=2) + "\n")
     load_tokenizer(target_name).save_pretrained(str(out))
-    shutil.copyfile(args_path, out / "training_args.yaml")
+    shutil.copyfile(run / "training_args.yaml", out / "training_args.yaml")
     plot = run / "training_curves.png"
     if plot.is_file():
         shutil.copyfile(plot, out / "training_curves.png")
-    write_model_card(run, out)
+    if card:
+        write_model_card(run, out)
     return out
 
 
 def write_model_card(run: Path, out: Path) -> None:
-    """(Re)write `out/README.md` from the run's config, metrics, held-out evaluation and, when
+    """Write `out/README.md` from the run's config, metrics, held-out evaluation and, when
     present, the runner's report `out/runner_report.json`."""
     cfg = yaml.safe_load((run / "training_args.yaml").read_text())
-    hf = json.loads((out / "config.json").read_text())
+    spec, arch, meta = read_drafter_config(out)
     ev_path, rep_path = run / "eval.json", out / "runner_report.json"
     evaluation = json.loads(ev_path.read_text()) if ev_path.is_file() else None
     runner = json.loads(rep_path.read_text()) if rep_path.is_file() else None
+    serving = spec.serving_hint(arch, int(meta["serving_k"]))
     card = model_card(
-        cfg, hf, read_metrics(run), (out / "training_curves.png").is_file(), evaluation, runner
+        cfg,
+        spec.name,
+        serving,
+        read_metrics(run),
+        (out / "training_curves.png").is_file(),
+        evaluation,
+        runner,
     )
     atomic_write_text(out / "README.md", card)
 

@@ -1,24 +1,34 @@
-"""The frozen target: load any HF causal LM and capture what drafter training needs.
+"""The frozen target of training: any HF causal LM behind the target interface
+(`draftinfer.target`): `forward(inputs, slots, features) -> TargetOutput`.
 
-Aux taps (DESIGN 3.2): tap `j` is the hidden state *entering* decoder layer `j` exactly as
-that layer receives it, captured by a forward pre-hook, so only the tapped layers' inputs
-are kept (never every layer's hidden states). For text models this equals HF's
-`output_hidden_states[j]`; for Qwen3-VL it differs by the DeepStack add, which is why we
-hook instead of reading `hidden_states`.
+Features are captured with hooks, so only what the drafter's `FeatureSpec` names is kept
+(never every layer's hidden states):
+- layer-input tap `j` (DESIGN 3.2): a forward pre-hook on decoder layer `j` records the hidden
+  state exactly as the layer receives it. For text models this equals HF's
+  `output_hidden_states[j]`; for Qwen3-VL it also holds the DeepStack add, which is why we
+  hook instead of reading `hidden_states`;
+- final hidden: a pre-hook (`pre_norm`) or forward hook (`post_norm`) on the final norm;
+- input embeddings: a pre-hook on layer 0 (what entered the decoder stack).
+
+Slots in training: a right-padded batch, `cache_pos` = the position of real tokens and -1 at
+padding (there is no KV cache: -1 becomes the attention mask). RoPE positions are the target's
+own (`rope_pos`, returned), which the objectives use instead of the collator's.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from draftinfer.paths import resolve_path
+from draftinfer.rope import rope_axes, rope_from_hf
+from draftinfer.slots import Slots
+from draftinfer.target import FeatureSpec, TargetInfo, TargetInputs, TargetOutput, as_inputs
 from drafttrain.config import TargetConfig
-from drafttrain.errors import TargetError
+from drafttrain.errors import ConfigError, TargetError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -29,11 +39,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in _DTYPES:
         raise TargetError(f"target.dtype must be auto or one of {sorted(_DTYPES)}, got {name!r}")
     return _DTYPES[name]
-
-
-def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """EAGLE-3's default taps: low, middle and high layers (2, L//2, L-3)."""
-    return [2, num_layers // 2, num_layers - 3]
 
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -53,6 +58,18 @@ def resolve_target_path(name_or_path: str) -> str:
             "nor a hub id (org/name)"
         )
     return path
+
+
+def load_tokenizer(name_or_path: str):
+    """The target's tokenizer; a one-line `TargetError` when it cannot be loaded."""
+    from transformers import AutoTokenizer
+
+    path = resolve_target_path(name_or_path)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise TargetError(f"cannot load the tokenizer of {name_or_path!r}: {first}") from None
 
 
 def load_target_model(cfg: TargetConfig, device: torch.device) -> nn.Module:
@@ -85,70 +102,104 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-@dataclass
-class TargetBatchOutput:
-    aux: torch.Tensor  # [B, T, n_taps * H] taps concatenated in `aux_layer_ids` order
-    logits: torch.Tensor  # [B, T, V] full-vocabulary target logits (fp32)
-
-
 class FrozenTarget:
-    """Frozen target + aux-tap capture. Call it on a padded batch."""
+    """Frozen HF target + feature capture. Call it on a padded batch of slots."""
 
-    def __init__(self, cfg: TargetConfig, device: torch.device, aux_layer_ids: list[int] | None):
+    def __init__(self, cfg: TargetConfig, device: torch.device):
         self.cfg = cfg
         self.device = device
         self.model = load_target_model(cfg, device)
         self.config = self.model.config
         self.layers = decoder_layers(self.model)
-        self.num_layers = len(self.layers)
-        self.hidden_size = int(self.config.hidden_size)
-        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
-        self.aux_layer_ids = (
-            list(aux_layer_ids) if aux_layer_ids else default_aux_layer_ids(self.num_layers)
+        self.final_norm = getattr(self.model.get_decoder(), "norm", None)
+        head_dim = getattr(self.config, "head_dim", None) or (
+            self.config.hidden_size // self.config.num_attention_heads
         )
-        bad = [j for j in self.aux_layer_ids if not 0 <= j < self.num_layers]
-        if bad:
-            raise TargetError(
-                f"aux_layer_ids {bad} out of range for a target with "
-                f"{self.num_layers} decoder layers"
-            )
+        try:
+            _, scaling = rope_from_hf(self.config, head_dim)
+        except ConfigError as e:
+            raise TargetError(f"target {cfg.name_or_path!r}: {e}") from None
+        max_pos = getattr(self.config, "max_position_embeddings", None)
+        if max_pos is None:
+            raise TargetError(f"target {cfg.name_or_path!r}: config has no max_position_embeddings")
+        self.info = TargetInfo(
+            vocab_size=int(self.model.get_output_embeddings().weight.shape[0]),
+            hidden_size=int(self.config.hidden_size),
+            num_layers=len(self.layers),
+            max_position_embeddings=int(max_pos),
+            rope_axes=rope_axes(scaling),
+        )
 
-    def input_embeddings(self) -> torch.Tensor:
-        return self.model.get_input_embeddings().weight
-
-    def output_embeddings(self) -> torch.Tensor:
-        return self.model.get_output_embeddings().weight
+    # -- shared weights -------------------------------------------------------------------
+    def shared_weights(self) -> dict[str, torch.Tensor]:
+        return {
+            "input_embeddings": self.model.get_input_embeddings().weight,
+            "output_embeddings": self.model.get_output_embeddings().weight,
+        }
 
     def final_norm_weight(self) -> torch.Tensor | None:
-        norm = getattr(self.model.get_decoder(), "norm", None)
-        return None if norm is None else norm.weight
+        return None if self.final_norm is None else self.final_norm.weight
+
+    # -- the target interface ---------------------------------------------------------------
+    def rope_positions(self, cache_pos: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        pos = cache_pos.clamp(min=0)
+        return pos if self.info.rope_axes == 1 else pos[None].expand(3, *pos.shape)
 
     @torch.no_grad()
-    def capture(
+    def forward(
         self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        layer_ids: list[int] | None = None,
-    ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
-        """Run the target; return ({j: input of layer j `[B, T, H]`}, logits `[B, T, V]`)."""
-        layer_ids = self.aux_layer_ids if layer_ids is None else layer_ids
-        taps: dict[int, torch.Tensor] = {}
-        handles = []
-        for j in set(layer_ids):
+        inputs: TargetInputs | torch.Tensor,
+        slots: Slots,
+        features: FeatureSpec | None = None,
+    ) -> TargetOutput:
+        """Logits `[B, T, V]` fp32, the requested features `[B, T, F]`, the RoPE positions
+        used and the input embeddings, for a right-padded batch (`cache_pos` -1 = padding)."""
+        inp = as_inputs(inputs)
+        if features is not None:
+            features.check(self.info.num_layers)
+            if features.final_hidden is not None and self.final_norm is None:
+                raise TargetError(f"target {type(self.model).__name__} has no final `norm`")
+        rope_pos = slots.rope_pos
+        if rope_pos is None:
+            rope_pos = self.rope_positions(slots.cache_pos, slots.rows)
+        captured: dict[object, torch.Tensor] = {}
 
-            def hook(_mod, args, kwargs, j=j):
-                hs = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-                taps[j] = hs
+        def pre_hook(key):
+            def hook(_mod, args, kwargs):
+                captured[key] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
 
-            handles.append(self.layers[j].register_forward_pre_hook(hook, with_kwargs=True))
+            return hook
+
+        handles = [self.layers[0].register_forward_pre_hook(pre_hook("embeds"), with_kwargs=True)]
+        wanted = features.layer_inputs if features is not None else ()
+        for j in set(wanted):
+            handles.append(self.layers[j].register_forward_pre_hook(pre_hook(j), with_kwargs=True))
+        final = features.final_hidden if features is not None else None
+        if final == "pre_norm":
+            handles.append(
+                self.final_norm.register_forward_pre_hook(pre_hook(final), with_kwargs=True)
+            )
+        elif final == "post_norm":
+            handles.append(
+                self.final_norm.register_forward_hook(
+                    lambda _m, _a, out: captured.__setitem__(final, out)
+                )
+            )
         try:
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            out = self.model(
+                input_ids=inp.input_ids,
+                attention_mask=(slots.cache_pos >= 0).long(),
+                position_ids=rope_pos,
+                use_cache=False,
+                **inp.extra,
+            )
         finally:
             for h in handles:
                 h.remove()
-        return taps, out.logits.float()
+        feats = None
+        if features is not None:
+            parts = [captured[j] for j in wanted] + ([captured[final]] if final else [])
+            feats = torch.cat(parts, dim=-1)
+        return TargetOutput(out.logits.float(), feats, rope_pos, captured["embeds"])
 
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> TargetBatchOutput:
-        taps, logits = self.capture(input_ids, attention_mask)
-        aux = torch.cat([taps[j] for j in self.aux_layer_ids], dim=-1)
-        return TargetBatchOutput(aux=aux, logits=logits)
+    __call__ = forward

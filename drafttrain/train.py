@@ -1,7 +1,11 @@
-"""`train(cfg)`: the whole job behind `python -m drafttrain conf=<preset>`.
+"""`train(cfg) -> summary`: the training step of the job behind `python -m drafttrain`
+(`drafttrain.job`: train -> export -> verify).
 
-load target -> tokenize chat data -> draft vocabulary -> build drafter -> optimizer loop
-(checkpoints, resume) -> export (`<output_dir>/export/`).
+load target -> tokenize chat data -> the kind's `init_drafter` (architecture from the target,
+draft vocabulary, initial weights) -> optimizer loop over the kind's objective (checkpoints,
+resume) -> held-out evaluation. Nothing here names a drafter kind: the kind's `TrainSpec`
+(`drafttrain.registry`) supplies the drafter and the objective, and the drafter's
+`FeatureSpec` tells the target what to return.
 
 Single process today; the loop goes through `accelerate` so wrapping for several GPUs is
 applied from outside the model code later (STYLE rule 3). Determinism: the drafter init is
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -22,7 +27,7 @@ from typing import Any
 import torch
 import yaml
 
-from draftinfer.drafters import DRAFTERS
+from draftinfer.slots import Slots
 from drafttrain.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
@@ -32,9 +37,8 @@ from drafttrain.checkpoint import (
 from drafttrain.config import TrainConfig
 from drafttrain.errors import ConfigError, DataError
 from drafttrain.loggers import MetricLogger, read_metrics
-from drafttrain.objectives import OBJECTIVES
-from drafttrain.objectives.eagle3 import init_from_target
-from drafttrain.target import FrozenTarget, resolve_target_path
+from drafttrain.registry import InitContext, train_spec
+from drafttrain.target import FrozenTarget, load_tokenizer
 from drafttrain.ttt import pick_backend
 
 
@@ -46,19 +50,6 @@ def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
 
 def write_resolved_config(cfg: TrainConfig, path: Path) -> None:
     path.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-
-
-def load_tokenizer(name_or_path: str):
-    from transformers import AutoTokenizer
-
-    from drafttrain.errors import TargetError
-
-    path = resolve_target_path(name_or_path)
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise TargetError(f"cannot load the tokenizer of {name_or_path!r}: {first}") from None
 
 
 def lr_lambda(warmup: int, total: int, min_ratio: float):
@@ -103,32 +94,39 @@ class BatchStream:
         return collate([self.dataset[i] for i in ids], self.pad_id)
 
 
-def prepare_data(cfg: TrainConfig, tokenizer, target_vocab: int, cache_dir: Path):
-    from drafttrain.data import load_chat_dataset, load_or_build_draft_vocab, tokenize_dataset
+def prepare_data(cfg: TrainConfig, tokenizer):
+    from drafttrain.data import load_data, tokenize_dataset
 
-    raw = load_chat_dataset(cfg.data)
-    data = tokenize_dataset(raw, tokenizer, cfg.data)
+    data = tokenize_dataset(load_data(cfg.data), tokenizer, cfg.data)
     if len(data) == 0:
         raise DataError(f"dataset {cfg.data.path!r} has no usable conversations")
-    d2t, t2d = load_or_build_draft_vocab(
-        data, target_vocab, cfg.drafter.draft_vocab_size, str(cache_dir / "draft_vocab")
-    )
-    return data, d2t, t2d
+    return data
+
+
+def batch_slots(batch: dict[str, torch.Tensor]) -> Slots:
+    """Slots of a right-padded training batch: real tokens at their positions, -1 at padding."""
+    B = batch["input_ids"].shape[0]
+    rows = torch.arange(B, device=batch["input_ids"].device)
+    return Slots(rows, torch.where(batch["attention_mask"].bool(), batch["position_ids"], -1))
+
+
+def run_objective(objective, target: FrozenTarget, batch: dict[str, torch.Tensor]):
+    """Target forward (the drafter's declared features) then the kind's objective."""
+    tgt = target(batch["input_ids"], batch_slots(batch), objective.drafter.config.features)
+    return objective(batch, tgt)
 
 
 @torch.no_grad()
 def evaluate(
     cfg: TrainConfig, objective, target: FrozenTarget, tokenizer, device, pad_id: int
 ) -> dict[str, float]:
-    """Mean TTT metrics over `eval_batches` batches of the held-out split (no gradients)."""
+    """Mean objective metrics over `eval_batches` batches of the held-out split."""
     from dataclasses import replace
 
-    from drafttrain.data import collate, load_chat_dataset, tokenize_dataset
+    from drafttrain.data import collate, length_bucketed_batches, load_data, tokenize_dataset
 
     dcfg = replace(cfg.data, split=cfg.data.eval_split, max_samples=None)
-    data = tokenize_dataset(load_chat_dataset(dcfg), tokenizer, dcfg)
-    from drafttrain.data import length_bucketed_batches
-
+    data = tokenize_dataset(load_data(dcfg), tokenizer, dcfg)
     batches = length_bucketed_batches(
         list(data["length"]), cfg.data.batch_size, cfg.seed, 0, shuffle=False
     )[: cfg.data.eval_batches]
@@ -137,7 +135,7 @@ def evaluate(
     weight = 0.0
     for ids in batches:
         batch = {k: v.to(device) for k, v in collate([data[i] for i in ids], pad_id).items()}
-        _, m = objective(batch, target(batch["input_ids"], batch["attention_mask"]))
+        _, m = run_objective(objective, target, batch)
         w = m.pop("tokens")
         weight += w
         for k, v in m.items():
@@ -159,13 +157,13 @@ def save_training_plot(run_dir: Path) -> Path | None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
     a.plot(steps, [r["loss"] for r in rows])
     a.set_xlabel("step")
-    a.set_ylabel("TTT loss")
+    a.set_ylabel("loss")
     a.set_yscale("log")
     accs = sorted(
         {k for r in rows for k in r if k.startswith("acc_")}, key=lambda k: int(k.split("_")[1])
     )
     for k in accs:
-        b.plot(steps, [r.get(k, float("nan")) for r in rows], label=f"step {k.split('_')[1]}")
+        b.plot(steps, [r.get(k, float("nan")) for r in rows], label=f"draft {k.split('_')[1]}")
     b.set_xlabel("step")
     b.set_ylabel("top-1 accuracy vs target")
     b.legend(fontsize=7, ncol=2)
@@ -176,22 +174,32 @@ def save_training_plot(run_dir: Path) -> Path | None:
     return out
 
 
+def _setup(cfg: TrainConfig, run_dir: Path, device):
+    """Tokenizer, target, data and the initialised drafter: everything that can fail on bad
+    input, before the run writes anything of its own."""
+    spec = train_spec(getattr(cfg.drafter, "kind", None) or "")
+    pick_backend(cfg.drafter.attention_backend, device)  # validated before any work
+    tokenizer = load_tokenizer(cfg.target.name_or_path)
+    target = FrozenTarget(cfg.target, device)
+    data = prepare_data(cfg, tokenizer)
+    cache_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else run_dir / "cache"
+    drafter = spec.init_drafter(cfg.drafter, InitContext(target, tokenizer, data, cache_dir))
+    return spec, tokenizer, target, data, drafter
+
+
 def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Train (or resume), checkpoint and export. Returns a summary dict."""
+    """Train (or resume) and checkpoint. Returns a summary dict (`run_dir`, losses, eval).
+
+    Bad input (config, data, target) fails with a one-line `DraftError` before anything is
+    written; a fresh run directory is removed again if setup fails."""
     from accelerate import Accelerator
     from tqdm.auto import tqdm
 
-    if cfg.drafter is None or cfg.drafter.kind not in OBJECTIVES:
-        raise ConfigError(
-            f"unknown drafter kind {getattr(cfg.drafter, 'kind', None)!r}; "
-            f"known: {sorted(OBJECTIVES)}"
-        )
     tc = cfg.trainer
     if tc.num_threads:
         torch.set_num_threads(tc.num_threads)
     run_dir = Path(cfg.output_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_resolved_config(cfg, run_dir / "training_args.yaml")
+    fresh = not run_dir.exists()
     ckpt_root = run_dir / "checkpoints"
     resume_from = latest_checkpoint(ckpt_root) if cfg.resume else None
 
@@ -201,17 +209,15 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     accelerator = Accelerator(mixed_precision=mp, cpu=not torch.cuda.is_available())
     device = accelerator.device
     torch.manual_seed(cfg.seed)
-
-    tokenizer = load_tokenizer(cfg.target.name_or_path)
-    target = FrozenTarget(cfg.target, device, cfg.drafter.aux_layer_ids or None)
-    cache_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else run_dir / "cache"
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    data, d2t, t2d = prepare_data(cfg, tokenizer, target.vocab_size, cache_dir)
-
-    kind = cfg.drafter.kind
-    arch = OBJECTIVES[kind].arch_from_target(cfg.drafter, target, tokenizer)
-    drafter = DRAFTERS[kind](arch)
-    init_from_target(drafter, target, d2t, t2d)
+    try:
+        spec, tokenizer, target, data, drafter = _setup(cfg, run_dir, device)
+    except BaseException:
+        if fresh and run_dir.exists():
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_resolved_config(cfg, run_dir / "training_args.yaml")
+    kind, arch = spec.name, drafter.config
     drafter.to(device)
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
@@ -231,7 +237,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 f"cannot resume from {resume_from}: its drafter architecture "
                 "differs from this config"
             )
-        drafter.load_state_dict(ck["drafter"], strict=False)
+        drafter.load_own_state({k: v.to(device) for k, v in ck["drafter"].items()})
         optimizer.load_state_dict(ck["optimizer"])
         scheduler.load_state_dict(ck["state"]["scheduler"])
         stream.restore(ck["state"]["data"])
@@ -240,7 +246,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     drafter, optimizer = accelerator.prepare(drafter, optimizer)
     model = accelerator.unwrap_model(drafter)
     backend = pick_backend(cfg.drafter.attention_backend, device)
-    objective = OBJECTIVES[kind](model, cfg.drafter, backend)
+    objective = spec.objective(model, cfg.drafter, backend)
     logger = MetricLogger(cfg.logger, run_dir, config_to_dict(cfg), resume=resume_from is not None)
 
     def checkpoint(step: int) -> None:
@@ -270,14 +276,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     window: dict[str, float] = {}
     n_window, tok_window, t_window = 0, 0.0, time.perf_counter()
     first_loss = last_loss = None
+    losses: list[float] = []  # per optimizer step of this process (golden-loss tests)
     for step in range(start_step, tc.max_steps):
         drafter.train()
         step_metrics: dict[str, float] = {}
         for _ in range(tc.grad_accum):
             batch = {k: v.to(device) for k, v in stream.next().items()}
-            tgt = target(batch["input_ids"], batch["attention_mask"])
             with accelerator.autocast():
-                loss, m = objective(batch, tgt)
+                loss, m = run_objective(objective, target, batch)
             accelerator.backward(loss / tc.grad_accum)
             m["loss"] = loss.item()
             for k, v in m.items():
@@ -290,6 +296,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         if first_loss is None:
             first_loss = step_metrics["loss"]
         last_loss = step_metrics["loss"]
+        losses.append(last_loss)
         for k, v in step_metrics.items():
             window[k] = window.get(k, 0.0) + v
         n_window += 1
@@ -327,42 +334,5 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         summary.update(ev)
     logger.finish()
     save_training_plot(run_dir)
-    if cfg.export.enabled:
-        from drafttrain.export import export_run
-
-        export_dir = export_run(run_dir)
-        summary["export_dir"] = str(export_dir)
-        if cfg.export.verify:
-            del target, objective, drafter, model, optimizer  # free memory for the runner
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            summary["runner"] = verify_export(cfg, run_dir, export_dir)
+    summary["losses"] = losses
     return summary
-
-
-def verify_export(cfg: TrainConfig, run_dir: Path, export_dir: Path) -> dict[str, Any]:
-    """Run `draftinfer` on the exported files (read back from disk) over held-out prompts;
-    write `runner_report.json` + `acceptance.png` into the export and the table into its card."""
-    from draftinfer.config import InferConfig
-    from draftinfer.run import format_report, run_eval
-    from drafttrain.export import write_model_card
-
-    e = cfg.export
-    icfg = InferConfig(
-        drafter=str(export_dir),
-        target=cfg.target.name_or_path,
-        prompts=cfg.data.path,
-        prompts_split=cfg.data.eval_split or cfg.data.split,
-        num_prompts=e.verify_prompts,
-        k=e.verify_k,
-        max_new_tokens=e.verify_max_new_tokens,
-        batch_size=e.verify_batch_size,
-        max_model_len=min(2048, cfg.data.max_length + e.verify_max_new_tokens + 8),
-        report=str(export_dir / "runner_report.json"),
-        progress=cfg.trainer.progress,
-    )
-    report = run_eval(icfg)
-    (export_dir / "runner_report.png").replace(export_dir / "acceptance.png")
-    write_model_card(run_dir, export_dir)
-    print(format_report(report))
-    return report

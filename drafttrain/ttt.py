@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from draftinfer.drafters.layers import expand_kv
+from draftinfer.errors import ConfigError
+from draftinfer.layers import expand_kv
 
 
 def ttt_attention_eager(
@@ -62,7 +63,7 @@ def ttt_attention_eager(
 _flex_cache: dict[tuple, object] = {}
 
 
-def _flex_fn(device: torch.device):
+def flex_fn(device: torch.device):
     from torch.nn.attention.flex_attention import flex_attention
 
     if device.type == "cuda":
@@ -94,7 +95,7 @@ def ttt_attention_flex(
     nh, T, D = q.shape[2], q.shape[1], q.shape[3]
     scale = D**-0.5
     qh, kh, vh = q.transpose(1, 2), k0.transpose(1, 2), v0.transpose(1, 2)
-    out0, lse0 = _flex_fn(q.device)(
+    out0, lse0 = flex_fn(q.device)(
         qh,
         kh,
         vh,
@@ -122,7 +123,7 @@ def pick_backend(name: str, device: torch.device) -> str:
     if name == "auto":
         return "flex" if device.type == "cuda" else "eager"
     if name not in BACKENDS:
-        raise ValueError(f"attention_backend must be auto, eager or flex; got {name!r}")
+        raise ConfigError(f"drafter.attention_backend must be auto, eager or flex; got {name!r}")
     return name
 
 

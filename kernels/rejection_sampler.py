@@ -239,6 +239,8 @@ def rejection_sample(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify a ragged batch of drafts; see the module docstring for the rule.
 
+    `N` may exceed `cu_num_draft[-1]` (a static-shape buffer): rows past it are never read.
+
     Returns `(output_token_ids [B, max_num_draft + 1] int64, num_accepted [B] int64)`: row `b`
     holds the accepted drafts, then one recovered or bonus token, then `-1`.
 
@@ -350,7 +352,7 @@ def rejection_sample_ref(
     # rather than searchsorted on a slice, which torch.compile 2.11 cannot lower on CUDA.
     ends = torch.zeros(n + 1, dtype=torch.int64, device=device)
     ends = ends.index_add(0, cu[1:], torch.ones_like(starts))
-    req = ends.cumsum(0)[:n]
+    req = ends.cumsum(0)[:n].clamp(max=max(b - 1, 0))  # rows past cu[-1] (unused) -> last
     greedy_row = is_greedy[req]
     d = draft_token_ids
     p_d = target_probs.gather(1, d[:, None])[:, 0]

@@ -52,14 +52,14 @@ SHAPES = {
 
 
 def build(kind: str, shape: dict, k_max: int, device, dtype):
-    from draftinfer.drafters import Eagle3Config, Eagle3Drafter, PTDConfig, PTDDrafter
+    from draftinfer.registry import drafter_spec
 
     torch.manual_seed(0)
     common = dict(shape, aux_layer_ids=[2, 16, 29], rope_theta=500000.0)
     if kind == "ptd":
-        d = PTDDrafter(PTDConfig(**common, num_hidden_layers=2, mask_token_id=0, parallel_k=k_max))
-    else:
-        d = Eagle3Drafter(Eagle3Config(**common, num_hidden_layers=1))
+        common.update(num_hidden_layers=2, mask_token_id=0, parallel_k=k_max)
+    spec = drafter_spec(kind)
+    d = spec.build(spec.config_class(**common))
     with torch.no_grad():
         for p in d.parameters():
             if p.dim() > 1:
@@ -67,31 +67,36 @@ def build(kind: str, shape: dict, k_max: int, device, dtype):
     return d.to(device=device, dtype=dtype).eval()
 
 
+def first_pass(batch: int, start: int, n: int, width: int, shape, device, dtype):
+    """A padded first pass: `n` live rows at cache indices start.., padded to `width`."""
+    from draftinfer.proposer import FirstPass
+
+    H3 = 3 * shape["target_hidden_size"]
+    ids = torch.randint(0, shape["vocab_size"], (batch, width), device=device)
+    feats = torch.randn(batch, width, H3, device=device, dtype=dtype)
+    j = torch.arange(width, device=device)
+    cache = torch.where(j < n, start + j, -1).expand(batch, -1).contiguous()
+    return FirstPass(torch.arange(batch, device=device), ids, feats, cache, cache.clamp(min=0))
+
+
 def time_round(proposer, batch: int, context: int, k: int, device, shape, repeats: int):
-    """Median ms of one drafting round (first pass of k//2+1 rows + k drafts)."""
-    from draftinfer.proposers import greedy_chooser
+    """Median ms of one drafting round (first pass of k//2+1 live rows of K+1 + k drafts)."""
+    from draftinfer.slots import attn_bucket
 
     d = proposer.drafter
-    H3 = 3 * shape["target_hidden_size"]
-    rows = torch.arange(batch, device=device)
+    dtype = d.fc.weight.dtype
     # Prefix: fill the drafter KV with `context` rows once.
-    ids = torch.randint(0, shape["vocab_size"], (batch, context), device=device)
-    aux = torch.randn(batch, context, H3, device=device, dtype=d.fc.weight.dtype)
-    pos = torch.arange(context, device=device).expand(batch, -1).contiguous()
-    proposer.propose(
-        rows, ids, aux, pos, torch.zeros(batch, dtype=torch.long, device=device), 1, greedy_chooser
-    )
-    n = k // 2 + 1
-    ids = torch.randint(0, shape["vocab_size"], (batch, n), device=device)
-    aux = torch.randn(batch, n, H3, device=device, dtype=d.fc.weight.dtype)
-    pos = (context + torch.arange(n, device=device)).expand(batch, -1).contiguous()
+    prefix = first_pass(batch, 0, context, context, shape, device, dtype)
+    proposer.propose(prefix, torch.zeros(batch, dtype=torch.long, device=device), 1)
+    fp = first_pass(batch, context, k // 2 + 1, k + 1, shape, device, dtype)
     caps = torch.full((batch,), k, dtype=torch.long, device=device)
+    attn_len = attn_bucket(context + 2 * k + 2, proposer.max_seq_len)
     times = []
     for i in range(repeats + 3):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            proposer.propose(rows, ids, aux, pos, caps, k, greedy_chooser)
+            proposer.propose(fp, caps, k, attn_len=attn_len)
             end.record()
             torch.cuda.synchronize()
             ms = start.elapsed_time(end)
@@ -99,7 +104,7 @@ def time_round(proposer, batch: int, context: int, k: int, device, shape, repeat
             import time
 
             t0 = time.perf_counter()
-            proposer.propose(rows, ids, aux, pos, caps, k, greedy_chooser)
+            proposer.propose(fp, caps, k, attn_len=attn_len)
             ms = (time.perf_counter() - t0) * 1e3
         if i >= 3:
             times.append(ms)
@@ -108,25 +113,15 @@ def time_round(proposer, batch: int, context: int, k: int, device, shape, repeat
 
 def check(kind: str, proposer, device, shape) -> bool:
     """Drafts of the cached proposer == its no-cache reference (greedy, one request)."""
-    from draftinfer.proposers import greedy_chooser
+    from draftinfer.proposer import greedy_chooser
 
     d = proposer.drafter
     n, k = 9, 4
-    ids = torch.randint(0, shape["vocab_size"], (1, n), device=device)
-    aux = torch.randn(1, n, 3 * shape["target_hidden_size"], device=device, dtype=d.fc.weight.dtype)
-    pos = torch.arange(n, device=device)[None]
-    drafts, _ = proposer.propose(
-        torch.tensor([0], device=device),
-        ids,
-        aux,
-        pos,
-        torch.tensor([k], device=device),
-        k,
-        greedy_chooser,
+    fp = first_pass(1, 0, n, n, shape, device, d.fc.weight.dtype)
+    drafts, _ = proposer.propose(fp, torch.tensor([k], device=device), k, greedy_chooser)
+    ref, _ = type(proposer).reference_drafts(
+        d, fp.ids[0], fp.features[0], fp.rope_pos[0], k, greedy_chooser
     )
-    with torch.no_grad():
-        feats = d.project_aux(aux[0])
-        ref, _ = type(proposer).reference_drafts(d, ids[0], feats, pos[0], k, greedy_chooser)
     return drafts[0].tolist() == ref
 
 
@@ -144,7 +139,7 @@ def main() -> int:
         print("bench_drafting: CUDA is not available; nothing timed (use --device cpu --tiny)")
         return 0
     import_kernel("runtime")  # makes `draftkernels` importable from a plain checkout
-    from draftinfer.proposers import PROPOSERS
+    from draftinfer.registry import drafter_spec
 
     device = torch.device(a.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -161,14 +156,15 @@ def main() -> int:
         "rows": [],
     }
     for kind in ("eagle3", "ptd"):
-        d = build(kind, shape, max(ks), device, dtype)
-        ok = check(kind, PROPOSERS[kind](d, 1, max_len, device, dtype), device, shape)
+        d = build(kind, shape, max(ks + [4]), device, dtype)
+        make = drafter_spec(kind).proposer_class
+        ok = check(kind, make(d, 1, max_len, device, dtype), device, shape)
         results[f"{kind}_matches_reference"] = ok
         if not ok and device.type != "cuda":
             print(f"{kind}: cached drafts differ from the reference", file=sys.stderr)
             return 1
         for b in batches:
-            prop = PROPOSERS[kind](d, b, max_len, device, dtype)
+            prop = make(d, b, max_len, device, dtype)
             for k in ks:
                 ms = time_round(prop, b, a.context, k, device, shape, a.repeats)
                 results["rows"].append({"kind": kind, "batch": b, "k": k, "ms": round(ms, 4)})

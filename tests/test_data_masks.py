@@ -20,7 +20,7 @@ from drafttrain.config import DataConfig
 from drafttrain.data import (
     assistant_spans,
     end_of_turn_marker,
-    load_chat_dataset,
+    load_data,
     tokenize_conversation,
     tokenize_dataset,
 )
@@ -212,7 +212,7 @@ def _write(path, rows, kind):
 def test_load_local_file(tmp_path, kind):
     path = tmp_path / f"chat.{kind}"
     _write(path, _rows(), kind)
-    ds = load_chat_dataset(DataConfig(path=str(path), cache_dir=str(tmp_path / "cache")))
+    ds = load_data(DataConfig(path=str(path), cache_dir=str(tmp_path / "cache")))
     assert len(ds) == 4
     assert ds[0]["messages"][2] == {"role": "assistant", "content": "Hi there"}
 
@@ -221,17 +221,18 @@ def test_load_directory_split_and_max_samples(tmp_path):
     _write(tmp_path / "train.jsonl", _rows(5), "jsonl")
     _write(tmp_path / "test.jsonl", _rows(1), "jsonl")
     cfg = DataConfig(path=str(tmp_path), split="test", cache_dir=str(tmp_path / "cache"))
-    assert len(load_chat_dataset(cfg)) == 2
+    assert len(load_data(cfg)) == 2
     cfg = DataConfig(path=str(tmp_path), max_samples=3, cache_dir=str(tmp_path / "cache"))
-    assert load_chat_dataset(cfg)["id"] == [0, 1, 2]
+    assert load_data(cfg)["id"] == [0, 1, 2]
 
 
 def test_zoo_path_is_resolved(tmp_path, monkeypatch):
     import draftinfer.paths
 
-    _write(tmp_path / "train.jsonl", _rows(2), "jsonl")
-    monkeypatch.setattr(draftinfer.paths, "resolve_path", lambda p: str(tmp_path))
-    ds = load_chat_dataset(DataConfig(path="zoo:chat", cache_dir=str(tmp_path / "cache")))
+    (tmp_path / "chat").mkdir()
+    _write(tmp_path / "chat" / "train.jsonl", _rows(2), "jsonl")
+    monkeypatch.setattr(draftinfer.paths, "ZOO_DIR", tmp_path)
+    ds = load_data(DataConfig(path="zoo:chat", cache_dir=str(tmp_path / "cache")))
     assert len(ds) == 3
 
 
@@ -250,7 +251,7 @@ def test_sharegpt_dataset_is_normalized(tmp_path):
         messages_field="conversations",
         cache_dir=str(tmp_path / "c"),
     )
-    ds = load_chat_dataset(cfg)
+    ds = load_data(cfg)
     got = [{"role": m["role"], "content": m["content"]} for m in ds[0]["conversations"]]
     assert got == CONVERSATION
 
@@ -258,7 +259,7 @@ def test_sharegpt_dataset_is_normalized(tmp_path):
 def test_missing_local_path_is_an_error(tmp_path):
     missing = str(tmp_path / "nope.jsonl")
     with pytest.raises(DataError, match="nope.jsonl") as err:
-        load_chat_dataset(DataConfig(path=missing))
+        load_data(DataConfig(path=missing))
     assert "\n" not in str(err.value)
 
 
@@ -268,7 +269,7 @@ def test_missing_messages_column_is_an_error(tmp_path):
         path=str(tmp_path / "chat.jsonl"), messages_field="dialogue", cache_dir=str(tmp_path / "c")
     )
     with pytest.raises(DataError, match=r"no column 'dialogue'.*\['messages', 'id'\]") as err:
-        load_chat_dataset(cfg)
+        load_data(cfg)
     assert "\n" not in str(err.value)
 
 

@@ -13,7 +13,12 @@ import torch
 
 from draftinfer.engine import Request, SpecDecoder
 from draftinfer.models import greedy_generate, load_native_target
-from tests.test_spec_decode import prompts
+from draftinfer.registry import registered_kinds
+from draftinfer.sampling import SamplingParams
+from draftinfer.slots import Slots
+from tests.prompts import random_prompts as prompts
+
+KINDS = registered_kinds()
 
 pytestmark = pytest.mark.gpu
 BF16_MARGIN = 0.1  # logits units; bf16 rounding of a [B, K+1] verify vs a 1-token step
@@ -28,14 +33,15 @@ def _drafter(kind: str, target, dtype):
 def _margins(target, prompt: list[int], out: list[int]) -> list[float]:
     """Top-2 logit margin of the target at each generated position (teacher-forced)."""
     seq = torch.tensor([prompt + out], device="cuda")
-    logits, _ = target(
-        seq, torch.arange(seq.shape[1], device="cuda")[None], torch.tensor([0], device="cuda")
-    )
+    logits = target(
+        seq,
+        Slots(torch.tensor([0], device="cuda"), torch.arange(seq.shape[1], device="cuda")[None]),
+    ).logits
     top2 = logits[0, len(prompt) - 1 : -1].float().topk(2, dim=-1).values
     return (top2[:, 0] - top2[:, 1]).tolist()
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "ptd"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_t1_fp32_cuda_exact(tiny_llama3_dir, kind):
     target = load_native_target(
         tiny_llama3_dir, "cuda", torch.float32, max_batch=8, max_seq_len=128
@@ -49,7 +55,7 @@ def test_t1_fp32_cuda_exact(tiny_llama3_dir, kind):
     assert [o.token_ids for o in outs] == plain
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "ptd"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_t1_bf16_margin_aware(tiny_llama3_dir, kind):
     target = load_native_target(
         tiny_llama3_dir, "cuda", torch.bfloat16, max_batch=8, max_seq_len=128
@@ -67,6 +73,26 @@ def test_t1_bf16_margin_aware(tiny_llama3_dir, kind):
         assert o.token_ids[:safe] == g[:safe], (safe, o.token_ids, g)
         checked += safe
     assert checked > 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_round_makes_no_host_sync(tiny_llama3_dir, kind, batch, compiled):
+    """The round's tensor work (propose, verify forward, verification, next first pass) runs
+    under `torch.cuda.set_sync_debug_mode("error")`: any host-device sync raises. K = 4."""
+    target = load_native_target(
+        tiny_llama3_dir, "cuda", torch.bfloat16, max_batch=8, max_seq_len=256
+    )
+    d = _drafter(kind, target, torch.bfloat16)
+    ps = prompts(batch, seed=33)
+    dec = SpecDecoder(
+        target, d, 4, max_batch=batch, max_model_len=256, compile=compiled, sync_check=True
+    )
+    outs, stats = dec.generate([Request(p, max_tokens=24) for p in ps])
+    assert stats["rounds"] > 0 and all(len(o.token_ids) == 24 for o in outs)
+    sampled = [Request(p, SamplingParams(1.0, seed=i), max_tokens=8) for i, p in enumerate(ps)]
+    assert dec.generate(sampled)[1]["rounds"] > 0  # the sampling path is sync-free too
 
 
 def test_flex_ttt_attention_matches_eager_on_cuda():

@@ -18,6 +18,8 @@ import torch
 
 from draftinfer.errors import CheckpointError, ConfigError
 from draftinfer.models import TARGET_MODELS, greedy_generate, load_native_target
+from draftinfer.slots import Slots
+from draftinfer.target import FeatureSpec
 
 ATOL = 1e-4  # fp32 logits, our SDPA vs HF eager attention
 TARGETS = ["tiny_llama3_dir", "tiny_qwen3_dir"]
@@ -90,9 +92,15 @@ def rand_ids(n: int, seed: int) -> list[int]:
     return torch.randint(3, 500, (n,), generator=g).tolist()
 
 
-def run(model, ids, positions, rows, **kw):
+def run(model, ids, positions, rows, aux_layer_ids=None, final_hidden=None, attn_len=None):
+    """(logits, features) of one forward: slots at cache indices `positions` (RoPE = cache
+    index), features = the inputs of `aux_layer_ids` then the final hidden state."""
     t = functools.partial(torch.tensor, dtype=torch.long)
-    return model(t(ids), t(positions), t(rows), **kw)
+    feats = None
+    if aux_layer_ids is not None or final_hidden is not None:
+        feats = FeatureSpec(tuple(aux_layer_ids or ()), final_hidden)
+    out = model(t(ids), Slots(t(rows), t(positions), attn_len=attn_len), feats)
+    return out.logits, out.features
 
 
 @pytest.mark.parametrize("which", [*TARGETS, "tiny_qwen2_dir"])
@@ -209,8 +217,48 @@ def test_aux_taps_equal_hf_hidden_states(which, request):
             aux[0, :5, i * H : (i + 1) * H], ref[j][0, :5], atol=1e-5, rtol=0
         )
     assert run(model, [seq[:2]], [[0, 1]], [0], aux_layer_ids=[])[1].shape == (1, 2, 0)
-    with pytest.raises(ValueError, match=r"aux_layer_ids \[6\] out of range.*6 decoder layers"):
+    with pytest.raises(ConfigError, match=r"feature taps \[6\] out of range.*6 decoder layers"):
         run(model, [seq[:2]], [[0, 1]], [0], aux_layer_ids=[1, 6])
+    # The final hidden state, pre- and post-norm (what MTP drafters consume).
+    L = model.config.num_layers
+    hf = hf_model(str(path))
+    last_layer_out = {}
+    handle = hf.model.layers[-1].register_forward_hook(
+        lambda _m, _a, out: last_layer_out.__setitem__(
+            "h", out[0] if isinstance(out, tuple) else out
+        )
+    )
+    ref = hf(torch.tensor([seq]), output_hidden_states=True).hidden_states
+    handle.remove()
+    _, pre = run(model, [seq], [[*range(12)]], [0], final_hidden="pre_norm")
+    _, post = run(model, [seq], [[*range(12)]], [0], aux_layer_ids=[2], final_hidden="post_norm")
+    torch.testing.assert_close(pre[0], last_layer_out["h"][0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(post[0, :, H:], ref[L][0], atol=1e-5, rtol=0)  # post-norm
+    torch.testing.assert_close(post[0, :, :H], ref[2][0], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("which", TARGETS)
+def test_rope_position_is_apart_from_the_cache_index(which, request):
+    """Slots: the cache reads only `cache_pos`, the rotary only `rope_pos`. Tokens written at
+    cache indices 0.. with RoPE positions 100.. give HF's logits at position_ids 100.."""
+    path = request.getfixturevalue(which)
+    model = native(path, max_seq_len=32)
+    seq = rand_ids(9, 13)
+    ids, rows = torch.tensor([seq[:6]]), torch.tensor([0])
+    cache = torch.arange(6)[None]
+    out = model(ids, Slots(rows, cache, rope_pos=cache + 100))
+    ref = hf_model(str(path))(torch.tensor([seq]), position_ids=torch.arange(100, 109)[None])
+    torch.testing.assert_close(out.logits[0], ref.logits[0, :6].float(), atol=ATOL, rtol=0)
+    assert torch.equal(out.rope_pos, cache + 100)
+    # Continue in the cache at index 6 with RoPE position 106.
+    step = model(
+        torch.tensor([seq[6:9]]),
+        Slots(rows, torch.arange(6, 9)[None], rope_pos=torch.arange(106, 109)[None]),
+    )
+    torch.testing.assert_close(step.logits[0], ref.logits[0, 6:].float(), atol=ATOL, rtol=0)
+    # Default RoPE positions of a text target are the cache indices (padding at 0).
+    pad = model(ids, Slots(rows, torch.tensor([[0, 1, 2, -1, -1, -1]])))
+    assert pad.rope_pos.tolist() == [[0, 1, 2, 0, 0, 0]]
 
 
 @pytest.mark.parametrize("which", TARGETS)
@@ -260,10 +308,10 @@ def test_positions_past_max_seq_len_raise(tiny_qwen3_dir):
     model = native(tiny_qwen3_dir, max_batch=2, max_seq_len=16)
     run(model, [rand_ids(16, 40)], [list(range(16))], [0])  # exactly fills the cache
     with pytest.raises(
-        ValueError, match=r"position 16 is out of range.*max_seq_len=16.*never wrap"
+        ValueError, match=r"cache index 16 is out of range.*holds 16 positions.*never wrap"
     ):
         run(model, [[5]], [[16]], [0])
-    with pytest.raises(ValueError, match="position -2 is invalid"):
+    with pytest.raises(ValueError, match="cache index -2 is invalid"):
         run(model, [[5]], [[-2]], [0])
     with pytest.raises(ValueError, match=r"cache row 2 out of range 0\.\.1"):
         run(model, [[5]], [[3]], [2])
@@ -288,7 +336,9 @@ def test_fixed_attn_len_equals_default(tiny_llama3_dir):
     prompts = [rand_ids(5, 42), rand_ids(2, 43), rand_ids(9, 44)]
     ref = greedy_generate(a, prompts, 7, [])
     assert (
-        greedy_generate(b, prompts, 7, [], step_fn=lambda i, p, r: b(i, p, r, attn_len=32)[0])
+        greedy_generate(
+            b, prompts, 7, [], step_fn=lambda i, p, r: b(i, Slots(r, p, attn_len=32)).logits
+        )
         == ref
     )
 
@@ -306,7 +356,9 @@ def test_compiled_cuda_graph_step_matches_eager_and_hf(which, request):
         torch._dynamo.mark_static_address(layer.self_attn.k_cache)
         torch._dynamo.mark_static_address(layer.self_attn.v_cache)
     step = torch.compile(
-        lambda i, p, r: model(i, p, r, attn_len=48)[0], mode="reduce-overhead", dynamic=False
+        lambda i, p, r: model(i, Slots(r, p, attn_len=48)).logits,
+        mode="reduce-overhead",
+        dynamic=False,
     )
     for _ in range(2):  # record, then replay
         assert greedy_generate(model, prompts, 20, [], step_fn=step) == eager

@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftinfer.drafters.eagle3 import Eagle3Config, Eagle3Drafter
-from draftinfer.drafters.layers import expand_kv
-from drafttrain.config import Eagle3TrainConfig
-from drafttrain.objectives.eagle3 import Eagle3Objective
+from draftinfer.kinds.eagle3 import Eagle3Config, Eagle3Drafter
+from draftinfer.layers import expand_kv
+from drafttrain.kinds.eagle3 import Eagle3Objective, Eagle3TrainConfig
 from drafttrain.ttt import ttt_attention_eager, ttt_attention_flex
 
 # Shapes shared by the small random drafters of the unit tests.
@@ -74,7 +73,7 @@ def naive_chain_logits(d: Eagle3Drafter, ids, aux, pos, anchor: int, steps: int)
     """Logits of steps 0..steps-1 for drafter row `anchor`, one step at a time."""
     attn = KVCacheAttention()
     # Step 0: prefill rows 0..anchor with target features: row j consumes (t_{j+1}, f_j) @ pos_j.
-    feat = d.project_aux(aux[:, : anchor + 1])
+    feat = d.project_features(aux[:, : anchor + 1])
     normed, pre = d(ids[:, 1 : anchor + 2], feat, pos[:, : anchor + 1], attn)
     out = [d.logits(normed[:, -1])]
     carried = pre[:, -1:]

@@ -104,12 +104,13 @@ def make_train_env(root: Path) -> dict[str, str]:
     return {"target": str(target), "data": str(data)}
 
 
-def untrained_drafter(kind: str, target, parallel_k: int = 7):
+def untrained_drafter(kind: str, target, **arch):
     """A random-init drafter of `kind` sized for a native `target`, sharing its embedding.
     Lossless whatever its quality; its acceptance length should be about 1."""
-    from draftinfer.drafters import DRAFTERS, Eagle3Config, PTDConfig
+    from draftinfer.registry import drafter_spec
 
     c = target.config
+    spec = drafter_spec(kind)
     common = dict(
         hidden_size=c.hidden_size,
         intermediate_size=96,
@@ -120,39 +121,47 @@ def untrained_drafter(kind: str, target, parallel_k: int = 7):
         draft_vocab_size=c.vocab_size,
         target_hidden_size=c.hidden_size,
         aux_layer_ids=[1, 2, 3],
+        max_position_embeddings=c.max_position_embeddings,
     )
-    cfg = PTDConfig(**common, parallel_k=parallel_k) if kind == "ptd" else Eagle3Config(**common)
     torch.manual_seed(0)
-    d = DRAFTERS[kind](cfg)
-    d.embed_tokens.weight.data.copy_(target.embed_tokens.weight.float())
+    d = spec.build(spec.config_class(**{**common, **arch}))
+    spec.attach_shared(d, target.shared_weights())
     return d.eval()
 
 
-def train_tiny_export(preset: str, train_env: dict[str, str], out: Path, steps: int, *extra: str):
-    """Briefly train a drafter on the tiny target, export it (no runner verification), and load
-    target + export back natively: (native target, drafter, meta, export dir)."""
+# Per-kind training overrides of the tiny recipe: the K a kind serves must cover the T1 grid.
+TINY_OVERRIDES: dict[str, list[str]] = {"ptd": ["drafter.parallel_k=7"]}
+
+
+def tiny_recipe(kind: str, env: dict[str, str], out: Path, steps: int, *extra: str) -> list[str]:
+    """Overrides of the tiny recipe: any registered kind on the tiny target and chat data."""
+    return [
+        f"drafter={kind}",
+        f"target.name_or_path={env['target']}",
+        f"data.path={env['data']}",
+        f"output_dir={out}",
+        f"trainer.max_steps={steps}",
+        "trainer.progress=false",
+        "trainer.save_every=0",
+        "data.batch_size=4",
+        "drafter.draft_vocab_size=96",
+        "data.eval_split=null",
+        "export.verify=false",
+        *TINY_OVERRIDES.get(kind, []),
+        *extra,
+    ]
+
+
+def train_tiny_export(kind: str, train_env: dict[str, str], out: Path, steps: int, *extra: str):
+    """Briefly train a drafter of `kind` on the tiny target, export it (no runner verification),
+    and load target + export back natively: (native target, drafter, meta, export dir, summary)."""
     from draftinfer.checkpoint import load_drafter
     from draftinfer.models import load_native_target
-    from drafttrain.train import train
+    from drafttrain.job import run_job
     from tests.test_config import compose_preset
 
-    cfg = compose_preset(
-        preset,
-        [
-            f"target.name_or_path={train_env['target']}",
-            f"data.path={train_env['data']}",
-            f"output_dir={out}",
-            f"trainer.max_steps={steps}",
-            "trainer.progress=false",
-            "trainer.save_every=0",
-            "data.batch_size=4",
-            "drafter.draft_vocab_size=96",
-            "data.eval_split=null",
-            "export.verify=false",
-            *extra,
-        ],
-    )
-    export = train(cfg)["export_dir"]
+    summary = run_job(compose_preset("eagle3", tiny_recipe(kind, train_env, out, steps, *extra)))
+    export = summary["export_dir"]
     target = load_native_target(train_env["target"], max_batch=16, max_seq_len=160)
-    drafter, meta = load_drafter(export, embed_tokens=target.embed_tokens.weight)
-    return target, drafter, meta, export
+    drafter, meta = load_drafter(export, target.shared_weights())
+    return target, drafter, meta, export, summary

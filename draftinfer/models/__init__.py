@@ -2,7 +2,7 @@
 greedy decode loop (the baseline speculative decoding must reproduce token for token).
 
     model = load_native_target("path/to/llama", "cuda", torch.bfloat16, max_batch=8, max_seq_len=4096)
-    logits, aux = model(input_ids, positions, cache_rows, aux_layer_ids=[2, 16, 29])
+    out = model(input_ids, Slots(rows, cache_pos), FeatureSpec(layer_inputs=(2, 16, 29)))
     outs = greedy_generate(model, [[1, 2, 3], [1, 5]], max_new_tokens=64, eos_ids=model.config.eos_token_ids)
 
 Checkpoints are read with safetensors only (`model.safetensors`, or shards listed by
@@ -28,6 +28,7 @@ from draftinfer.models.llama import (
     Qwen3ForCausalLM,
 )
 from draftinfer.paths import resolve_path
+from draftinfer.slots import Slots, attn_bucket
 
 # HF `architectures[0]` -> native class (STYLE rule 5: variants are selected by name).
 TARGET_MODELS: dict[str, type[NativeCausalLM]] = {
@@ -212,7 +213,7 @@ def load_native_target(
 
 # ---- plain greedy decoding (the baseline) -----------------------------------------------
 
-# step_fn(input_ids [B, 1], positions [B, 1], cache_rows [B]) -> logits [B, 1, V]
+# step_fn(input_ids [B, 1], cache_pos [B, 1], cache_rows [B]) -> logits [B, 1, V]
 StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -274,7 +275,7 @@ def _greedy_group(
     lens_t = torch.tensor(lens, device=device)
     budget_t = torch.tensor(budget, device=device)
     last = (lens_t - 1)[:, None]  # [B, 1] slot of each prompt's last token
-    logits, _ = model(ids.to(device), pos.to(device), rows, logit_index=last)
+    logits = model(ids.to(device), Slots(rows, pos.to(device)), logit_index=last).logits
     tok = logits[:, -1].argmax(-1)  # [B]
     eos_t = torch.tensor(eos, device=device, dtype=torch.long)
     done = torch.isin(tok, eos_t) | (budget_t <= 1)
@@ -284,9 +285,10 @@ def _greedy_group(
         # padding slots, so they write nothing and stay within max_seq_len.
         feed_pos = torch.where(done, -1, lens_t + s - 1)[:, None]  # [B, 1]
         if step_fn is None:
-            # The bound on live positions is known on the host: no per-step sync or check.
-            attn_len = min(T + s, model.max_seq_len)
-            logits = model(tok[:, None], feed_pos, rows, attn_len=attn_len)[0]
+            # The bound on live positions is known on the host: no per-step sync or check;
+            # bucketed so attention shapes change only at powers of two.
+            attn_len = attn_bucket(min(T + s, model.max_seq_len), model.max_seq_len)
+            logits = model(tok[:, None], Slots(rows, feed_pos, attn_len=attn_len)).logits
         else:
             logits = step_fn(tok[:, None], feed_pos, rows)
         tok = logits[:, -1].argmax(-1)

@@ -5,12 +5,10 @@ One single-device, uncompiled `nn.Module` the runner owns end to end: the decode
 rule 3). Module names equal Hugging Face's (`model.layers.N.self_attn.q_proj.weight`, ...), so
 an HF safetensors checkpoint loads by name with no renaming table.
 
-Vocabulary used below:
-- *slot* `(b, t)`: one query token of the padded batch `[B, T]`; it sits at target position
-  `positions[b, t]`; `-1` marks a *padding slot* (no KV write, garbage outputs).
-- *cache row*: the request's row of the preallocated KV cache, `cache_rows[b]`.
-
-The cache never needs an explicit rollback (see `NativeCausalLM.forward`).
+`forward(inputs, slots, features) -> TargetOutput` is the target interface of
+`draftinfer.target`; `Slots` (cache rows, cache index, RoPE position, attention length) and
+the KV-cache design (scratch column for padding slots, no rollback ever needed) are described
+in `draftinfer.slots` and `draftinfer.kv_cache`.
 """
 
 from __future__ import annotations
@@ -19,18 +17,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from draftinfer.drafters.layers import (
-    RMSNorm,
-    RotaryEmbedding,
-    SwiGLU,
-    apply_rope,
-    rope_inv_freq,
-    rope_params_from_hf,
-)
 from draftinfer.errors import ConfigError
+from draftinfer.kv_cache import cached_attention, resolve_attn_len, visibility_mask, write_index
+from draftinfer.layers import RMSNorm, SwiGLU
+from draftinfer.rope import RotaryEmbedding, apply_rope, rope_axes, rope_from_hf
+from draftinfer.slots import Slots
+from draftinfer.target import FeatureSpec, TargetInfo, TargetInputs, TargetOutput, as_inputs
 
 
 @dataclass
@@ -92,9 +86,8 @@ class CachedAttention(nn.Module):
         x: torch.Tensor,  # [B, T, H]
         cos: torch.Tensor,  # [B, T, head_dim] fp32
         sin: torch.Tensor,  # [B, T, head_dim] fp32
-        write_rows: torch.Tensor,  # [B, T] cache row of each slot
+        rows: torch.Tensor,  # [B] cache row of each batch row
         write_pos: torch.Tensor,  # [B, T] cache index of each slot (scratch column for padding)
-        cache_rows: torch.Tensor,  # [B]
         mask: torch.Tensor,  # [B, 1, T * group, L] bool, True = may attend
         attn_len: int,  # L: number of cache indices read
     ) -> torch.Tensor:
@@ -106,21 +99,10 @@ class CachedAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-
         # Write first, then read: a slot sees its own K/V and those of earlier slots of the
         # same forward (causal prefill chunk) through the same cache path.
-        self.k_cache.index_put_((write_rows, write_pos), k)
-        self.v_cache.index_put_((write_rows, write_pos), v)
-        kc = self.k_cache[cache_rows, :attn_len].transpose(1, 2)  # [B, n_kv, L, d]
-        vc = self.v_cache[cache_rows, :attn_len].transpose(1, 2)
-
-        # GQA without copying K/V per query head: head h uses kv head h // group (HF's
-        # repeat_kv order), so fold the group into the query-length axis: [B, n_kv, T*g, d].
-        g = nh // nkv
-        qf = q.view(B, T, nkv, g, d).permute(0, 2, 1, 3, 4).reshape(B, nkv, T * g, d)
-        o = F.scaled_dot_product_attention(qf, kc, vc, attn_mask=mask)  # [B, n_kv, T*g, d]
-        o = o.view(B, nkv, T, g, d).permute(0, 2, 1, 3, 4).reshape(B, T, nh * d)
-        return self.o_proj(o)
+        o = cached_attention(q, k, v, self.k_cache, self.v_cache, rows, write_pos, mask, attn_len)
+        return self.o_proj(o.reshape(B, T, nh * d))
 
 
 class DecoderLayer(nn.Module):
@@ -176,12 +158,8 @@ class NativeCausalLM(nn.Module):
         layer_types = getattr(hf, "layer_types", None) or []
         if getattr(hf, "use_sliding_window", False) or "sliding_attention" in layer_types:
             raise ConfigError(f"{arch}: sliding-window attention layers are not supported")
-        theta, scaling = rope_params_from_hf(hf)
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        try:
-            rope_inv_freq(head_dim, theta, scaling)
-        except (ValueError, KeyError) as e:
-            raise ConfigError(f"{arch}: {e}") from None
+        theta, scaling = rope_from_hf(hf, head_dim)  # strict: unknown rope keys are errors
         bias = bool(getattr(hf, "attention_bias", False))
         return NativeConfig(
             architecture=arch,
@@ -208,9 +186,19 @@ class NativeCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def init_rope(self, device: torch.device | str) -> None:
-        """(Re)compute the fp32 RoPE table, e.g. after building on the meta device."""
+        """(Re)compute the fp32 RoPE tables, e.g. after building on the meta device."""
+        self.rotary.reset_parameters(device)
+
+    @property
+    def info(self) -> TargetInfo:
         c = self.config
-        self.rotary.inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling).to(device)
+        return TargetInfo(
+            vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size,
+            num_layers=c.num_layers,
+            max_position_embeddings=c.max_position_embeddings,
+            rope_axes=rope_axes(c.rope_scaling),
+        )
 
     def setup_caches(self, max_batch: int, max_seq_len: int) -> None:
         """Allocate per-layer K/V caches `[max_batch, max_seq_len + 1, n_kv, head_dim]` (the
@@ -233,119 +221,101 @@ class NativeCausalLM(nn.Module):
         """The token embedding (EAGLE-3 / MTP drafters share its weight)."""
         return self.model.embed_tokens
 
+    def shared_weights(self) -> dict[str, torch.Tensor]:
+        """The weights drafters share with their target, by role (`draftinfer.checkpoint`)."""
+        return {
+            "input_embeddings": self.model.embed_tokens.weight,
+            "output_embeddings": self.lm_head.weight,
+        }
+
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
 
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
 
-    # ---- forward ------------------------------------------------------------------------
-    def _check_bounds(self, positions: torch.Tensor, cache_rows: torch.Tensor) -> int:
-        """One host sync: validates positions and rows, returns the largest position."""
-        if self.max_seq_len == 0:
-            raise RuntimeError("call setup_caches(max_batch, max_seq_len) before forward")
-        if positions.numel() == 0:
-            return -1
-        pmax, pmin, rmax, rmin = torch.stack(
-            [positions.max(), positions.min(), cache_rows.max(), cache_rows.min()]
+    # ---- forward (the target interface, `draftinfer.target`) -------------------------
+    def _check_rows(self, slots: Slots) -> None:
+        lo, hi, pmin = torch.stack(
+            [slots.rows.min(), slots.rows.max(), slots.cache_pos.min()]
         ).tolist()
-        if pmax >= self.max_seq_len:
+        if lo < 0 or hi >= self.max_batch:
             raise ValueError(
-                f"position {pmax} is out of range: the KV cache holds max_seq_len="
-                f"{self.max_seq_len} positions (0..{self.max_seq_len - 1}); positions never wrap"
-            )
-        if pmin < -1:
-            raise ValueError(f"position {pmin} is invalid: positions are >= 0, or -1 for padding")
-        if rmin < 0 or rmax >= self.max_batch:
-            raise ValueError(
-                f"cache row {rmax if rmax >= self.max_batch else rmin} out of range "
+                f"cache row {hi if hi >= self.max_batch else lo} out of range "
                 f"0..{self.max_batch - 1} (max_batch={self.max_batch})"
             )
-        return pmax
+        if pmin < -1:
+            raise ValueError(f"cache index {pmin} is invalid: >= 0, or -1 for padding")
+
+    def rope_positions(self, cache_pos: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Text targets: the RoPE position is the cache index (all three axes for an M-RoPE
+        rope config). `[B, T]` or `[3, B, T]`; padding slots at 0."""
+        pos = cache_pos.clamp(min=0)
+        return pos if self.rotary.axes == 1 else pos[None].expand(3, *pos.shape)
 
     def forward(
         self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        cache_rows: torch.Tensor,
-        aux_layer_ids: list[int] | None = None,
+        inputs: TargetInputs | torch.Tensor,
+        slots: Slots,
+        features: FeatureSpec | None = None,
         *,
-        attn_len: int | None = None,
         logit_index: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run a padded batch through the target, writing its K/V into the cache.
+    ) -> TargetOutput:
+        """Run a padded batch of slots through the target, writing its K/V into the cache.
 
         Args:
-            input_ids: `[B, T]` int64. Ids of padding slots are ignored.
-            positions: `[B, T]` int64. Slot `(b, t)` sits at `positions[b, t]` and writes its
-                K/V at cache index `positions[b, t]` of row `cache_rows[b]`; `-1` = padding
-                (writes nothing, its outputs are garbage but finite).
-            cache_rows: `[B]` int64, the cache row of each batch row (any order, distinct).
-            aux_layer_ids: layers `j` whose *input* hidden state (pre-norm residual stream,
-                0 = embeddings; equals HF `output_hidden_states[j]`) to return, in this order.
-            attn_len: keys read per row (cache indices `0..attn_len-1`). None (default): the
-                largest position in the batch + 1, found with one host sync that also checks
-                `positions < max_seq_len`. Pass a fixed value (e.g. `max_seq_len`) for a
-                sync-free, static-shape step (CUDA graphs); then the caller guarantees
-                `-1 <= positions < attn_len <= max_seq_len`.
-            logit_index: optional `[B, T']` slot indices; logits are computed only for those
-                slots (e.g. the last prompt token of a prefill), giving `[B, T', V]`.
+            inputs: token ids `[B, T]` int64 (or `TargetInputs`); ids of padding slots are
+                ignored.
+            slots: rows `[B]`, `cache_pos [B, T]` (-1 = padding: writes nothing, finite garbage
+                out), `rope_pos` (None: `rope_positions(cache_pos)`), `attn_len` (None: max
+                cache index + 1 with one host sync that also checks the bounds; pass a fixed or
+                bucketed value for a sync-free, static-shape step; the caller then guarantees
+                `-1 <= cache_pos < attn_len <= max_seq_len`).
+            features: the features to return (layer-input taps, final hidden pre/post norm).
+            logit_index: optional `[B, T']` slot indices; logits only for those slots.
 
-        Returns:
-            logits `[B, T, V]` fp32 (or `[B, T', V]`), and aux `[B, T, len(aux_layer_ids) * H]`
-            in the model dtype, or None.
-
-        Masking and why no KV rollback is needed: a query at position `p` attends exactly to
-        cache indices `0..p` of its row (the mask is built from `positions`, not from a stored
-        length). After a verification round commits length `n`, cache indices `>= n` may still
-        hold K/V of rejected drafts, but the next forward over that row starts at position `n`
-        and writes indices `n, n+1, ...` before any layer reads them (each layer writes, then
-        reads), and a query at position `p` never looks past `p`. So a stale entry is always
-        either overwritten before it is read or never read at all.
+        Returns `TargetOutput`: logits `[B, T, V]` fp32 (or `[B, T', V]`), features
+        `[B, T, F]` in the model dtype (None without `features`), the RoPE positions used and
+        the input embeddings. Why no KV rollback is needed: `draftinfer.kv_cache`.
         """
+        if self.max_seq_len == 0:
+            raise RuntimeError("call setup_caches(max_batch, max_seq_len) before forward")
         c = self.config
-        B, T = input_ids.shape
-        if attn_len is None:
-            attn_len = self._check_bounds(positions, cache_rows) + 1
-            attn_len = max(attn_len, 1)
-        elif not 1 <= attn_len <= self.max_seq_len:
-            raise ValueError(f"attn_len={attn_len} must be in 1..max_seq_len={self.max_seq_len}")
-        if aux_layer_ids is not None:
-            bad = [j for j in aux_layer_ids if not 0 <= j < c.num_layers]
-            if bad:
-                raise ValueError(
-                    f"aux_layer_ids {bad} out of range: the target has {c.num_layers} decoder "
-                    f"layers (taps 0..{c.num_layers - 1})"
-                )
-
-        valid = positions >= 0  # [B, T]
-        pos = positions.clamp(min=0)  # padding computes at position 0 (finite garbage)
-        ids = torch.where(valid, input_ids, torch.zeros_like(input_ids))
-        write_rows = cache_rows[:, None].expand(B, T)
-        write_pos = torch.where(valid, positions, torch.full_like(positions, self.max_seq_len))
-
-        # [B, 1, T * group, L]: slot (b, t) may read cache index j of its row iff j <= pos;
-        # padding slots read index 0 only, so no softmax row is empty (no NaN).
-        g = c.num_heads // c.num_kv_heads
-        keys = torch.arange(attn_len, device=positions.device)
-        mask = keys <= pos[..., None]  # [B, T, L]
-        mask = mask[:, None, :, None, :].expand(B, 1, T, g, attn_len).reshape(B, 1, T * g, -1)
-
-        cos, sin = self.rotary(pos)  # [B, T, head_dim] fp32
-        x = self.model.embed_tokens(ids)  # [B, T, H]
+        ids = as_inputs(inputs).input_ids
+        B, T = ids.shape
+        if slots.attn_len is None:  # the synced path (prefill, tests) also checks the rows
+            self._check_rows(slots)
+        attn_len = resolve_attn_len(slots, self.max_seq_len)
+        if features is not None:
+            features.check(c.num_layers)
+        valid = slots.cache_pos >= 0  # [B, T]
+        ids = torch.where(valid, ids, torch.zeros_like(ids))
+        write_pos = write_index(slots.cache_pos, self.max_seq_len)
+        mask = visibility_mask(slots.cache_pos, attn_len, c.num_heads // c.num_kv_heads)
+        rope_pos = slots.rope_pos
+        if rope_pos is None:
+            rope_pos = self.rope_positions(slots.cache_pos, slots.rows)
+        cos, sin = self.rotary(rope_pos)  # [B, T, head_dim] fp32
+        x = embeds = self.model.embed_tokens(ids)  # [B, T, H]
         taps: dict[int, torch.Tensor] = {}
-        wanted = set(aux_layer_ids or ())
+        wanted = set(features.layer_inputs) if features is not None else set()
         for j, layer in enumerate(self.model.layers):
             if j in wanted:
                 taps[j] = x
-            x = layer(x, cos, sin, write_rows, write_pos, cache_rows, mask, attn_len)
+            x = layer(x, cos, sin, slots.rows, write_pos, mask, attn_len)
+        normed = self.model.norm(x)
+        feats = None
+        if features is not None:
+            parts = [taps[j] for j in features.layer_inputs]
+            if features.final_hidden is not None:
+                parts.append(x if features.final_hidden == "pre_norm" else normed)
+            feats = torch.cat(parts, dim=-1) if parts else x.new_zeros(B, T, 0)
         if logit_index is not None:
-            x = torch.gather(x, 1, logit_index[..., None].expand(-1, -1, x.shape[-1]))
-        logits = self.lm_head(self.model.norm(x)).float()
-        aux = None
-        if aux_layer_ids is not None:
-            aux = torch.cat([taps[j] for j in aux_layer_ids] or [x.new_zeros(B, T, 0)], dim=-1)
-        return logits, aux
+            normed = torch.gather(
+                normed, 1, logit_index[..., None].expand(-1, -1, normed.shape[-1])
+            )
+        logits = self.lm_head(normed).float()
+        return TargetOutput(logits, feats, rope_pos, embeds)
 
 
 class LlamaForCausalLM(NativeCausalLM):

@@ -1,10 +1,9 @@
-"""Chat data: loading conversations, and the assistant-only loss mask.
+"""Chat data for training: the assistant-only loss mask (loading conversations lives in
+`draftinfer.chat`, shared with the runner's prompts).
 
 Terms used here and in the rest of `drafttrain.data`:
 
-- **conversation**: a list of messages `{"role": "system" | "user" | "assistant" | ..., "content": str}`
-  (plus optional keys a template may read, e.g. `reasoning_content`). ShareGPT rows
-  (`{"from": "human" | "gpt" | "system", "value": str}`) are normalized into this form.
+- **conversation**: a list of messages `{"role": ..., "content": str}` (`draftinfer.chat`).
 - **rendered text** `F`: the whole conversation rendered by the tokenizer's own chat template
   (`apply_chat_template(messages, tokenize=False)`).
 - **end-of-turn marker**: the text the template appends after an assistant message's content
@@ -33,149 +32,40 @@ generates the (empty) think block itself.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
+from draftinfer.chat import load_chat_dataset, normalize_messages
 from drafttrain.config import DataConfig
 from drafttrain.errors import DataError
 
+__all__ = [
+    "assistant_spans",
+    "end_of_turn_marker",
+    "load_chat_dataset",
+    "load_data",
+    "normalize_messages",
+    "tokenize_conversation",
+    "tokenize_dataset",
+]
+
 if TYPE_CHECKING:
     import datasets
-
-# Local file types and the `datasets` builder that reads each.
-_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-
-# ShareGPT speaker names -> chat roles.
-_SHAREGPT_ROLES = {
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "model": "assistant",
-    "chatgpt": "assistant",
-    "system": "system",
-    "tool": "tool",
-    "function": "tool",
-}
 
 # Probe conversation used to learn the end-of-turn marker of a template.
 _PROBE_USER = "PROBE_U"
 _PROBE_ASSISTANT = "PROBE_A"
 
 
-def _one_line(text: str, limit: int = 300) -> str:
-    """Collapse a foreign error message to one short line (DataError messages are one line)."""
-    line = " ".join(str(text).split())
-    return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
-# --------------------------------------------------------------------------- loading
-
-
-def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Return `messages` as `{"role", "content", ...}` dicts; ShareGPT `{"from", "value"}` is mapped.
-
-    Keys whose value is None are dropped (Arrow fills keys absent from a row with None, and
-    templates test `is defined`), except `content`.
-    """
-    out = []
-    for msg in messages:
-        if not isinstance(msg, dict):
-            raise DataError(f"a conversation message is {type(msg).__name__}, expected a dict")
-        if "role" not in msg and "from" in msg:
-            speaker = str(msg["from"]).lower()
-            if speaker not in _SHAREGPT_ROLES:
-                raise DataError(
-                    f"unknown ShareGPT speaker {msg['from']!r}; known: {sorted(_SHAREGPT_ROLES)}"
-                )
-            rest = {k: v for k, v in msg.items() if k not in ("from", "value") and v is not None}
-            out.append({"role": _SHAREGPT_ROLES[speaker], "content": msg.get("value"), **rest})
-        elif "role" in msg and msg["role"] is not None:
-            out.append({k: v for k, v in msg.items() if v is not None or k == "content"})
-        else:
-            raise DataError(
-                f"a conversation message has no 'role' (or 'from'); keys: {sorted(msg)}"
-            )
-    return out
-
-
-def _is_sharegpt(feature: Any) -> bool:
-    """True when a `datasets` feature is a list of structs with `from`/`value` keys."""
-    inner = getattr(feature, "feature", None)
-    if inner is None and isinstance(feature, list) and feature:
-        inner = feature[0]
-    return isinstance(inner, dict) and "from" in inner and "value" in inner
-
-
-def _looks_local(path: str) -> bool:
-    return (
-        os.path.isabs(path)
-        or path.startswith(("./", "../", "~"))
-        or os.path.splitext(path)[1].lower() in _BUILDERS
-        or os.path.exists(path)
+def load_data(cfg: DataConfig) -> datasets.Dataset:
+    """The conversations `cfg` names (`draftinfer.chat.load_chat_dataset`)."""
+    return load_chat_dataset(
+        cfg.path,
+        cfg.split,
+        name=cfg.name,
+        messages_field=cfg.messages_field,
+        max_samples=cfg.max_samples,
+        cache_dir=cfg.cache_dir,
     )
-
-
-def _local_load_args(path: str, split: str) -> dict[str, Any]:
-    """`load_dataset` arguments for a local file or directory."""
-    if os.path.isfile(path):
-        ext = os.path.splitext(path)[1].lower()
-        if ext not in _BUILDERS:
-            raise DataError(f"unsupported data file {path!r}; use one of {sorted(_BUILDERS)}")
-        return {"path": _BUILDERS[ext], "data_files": {split: path}}
-    for ext, builder in _BUILDERS.items():
-        candidate = os.path.join(path, f"{split}{ext}")
-        if os.path.isfile(candidate):
-            return {"path": builder, "data_files": {split: candidate}}
-    # Anything else (sharded files, data/ folders): let `datasets` resolve the directory.
-    return {"path": path}
-
-
-def load_chat_dataset(cfg: DataConfig) -> datasets.Dataset:
-    """Load the conversations named by `cfg` as a `datasets.Dataset` with column `cfg.messages_field`.
-
-    `cfg.path` is a hub id (with `cfg.name`, `cfg.split`), a local `.json`/`.jsonl`/`.parquet`
-    file, a local directory holding `{split}.jsonl` (or `.json`/`.parquet`), or `zoo:<name>`.
-    ShareGPT rows are normalized to role/content messages. `cfg.max_samples` keeps the first rows.
-    """
-    import datasets
-
-    path = cfg.path
-    if path.startswith("zoo:"):
-        from draftinfer.paths import resolve_path
-
-        path = resolve_path(path)
-    path = os.path.expanduser(path)
-    local = cfg.path.startswith("zoo:") or _looks_local(path)
-    if local and not os.path.exists(path):
-        raise DataError(f"data path {cfg.path!r} does not exist (resolved to {path!r})")
-
-    args = _local_load_args(path, cfg.split) if local else {"path": path, "name": cfg.name}
-    cache_dir = os.path.join(cfg.cache_dir, "datasets") if cfg.cache_dir else None
-    try:
-        ds = datasets.load_dataset(**args, split=cfg.split, cache_dir=cache_dir)
-    except DataError:
-        raise
-    except Exception as e:  # datasets raises many types (FileNotFound, ValueError, hub errors)
-        where = "local data" if local else "hub dataset"
-        raise DataError(
-            f"cannot load {where} {cfg.path!r} split {cfg.split!r}: {_one_line(e)}"
-        ) from e
-
-    field = cfg.messages_field
-    if field not in ds.column_names:
-        raise DataError(
-            f"dataset {cfg.path!r} has no column {field!r} (data.messages_field); "
-            f"available columns: {ds.column_names}"
-        )
-    if cfg.max_samples is not None:
-        ds = ds.select(range(min(cfg.max_samples, len(ds))))
-    if _is_sharegpt(ds.features[field]):
-        ds = ds.map(
-            lambda row: {field: normalize_messages(row[field])},
-            desc="normalizing ShareGPT rows",
-        )
-    return ds
 
 
 # --------------------------------------------------------------------------- spans

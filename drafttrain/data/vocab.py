@@ -14,8 +14,8 @@ broken by smaller id. If fewer than `Dd` distinct tokens occur, the smallest unu
 the rest. Chosen ids are sorted ascending, so draft id order follows target id order and
 `d2t` is non-decreasing.
 
-`draft_to_target_ids` and `map_draft_logits_to_target` are pure torch (no drafttrain
-imports), so inference code can use them.
+The mapping itself (`draft_to_target_ids`, `map_draft_logits_to_target`) is defined once, in
+`draftinfer.vocab`; this module only builds it from data.
 """
 
 from __future__ import annotations
@@ -28,36 +28,22 @@ from typing import Any
 
 import torch
 
+from draftinfer.vocab import draft_to_target_ids, map_draft_logits_to_target
 from drafttrain.errors import DataError
+
+__all__ = [
+    "build_draft_vocab",
+    "count_masked_tokens",
+    "draft_to_target_ids",
+    "draft_vocab_from_counts",
+    "load_or_build_draft_vocab",
+    "map_draft_logits_to_target",
+]
 
 # Bumped when the selection rule changes, so stale cache files are not reused.
 _VOCAB_RULE_VERSION = 1
 # Rows are concatenated up to this many tokens before one bincount (memory vs. call overhead).
 _FLUSH_TOKENS = 1 << 20
-
-
-# --------------------------------------------------------------------------- pure torch
-
-
-def draft_to_target_ids(d2t: torch.Tensor) -> torch.Tensor:
-    """Target id of every draft id: `[Dd]` long, `i + d2t[i]`."""
-    return torch.arange(d2t.shape[0], device=d2t.device, dtype=torch.long) + d2t.long()
-
-
-def map_draft_logits_to_target(
-    logits: torch.Tensor, d2t: torch.Tensor, target_vocab_size: int
-) -> torch.Tensor:
-    """Scatter draft logits `[..., Dd]` into target-vocab logits `[..., V]`, `-inf` elsewhere.
-
-    `-inf` (not 0 or a large negative) makes softmax give exactly zero probability to tokens
-    the drafter cannot propose, so rejection sampling sees the true draft distribution q.
-    """
-    if logits.shape[-1] != d2t.shape[0]:
-        raise ValueError(f"logits last dim {logits.shape[-1]} != draft vocab size {d2t.shape[0]}")
-    ids = draft_to_target_ids(d2t).to(logits.device)  # [Dd]
-    out = logits.new_full((*logits.shape[:-1], target_vocab_size), float("-inf"))  # [..., V]
-    out[..., ids] = logits
-    return out
 
 
 # --------------------------------------------------------------------------- building

@@ -27,12 +27,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-from draftinfer.drafters.layers import causal_attention
-from draftinfer.drafters.ptd import PTDConfig, PTDDrafter
-from drafttrain.config import PTDTrainConfig
-from drafttrain.errors import ConfigError
-from drafttrain.objectives.eagle3 import drafter_config_from_target, shift_left
-from drafttrain.target import FrozenTarget, TargetBatchOutput
+from draftinfer.kinds.ptd import PTDDrafter
+from draftinfer.layers import causal_attention
+from draftinfer.target import TargetOutput
+from drafttrain.kinds.eagle3.objective import shift_left
+from drafttrain.kinds.ptd.config import PTDTrainConfig
 
 PAD_ANCHOR = 1 << 30  # anchor/depth of padding slots: they see depth-0 rows, nobody sees them
 
@@ -61,13 +60,13 @@ def make_attention(anchor: torch.Tensor, depth: torch.Tensor, backend: str):
     if backend == "flex":
         from torch.nn.attention.flex_attention import create_block_mask
 
-        from drafttrain.ttt import _flex_fn
+        from drafttrain.ttt import flex_fn
 
         B, N = anchor.shape
         block = create_block_mask(
             ptd_mask_mod(anchor, depth), B, None, N, N, device=str(anchor.device)
         )
-        flex = _flex_fn(anchor.device)
+        flex = flex_fn(anchor.device)
 
         def attn_flex(_layer, q, k, v):
             o = flex(
@@ -122,37 +121,20 @@ class PTDObjective:
     def __init__(self, drafter: PTDDrafter, cfg: PTDTrainConfig, backend: str):
         self.drafter, self.cfg, self.backend = drafter, cfg, backend
 
-    @staticmethod
-    def arch_from_target(cfg: PTDTrainConfig, target: FrozenTarget, tokenizer) -> PTDConfig:
-        mask_id = cfg.mask_token_id
-        if mask_id is None:
-            mask_id = (
-                tokenizer.pad_token_id
-                if tokenizer.pad_token_id is not None
-                else target.vocab_size - 1
-            )
-        if not 0 <= mask_id < target.vocab_size:
-            raise ConfigError(
-                f"mask_token_id {mask_id} is outside the target vocabulary [0, {target.vocab_size})"
-            )
-        if cfg.parallel_k < 1:
-            raise ConfigError(f"parallel_k must be >= 1, got {cfg.parallel_k}")
-        return drafter_config_from_target(
-            cfg, target, PTDConfig, mask_token_id=int(mask_id), parallel_k=cfg.parallel_k
-        )
-
     def forward_slots(
         self,
         input_ids: torch.Tensor,
-        aux: torch.Tensor,
-        positions: torch.Tensor,
+        features: torch.Tensor,
+        rope_pos: torch.Tensor,
         slot_anchor: list[torch.Tensor],
         slot_depth: list[torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One forward over `[T depth-0 rows | S slots]` per sequence.
 
-        input_ids/positions `[B, T]`, aux `[B, T, 3H]`, slot lists per sequence -> (logits
-        `[B, T + S, Dd]`, anchor `[B, T + S]`, depth `[B, T + S]`)."""
+        input_ids `[B, T]`, rope_pos `[B, T]` / `[3, B, T]`, target features `[B, T, 3H]`,
+        slot lists per sequence -> (logits `[B, T + S, Dd]`, anchor `[B, T + S]`, depth
+        `[B, T + S]`). A depth-d slot of anchor i sits at `rope_pos[..., i] + d` on every
+        axis (convention 3)."""
         d = self.drafter
         B, T = input_ids.shape
         dev = input_ids.device
@@ -160,8 +142,8 @@ class PTDObjective:
         N = T + S
         ids = torch.full((B, N), d.config.mask_token_id, dtype=torch.long, device=dev)
         ids[:, :T] = shift_left(input_ids, 1)  # row i consumes t_{i+1}
-        pos = torch.zeros(B, N, dtype=torch.long, device=dev)
-        pos[:, :T] = positions
+        pos = torch.zeros(*rope_pos.shape[:-2], B, N, dtype=torch.long, device=dev)
+        pos[..., :T] = rope_pos
         anchor = torch.full((B, N), PAD_ANCHOR, dtype=torch.long, device=dev)
         depth = torch.full((B, N), PAD_ANCHOR, dtype=torch.long, device=dev)
         anchor[:, :T] = torch.arange(T, device=dev)
@@ -170,20 +152,30 @@ class PTDObjective:
             n = slot_anchor[b].numel()
             a, dp = slot_anchor[b].to(dev), slot_depth[b].to(dev)
             anchor[b, T : T + n], depth[b, T : T + n] = a, dp
-            pos[b, T : T + n] = positions[b, a] + dp  # mask slot m at p_anchor + m
+            pos[..., b, T : T + n] = rope_pos[..., b, a] + dp  # mask slot m at p_anchor + m
         feature = torch.zeros(B, N, d.config.hidden_size, device=dev, dtype=d.fc.weight.dtype)
-        feature[:, :T] = d.project_aux(aux.to(d.fc.weight.dtype))
+        feature[:, :T] = d.project_features(features)
         is_slot = depth[:, T:] < PAD_ANCHOR
         feature[:, T:] = torch.where(is_slot[..., None], d.mask_feature(), feature[:, T:])
         normed, _ = d(ids, feature, pos, make_attention(anchor, depth, self.backend))
         return d.logits(normed), anchor, depth
 
+    def anchor_logits(
+        self, ids: torch.Tensor, features: torch.Tensor, rope_pos: torch.Tensor, anchor: int, k: int
+    ) -> torch.Tensor:
+        """The logits training gives for the k drafts after committed row `anchor`: the row
+        itself and its k-1 mask slots, `[k, Dd]` (S9)."""
+        T = ids.shape[1]
+        slots = [torch.full((k - 1,), anchor)], [torch.arange(1, k)]
+        logits, _, _ = self.forward_slots(ids, features, rope_pos, *slots)
+        return torch.cat([logits[0, anchor : anchor + 1], logits[0, T : T + k - 1]])
+
     def __call__(
-        self, batch: dict[str, torch.Tensor], tgt: TargetBatchOutput
+        self, batch: dict[str, torch.Tensor], tgt: TargetOutput
     ) -> tuple[torch.Tensor, dict[str, float]]:
         c, d = self.cfg, self.drafter
         K = c.parallel_k
-        input_ids, positions = batch["input_ids"], batch["position_ids"]
+        input_ids = batch["input_ids"]
         B, T = input_ids.shape
         tlog = tgt.logits
         in_draft = d.t2d[tlog.argmax(-1)]  # [B, T]
@@ -202,7 +194,10 @@ class PTDObjective:
             )
             anchors.append(a)
             depths.append(dp)
-        logits, anchor, depth = self.forward_slots(input_ids, tgt.aux, positions, anchors, depths)
+        # RoPE positions: the ones the target used (for Qwen3-VL its own [3, B, T] table).
+        logits, anchor, depth = self.forward_slots(
+            input_ids, tgt.features, tgt.rope_pos, anchors, depths
+        )
         # Row/slot with anchor i at depth dd predicts the target distribution at row i+1+dd.
         real = depth < PAD_ANCHOR
         src = torch.where(real, anchor + 1 + depth, 0)  # [B, N]

@@ -25,12 +25,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from draftinfer.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from draftinfer.kinds.eagle3 import Eagle3Config, Eagle3Drafter
 from draftinfer.positions import draft_step_positions
-from drafttrain.config import Eagle3TrainConfig
+from draftinfer.rope import rope_from_hf
+from draftinfer.target import TargetOutput
 from drafttrain.errors import ConfigError
-from drafttrain.target import FrozenTarget, TargetBatchOutput
+from drafttrain.kinds.eagle3.config import Eagle3TrainConfig
 from drafttrain.ttt import TTTAttention
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3's default taps: low, middle and high layers (2, L//2, L-3)."""
+    return [2, num_layers // 2, num_layers - 3]
 
 
 def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
@@ -42,14 +48,12 @@ def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
 
 
 def drafter_config_from_target(
-    cfg: Eagle3TrainConfig, target: FrozenTarget, config_cls=Eagle3Config, **extra
+    cfg: Eagle3TrainConfig, target, config_cls=Eagle3Config, **extra
 ) -> Eagle3Config:
     """Architecture from the target's sizes plus the drafter config's overrides; a one-line
     `ConfigError` when they cannot fit."""
-    from draftinfer.drafters.layers import rope_params_from_hf
-
-    tc = target.config
-    H = target.hidden_size
+    info, tc = target.info, target.config
+    H = info.hidden_size
     hidden = cfg.hidden_size or H
     if hidden != H:
         raise ConfigError(
@@ -63,49 +67,52 @@ def drafter_config_from_target(
         raise ConfigError(
             f"drafter num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}"
         )
-    if cfg.draft_vocab_size > target.vocab_size or cfg.draft_vocab_size < 1:
+    if cfg.draft_vocab_size > info.vocab_size or cfg.draft_vocab_size < 1:
         raise ConfigError(
             f"draft_vocab_size {cfg.draft_vocab_size} does not fit the target "
-            f"vocabulary of {target.vocab_size}"
-        )
-    if len(target.aux_layer_ids) != 3:
-        raise ConfigError(
-            f"EAGLE-3 uses exactly 3 aux taps, got aux_layer_ids {target.aux_layer_ids}"
+            f"vocabulary of {info.vocab_size}"
         )
     if cfg.num_layers < 1:
         raise ConfigError(f"drafter num_layers must be >= 1, got {cfg.num_layers}")
-    theta, scaling = rope_params_from_hf(tc)
+    aux = list(cfg.aux_layer_ids) or default_aux_layer_ids(info.num_layers)
+    bad = [j for j in aux if not 0 <= j < info.num_layers]
+    if bad:
+        raise ConfigError(
+            f"aux_layer_ids {bad} out of range for a target with {info.num_layers} decoder layers"
+        )
+    # The target's own rope (strict: a key we do not implement is an error), so a Qwen3-VL
+    # target's drafter gets its interleaved M-RoPE.
+    theta, scaling = rope_from_hf(tc, head_dim)
     return config_cls(
         hidden_size=hidden,
         intermediate_size=cfg.intermediate_size or tc.intermediate_size,
         num_attention_heads=heads,
         num_key_value_heads=kv,
         head_dim=head_dim,
-        vocab_size=target.vocab_size,
+        vocab_size=info.vocab_size,
         draft_vocab_size=cfg.draft_vocab_size,
         target_hidden_size=H,
-        aux_layer_ids=list(target.aux_layer_ids),
+        aux_layer_ids=aux,
         num_hidden_layers=cfg.num_layers,
         rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
         # Never shorter than the target's: a short value corrupts RoPE in engines (DESIGN 4).
-        max_position_embeddings=int(getattr(tc, "max_position_embeddings", 2048)),
+        max_position_embeddings=info.max_position_embeddings,
         norm_before_residual=cfg.norm_before_residual,
         **extra,
     )
 
 
 @torch.no_grad()
-def init_from_target(
-    drafter: Eagle3Drafter, target: FrozenTarget, d2t: torch.Tensor, t2d: torch.Tensor
-) -> None:
+def init_from_target(drafter: Eagle3Drafter, target, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
     """Frozen shared embeddings; lm_head rows and final norm start from the target's."""
-    drafter.embed_tokens.weight.copy_(target.input_embeddings().float())
+    shared = target.shared_weights()
+    drafter.embed_tokens.weight.copy_(shared["input_embeddings"].float())
     drafter.d2t.copy_(d2t)
     drafter.t2d.copy_(t2d)
-    ids = torch.arange(d2t.numel()) + d2t
-    drafter.lm_head.weight.copy_(target.output_embeddings().float()[ids.to(target.device)])
+    ids = drafter.draft_vocab_ids().to(shared["output_embeddings"].device)
+    drafter.lm_head.weight.copy_(shared["output_embeddings"].float()[ids])
     norm = target.final_norm_weight()
     if norm is not None and norm.numel() == drafter.norm.weight.numel():
         drafter.norm.weight.copy_(norm.float())
@@ -117,27 +124,29 @@ class Eagle3Objective:
     def __init__(self, drafter: Eagle3Drafter, cfg: Eagle3TrainConfig, backend: str):
         self.drafter, self.cfg, self.backend = drafter, cfg, backend
 
-    @staticmethod
-    def arch_from_target(cfg: Eagle3TrainConfig, target: FrozenTarget, tokenizer) -> Eagle3Config:
-        return drafter_config_from_target(cfg, target)
-
     def unroll(
-        self, input_ids: torch.Tensor, aux: torch.Tensor, positions: torch.Tensor, steps: int
+        self, input_ids: torch.Tensor, features: torch.Tensor, rope_pos: torch.Tensor, steps: int
     ) -> list[torch.Tensor]:
-        """TTT forward: draft-vocabulary logits `[B, T, Dd]` for each step 0..steps-1."""
+        """TTT forward: draft-vocabulary logits `[B, T, Dd]` for each step 0..steps-1.
+        input_ids `[B, T]`, target features `[B, T, 3H]`, rope_pos `[B, T]` / `[3, B, T]`."""
         attn = TTTAttention(self.backend)
-        feature = self.drafter.project_aux(aux)  # [B, T, H]
+        feature = self.drafter.project_features(features)  # [B, T, H]
         out = []
         for k in range(steps):
             tokens = shift_left(input_ids, 1 + k)
-            normed, feature = self.drafter(
-                tokens, feature, draft_step_positions(positions, k), attn
-            )
+            normed, feature = self.drafter(tokens, feature, draft_step_positions(rope_pos, k), attn)
             out.append(self.drafter.logits(normed))
         return out
 
+    def anchor_logits(
+        self, ids: torch.Tensor, features: torch.Tensor, rope_pos: torch.Tensor, anchor: int, k: int
+    ) -> torch.Tensor:
+        """The logits training gives for the k drafts after committed row `anchor`
+        `[k, Dd]` (S9: the runner's k chained draft steps must give the same)."""
+        return torch.stack([lg[0, anchor] for lg in self.unroll(ids, features, rope_pos, k)])
+
     def __call__(
-        self, batch: dict[str, torch.Tensor], tgt: TargetBatchOutput
+        self, batch: dict[str, torch.Tensor], tgt: TargetOutput
     ) -> tuple[torch.Tensor, dict[str, float]]:
         d = self.drafter
         t2d = d.t2d
@@ -146,11 +155,9 @@ class Eagle3Objective:
         in_draft = t2d[tlog.argmax(-1)]  # [B, T] target top-1 representable
         target_p = torch.softmax(tlog[..., t2d], dim=-1)
         loss_mask = batch["loss_mask"].bool() & batch["attention_mask"].bool()
+        # RoPE positions: the ones the target used (for Qwen3-VL its own [3, B, T] table).
         logits_per_step = self.unroll(
-            batch["input_ids"],
-            tgt.aux.to(d.fc.weight.dtype),
-            batch["position_ids"],
-            self.cfg.ttt_steps,
+            batch["input_ids"], tgt.features, tgt.rope_pos, self.cfg.ttt_steps
         )
         total = torch.zeros((), device=tlog.device)
         metrics: dict[str, float] = {}

@@ -1,5 +1,6 @@
-"""Building blocks shared by every drafter kind: RMSNorm, rotary embeddings, SwiGLU MLP and a
-decoder layer whose attention *computation* is supplied by the caller.
+"""Building blocks shared by every drafter kind and the native targets: RMSNorm, SwiGLU MLP
+and an attention block whose score/softmax *computation* is supplied by the caller (rotary
+embeddings live in `draftinfer.rope`).
 
 Why a pluggable attention function: the same weights run under three different attention
 patterns (training-time-test unrolling in `drafttrain`, a paged/static KV cache in the
@@ -13,13 +14,13 @@ head_dim]`, output `[B, T, n_heads, head_dim]`.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from draftinfer.rope import apply_rope
 
 # attn_fn(layer_idx, q, k, v) -> o ; shapes in the module docstring.
 AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -37,70 +38,6 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies `[head_dim // 2]` for default, linear and llama3 RoPE."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if rope_type == "default":
-        return inv.float()
-    if rope_type == "linear":
-        return (inv / float(scaling["factor"])).float()
-    if rope_type == "llama3":
-        # Llama-3.1: keep high frequencies, divide low ones by `factor`, blend in between.
-        factor = float(scaling["factor"])
-        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-        old_ctx = float(scaling["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv
-        scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        blended = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
-        return torch.where(medium, blended, scaled).float()
-    raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3)")
-
-
-def rope_params_from_hf(config: Any) -> tuple[float, dict[str, Any] | None]:
-    """(theta, scaling) from an HF config, transformers 4 (`rope_theta`/`rope_scaling`) or 5
-    (`rope_parameters`)."""
-    params = getattr(config, "rope_parameters", None)
-    if isinstance(params, dict) and params:
-        theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-        if scaling.get("rope_type", "default") == "default":
-            scaling = None
-        return theta, scaling
-    scaling = getattr(config, "rope_scaling", None)
-    if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
-        scaling = None
-    return float(getattr(config, "rope_theta", 10000.0)), scaling
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin rows for integer positions. Positions are a tensor `[..., N]` (DESIGN 3.3)."""
-
-    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None = None):
-        super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
-
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions [..., N] -> cos, sin [..., N, head_dim] (fp32)
-        freqs = positions.to(torch.float32)[..., None] * self.inv_freq
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos(), emb.sin()
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x `[B, T, heads, D]`, cos/sin `[B, T, D]` or `[T, D]` -> rotated x (dtype kept)."""
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    out = x.float() * cos + _rotate_half(x.float()) * sin
-    return out.to(x.dtype)
 
 
 class SwiGLU(nn.Module):

@@ -1,0 +1,62 @@
+"""`torch.compile` applied from outside the model code (STYLE rule 3), once per function.
+
+The round's hot pieces are plain module-level functions taking the module and tensors as
+arguments (`target_forward`, `cached_drafter_forward`), compiled once per process and shared
+by every `SpecDecoder`: compiling a bound method per decoder would guard on each new `self`,
+recompile for every decoder and, past dynamo's recompile limit, fall back to eager silently.
+With `dynamic=True`, sequence lengths, draft counts and attention lengths are symbolic, so a
+new K or attention bucket is not a new compile (sizes of 1 are specialised by dynamo).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from draftinfer.kv_cache import bind_cache
+from draftinfer.slots import Slots
+from draftinfer.target import FeatureSpec
+
+_COMPILED: dict[tuple, Callable] = {}
+
+
+def compiled(fn: Callable, **options) -> Callable:
+    """`torch.compile(fn, **options)`, built once per (function, options)."""
+    key = (fn, tuple(sorted(options.items())))
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(fn, **options)
+    return _COMPILED[key]
+
+
+def target_forward(
+    target,
+    ids: torch.Tensor,  # [B, T]
+    rows: torch.Tensor,  # [B]
+    cache_pos: torch.Tensor,  # [B, T]
+    rope_pos: torch.Tensor,  # [B, T] / [3, B, T]
+    attn_len: int,
+    layer_inputs: tuple[int, ...],
+    final_hidden: str | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The target interface with plain arguments: (logits `[B, T, V]`, features)."""
+    out = target(
+        ids, Slots(rows, cache_pos, rope_pos, attn_len), FeatureSpec(layer_inputs, final_hidden)
+    )
+    return out.logits, out.features
+
+
+def cached_drafter_forward(
+    drafter,
+    k_cache: list[torch.Tensor],
+    v_cache: list[torch.Tensor],
+    ids: torch.Tensor,  # [B, T]
+    feature: torch.Tensor,  # [B, T, H] carried feature
+    rope_pos: torch.Tensor,  # [B, T] / [3, B, T]
+    rows: torch.Tensor,  # [B]
+    cache_pos: torch.Tensor,  # [B, T]
+    attn_len: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One drafter forward through its KV cache -> (normed, pre-norm) `[B, T, H]`."""
+    slots = Slots(rows, cache_pos, rope_pos, attn_len)
+    return drafter(ids, feature, rope_pos, bind_cache(k_cache, v_cache, slots))

@@ -1,0 +1,197 @@
+"""Drafter kinds (DESIGN 2.1 seam 1): one `DrafterSpec` per kind, registered from the kind's
+own files under `draftinfer/kinds/<kind>/`, looked up by name (the same name in configs,
+code and checkpoint metadata, STYLE rule 5).
+
+Shared code (checkpoint I/O, the engine, the reference loop, the runner, training, export)
+asks the spec, never a kind name or a kind-specific attribute. A new kind is new files plus
+`register_drafter(MySpec())`; nothing shared is edited.
+
+A spec answers:
+- what the kind *is*: `config_class` (architecture dataclass: `kind`, `features`,
+  `to_dict`, `to_hf`, `from_hf`), `module_class` (the `nn.Module` training and the runner
+  share), `proposer_class` (how the runner drafts with it);
+- how it is *served*: `serving_state_dict` / `from_serving_names` (tensor names engines
+  load), `hf_config` (config.json fields engines read), `speculators_config`,
+  `serving_hint` (launch lines for the model card);
+- what it *checks*: `check_fit(arch, target_info)` (drafter made for this target),
+  `validate_state_dict(arch, tensors, where)` (tensor names and shapes, drafting-mode
+  tensors: S8), `conventions(arch)` (the conventions a checkpoint records and is checked
+  against at load).
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from typing import Any, ClassVar
+
+import torch
+
+from draftinfer.errors import CheckpointError
+
+# Conventions every kind shares (DESIGN section 3); kinds add their own in `conventions()`.
+BASE_CONVENTIONS: dict[str, str] = {
+    # Convention 1: row i consumes (t_{i+1}, f_i) at pos_i; token 0 has no pair.
+    "first_token_convention": "drop",
+    # Conventions 1 and 4: row i at draft step k sits at the target position of token i, + k.
+    "position_convention": "target_pos_plus_step",
+}
+
+
+class DrafterSpec:
+    """Base spec; a kind subclasses it (and may subclass another kind's spec)."""
+
+    name: ClassVar[str] = ""
+    config_class: ClassVar[type]
+    module_class: ClassVar[type]
+    proposer_class: ClassVar[type]
+    # Tensors that only this kind's drafting mode has (e.g. a parallel drafter's mask
+    # parameters): a checkpoint holding them cannot run as a kind that lacks them (S8).
+    mode_tensors: ClassVar[frozenset[str]] = frozenset()
+    mode: ClassVar[str] = ""  # how it drafts, for messages: "chain drafting", ...
+
+    # -- construction ---------------------------------------------------------------------
+    def build(self, arch: Any) -> torch.nn.Module:
+        return self.module_class(arch)
+
+    def hf_config(self, arch: Any) -> dict[str, Any]:
+        """The engine-facing `config.json` fields (ours go under `"drafttrain"`)."""
+        return arch.to_hf()
+
+    def arch_from_hf(self, config: dict[str, Any], where: str) -> Any:
+        """Parse `config.json`; a missing field is a one-line `CheckpointError` naming it."""
+        return self.config_class.from_hf(config, where)
+
+    def attach_shared(self, module: torch.nn.Module, shared: dict[str, torch.Tensor]) -> None:
+        """Copy the target weights this kind shares (`"input_embeddings"`,
+        `"output_embeddings"`) into `module`; a one-line `CheckpointError` when they do not
+        fit. Checkpoints never hold them (engines share the target's)."""
+        raise NotImplementedError
+
+    # -- serving layout -------------------------------------------------------------------
+    def serving_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return module.trainable_state_dict()
+
+    def from_serving_names(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return dict(tensors)
+
+    def speculators_config(self, arch: Any, verifier: str, k: int) -> dict[str, Any] | None:
+        """The checkpoint in vllm-project/speculators' format, or None if it has none."""
+        return None
+
+    def serving_hint(self, arch: Any, k: int) -> str:
+        """Markdown lines for the model card: how engines serve this export."""
+        return ""
+
+    # -- checks -----------------------------------------------------------------------------
+    def conventions(self, arch: Any) -> dict[str, str]:
+        return dict(BASE_CONVENTIONS)
+
+    def check_fit(self, arch: Any, info: Any) -> None:
+        """One-line `CheckpointError` when the drafter was not made for a target with these
+        facts (`draftinfer.target.TargetInfo`)."""
+        if arch.vocab_size != info.vocab_size:
+            raise CheckpointError(
+                f"drafter vocabulary {arch.vocab_size} does not match the target's "
+                f"{info.vocab_size}"
+            )
+        if arch.target_hidden_size != info.hidden_size:
+            raise CheckpointError(
+                f"drafter expects target hidden size {arch.target_hidden_size}, "
+                f"target has {info.hidden_size}"
+            )
+        bad = [j for j in arch.features.layer_inputs if not 0 <= j < info.num_layers]
+        if bad:
+            raise CheckpointError(
+                f"drafter taps target layers {bad}; the target has {info.num_layers} layers"
+            )
+        if arch.max_position_embeddings < info.max_position_embeddings:
+            raise CheckpointError(
+                f"drafter max_position_embeddings {arch.max_position_embeddings} is shorter "
+                f"than the target's {info.max_position_embeddings} (engines would corrupt RoPE "
+                "past it)"
+            )
+
+    def check_k(self, arch: Any, k: int) -> None:
+        """One-line `CheckpointError` when this drafter cannot draft `k` tokens per round."""
+
+    def validate_state_dict(
+        self, arch: Any, tensors: dict[str, torch.Tensor], module: torch.nn.Module, where: str
+    ) -> None:
+        """Tensors (module names) against `module`'s own: drafting-mode tensors first (S8),
+        then missing / unexpected names, then shapes."""
+        own = module.trainable_state_dict()
+        for other in DRAFTERS.values():
+            foreign = sorted((other.mode_tensors - self.mode_tensors) & set(tensors))
+            if foreign and other.name != self.name:
+                raise CheckpointError(
+                    f"{where} has {', '.join(foreign)} ({other.mode} of a {other.name!r} "
+                    f"drafter) but config.json says drafter_kind {self.name!r}; it cannot run "
+                    f"in {self.mode} mode"
+                )
+        for name in sorted(self.mode_tensors - set(tensors)):
+            raise CheckpointError(
+                f"{where}: drafter_kind {self.name!r} ({self.mode}) needs {name}, which the "
+                "checkpoint lacks"
+            )
+        missing, unexpected = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
+        if missing or unexpected:
+            raise CheckpointError(
+                f"{where}: tensors do not match a {self.name} drafter "
+                f"(missing {missing[:4]}, unexpected {unexpected[:4]})"
+            )
+        for name, t in tensors.items():
+            if tuple(t.shape) != tuple(own[name].shape):
+                raise CheckpointError(
+                    f"{where}: tensor {name} has shape {tuple(t.shape)}, config implies "
+                    f"{tuple(own[name].shape)}"
+                )
+
+
+DRAFTERS: dict[str, DrafterSpec] = {}
+_loaded = False
+
+
+def register_drafter(spec: DrafterSpec) -> DrafterSpec:
+    """Register a kind (called from the kind's own `__init__.py`, or by a test)."""
+    if not spec.name:
+        raise ValueError(f"{type(spec).__name__} has no name")
+    if spec.config_class.kind != spec.name:
+        raise ValueError(
+            f"{type(spec).__name__}: config kind {spec.config_class.kind!r} != {spec.name!r}"
+        )
+    DRAFTERS[spec.name] = spec
+    return spec
+
+
+def unregister_drafter(name: str) -> None:
+    DRAFTERS.pop(name, None)
+
+
+def load_kinds() -> dict[str, DrafterSpec]:
+    """Import every package under `draftinfer/kinds/` once; each registers itself."""
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        import draftinfer.kinds as pkg
+
+        for mod in pkgutil.iter_modules(pkg.__path__):
+            importlib.import_module(f"{pkg.__name__}.{mod.name}")
+    return DRAFTERS
+
+
+def drafter_spec(kind: str) -> DrafterSpec:
+    """The spec registered under `kind`; a one-line `CheckpointError` for an unknown kind."""
+    load_kinds()
+    if kind not in DRAFTERS:
+        raise CheckpointError(f"unknown drafter_kind {kind!r} (known: {sorted(DRAFTERS)})")
+    return DRAFTERS[kind]
+
+
+def spec_of(drafter: torch.nn.Module) -> DrafterSpec:
+    """The spec of a drafter module (by its config's kind)."""
+    return drafter_spec(drafter.config.kind)
+
+
+def registered_kinds() -> list[str]:
+    return sorted(load_kinds())

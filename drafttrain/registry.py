@@ -1,0 +1,78 @@
+"""Training side of a drafter kind: one `TrainSpec` per kind, registered from the kind's own
+files under `drafttrain/kinds/<kind>/` (the same names as `draftinfer.registry.DRAFTERS`; a
+test asserts both registries name the same kinds).
+
+A spec answers what `train(cfg)` needs and nothing in `train.py` names a kind:
+- `config_class`: the kind's training-config dataclass (a `DrafterTrainConfig`), registered
+  with Hydra as `drafter/<kind>_schema`;
+- `init_drafter(cfg, ctx)`: the drafter module, its architecture derived from the target
+  (`ctx.target.info`, its config) and initialised (shared embeddings, draft vocabulary, ...);
+- `objective(drafter, cfg, backend)`: the training objective, a callable
+  `(batch, TargetOutput) -> (loss, metrics)` with `checkpoint_meta()` (what the export
+  records, incl. `serving_k`, the draft length it advertises) and
+  `anchor_logits(ids, features, rope_pos, anchor, k)` (the train/serve parity test S9).
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from draftinfer.errors import ConfigError
+
+
+@dataclass
+class InitContext:
+    target: Any  # drafttrain.target.FrozenTarget
+    tokenizer: Any
+    data: Any  # the tokenized training set (`input_ids`, `loss_mask` columns)
+    cache_dir: Path
+
+
+class TrainSpec:
+    name: ClassVar[str] = ""
+    config_class: ClassVar[type]
+    objective_class: ClassVar[type]
+
+    def init_drafter(self, cfg: Any, ctx: InitContext):
+        raise NotImplementedError
+
+    def objective(self, drafter, cfg: Any, backend: str):
+        return self.objective_class(drafter, cfg, backend)
+
+
+TRAIN_SPECS: dict[str, TrainSpec] = {}
+_loaded = False
+
+
+def register_train_kind(spec: TrainSpec) -> TrainSpec:
+    if not spec.name:
+        raise ValueError(f"{type(spec).__name__} has no name")
+    TRAIN_SPECS[spec.name] = spec
+    return spec
+
+
+def unregister_train_kind(name: str) -> None:
+    TRAIN_SPECS.pop(name, None)
+
+
+def load_train_kinds() -> dict[str, TrainSpec]:
+    """Import every package under `drafttrain/kinds/` once; each registers itself."""
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        import drafttrain.kinds as pkg
+
+        for mod in pkgutil.iter_modules(pkg.__path__):
+            importlib.import_module(f"{pkg.__name__}.{mod.name}")
+    return TRAIN_SPECS
+
+
+def train_spec(kind: str) -> TrainSpec:
+    load_train_kinds()
+    if kind not in TRAIN_SPECS:
+        raise ConfigError(f"unknown drafter kind {kind!r}; known: {sorted(TRAIN_SPECS)}")
+    return TRAIN_SPECS[kind]

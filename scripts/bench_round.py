@@ -1,0 +1,298 @@
+"""One speculative round vs one plain decode step, through the real engine, at real shapes.
+
+    python scripts/bench_round.py --out docs/results/h200_bench_round.json        # CUDA
+    python scripts/bench_round.py --device cpu --tiny --batches 1 --ks 2,3        # smoke test
+
+Shapes: the target is Llama-3.1-8B (32 layers, hidden 4096, 32/8 heads, ffn 14336, vocab
+128256, llama3 RoPE); drafters are 8B-sized EAGLE-3 (1 layer) and ptd (2 layers, K <= 8), draft
+vocabulary 32000. Weights are random bf16 (time does not depend on training).
+
+- t_plain: one compiled plain decode step (`torch.compile(target_forward, dynamic=False)`),
+  the median over a run of steps at advancing positions (CUDA-event timed per step), in the
+  same process.
+- t_round(kind, K, batch): `SpecDecoder.generate` over `--context`-token prompts; each round
+  ends in the engine's one readback, so the wall time between consecutive readbacks is the
+  round (the engine records it); the median after warm-up. Positions advance as in real
+  generation (with random weights almost every draft is rejected: one new position per
+  round, never a revisited length; a round's cost does not depend on how many drafts were
+  accepted, its shapes are fixed). The target's verify forward (and, with `--compile all`,
+  the drafter forwards) is compiled with dynamic shapes and bucketed attention lengths, no
+  CUDA graphs.
+- ratio = t_round / t_plain; the speedup at acceptance length a is a * t_plain / t_round.
+
+Before timing: a sync check (K=4, each kind, each batch, rounds under
+`torch.cuda.set_sync_debug_mode("error")`) and a losslessness check (speculative tokens equal
+plain greedy tokens up to the first position whose top-2 margin is below 0.1 logits, bf16).
+The table is printed last; full numbers go to `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from benchlib import import_kernel
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+LLAMA31_8B = dict(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    max_position_embeddings=131072,
+)
+TINY = dict(
+    LLAMA31_8B,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+)
+DRAFT_VOCAB = {"8b": 32000, "tiny": 256}
+
+
+def build_target(shape: dict, device, dtype, max_batch: int, max_len: int):
+    from draftinfer.models.llama import LlamaForCausalLM, NativeConfig
+
+    cfg = NativeConfig(architecture="LlamaForCausalLM", **shape)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.tie_weights()
+    model.init_rope(device)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
+    model.requires_grad_(False).eval()
+    model.setup_caches(max_batch, max_len)
+    return model
+
+
+def build_drafter(kind: str, target, shape: dict, draft_vocab: int, k_max: int, device, dtype):
+    from draftinfer.registry import drafter_spec
+
+    spec = drafter_spec(kind)
+    arch = dict(
+        hidden_size=shape["hidden_size"],
+        intermediate_size=shape["intermediate_size"],
+        num_attention_heads=shape["num_heads"],
+        num_key_value_heads=shape["num_kv_heads"],
+        head_dim=shape["head_dim"],
+        vocab_size=shape["vocab_size"],
+        draft_vocab_size=draft_vocab,
+        target_hidden_size=shape["hidden_size"],
+        aux_layer_ids=[2, shape["num_layers"] // 2, shape["num_layers"] - 3],
+        rope_theta=shape["rope_theta"],
+        rope_scaling=shape["rope_scaling"],
+        max_position_embeddings=shape["max_position_embeddings"],
+    )
+    if kind == "ptd":
+        arch.update(num_hidden_layers=2, mask_token_id=0, parallel_k=k_max)
+    torch.manual_seed(1)
+    d = spec.build(spec.config_class(**arch))
+    with torch.no_grad():
+        for p in d.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.02)
+    spec.attach_shared(d, target.shared_weights())
+    return d.to(device=device, dtype=dtype).eval()
+
+
+def plain_step_ms(target, batch: int, context: int, steps: int, device) -> tuple[float, list]:
+    """Median ms of one compiled greedy decode step at advancing positions, and its tokens."""
+    from draftinfer.compiled import compiled, target_forward
+    from draftinfer.slots import Slots, attn_bucket
+
+    rows = torch.arange(batch, device=device)
+    g = torch.Generator(device="cpu").manual_seed(5)
+    ids = torch.randint(5, target.config.vocab_size, (batch, context), generator=g).to(device)
+    pos = torch.arange(context, device=device).expand(batch, -1)
+    out = target(ids, Slots(rows, pos))  # eager prefill
+    tok = out.logits[:, -1].argmax(-1)
+    attn_len = attn_bucket(context + steps + 16, target.max_seq_len)
+    step = compiled(target_forward, dynamic=False)
+    times, toks, margins = [], [tok], []
+    for s in range(steps):
+        cache = torch.full((batch, 1), context + s, device=device)
+        if device.type == "cuda":
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+        t0 = time.perf_counter()
+        logits, _ = step(target, tok[:, None], rows, cache, cache, attn_len, (), None)
+        if device.type == "cuda":
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            times.append((time.perf_counter() - t0) * 1e3)
+        top2 = logits[:, 0].float().topk(2, dim=-1).values
+        margins.append((top2[:, 0] - top2[:, 1]).tolist())
+        tok = logits[:, 0].argmax(-1)
+        toks.append(tok)
+    table = torch.stack(toks, 1).tolist()
+    return statistics.median(times[3:]), [table, margins]
+
+
+def prompts(batch: int, context: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return torch.randint(5, vocab, (batch, context), generator=g).tolist()
+
+
+def run_spec(target, drafter, k, batch, context, rounds, device, compile_mode, sync_check=False):
+    from draftinfer.engine import Request, SpecDecoder
+
+    dec = SpecDecoder(
+        target,
+        drafter,
+        k,
+        max_batch=batch,
+        max_model_len=target.max_seq_len,
+        compile=compile_mode,
+        sync_check=sync_check,
+    )
+    ps = prompts(batch, context, target.config.vocab_size)
+    dec.generate([Request(p, max_tokens=6) for p in ps])  # warm-up: compile, allocate
+    outs, stats = dec.generate([Request(p, max_tokens=rounds + 1) for p in ps])
+    return outs, stats
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--ks", default="", help="override both K lists, e.g. 2,3")
+    ap.add_argument("--kinds", default="eagle3,ptd")
+    ap.add_argument("--context", type=int, default=600)
+    ap.add_argument("--rounds", type=int, default=24)
+    ap.add_argument("--compile", default="all", choices=["none", "target", "all"])
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print("bench_round: CUDA is not available; nothing timed (use --device cpu --tiny)")
+        return 0
+    import_kernel("runtime")  # `draftkernels` importable from a plain checkout
+    from torch._dynamo import config as dynamo_config
+
+    dynamo_config.cache_size_limit = 64
+    device = torch.device(a.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shape = TINY if a.tiny else LLAMA31_8B
+    batches = [int(x) for x in a.batches.split(",")]
+    ks = {"eagle3": list(range(1, 8)), "ptd": list(range(2, 9))}
+    if a.ks:
+        ks = {kind: [int(x) for x in a.ks.split(",")] for kind in ks}
+    kinds = a.kinds.split(",")
+    max_len = 1024 if a.context + a.rounds + 32 <= 1024 else 2048
+    t0 = time.perf_counter()
+    target = build_target(shape, device, dtype, max(batches), max_len)
+    drafters = {
+        kind: build_drafter(
+            kind,
+            target,
+            shape,
+            DRAFT_VOCAB["tiny" if a.tiny else "8b"],
+            max(ks["ptd"]),
+            device,
+            dtype,
+        )
+        for kind in kinds
+    }
+    res = {
+        "shape": "tiny" if a.tiny else "llama3.1-8b",
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "dtype": str(dtype),
+        "context": a.context,
+        "compile": a.compile,
+        "build_s": round(time.perf_counter() - t0, 1),
+        "plain": {},
+        "sync_check": {},
+        "lossless": {},
+        "rows": [],
+    }
+    for b in batches:
+        t1 = time.perf_counter()
+        ms, (plain_tokens, margins) = plain_step_ms(target, b, a.context, a.rounds + 8, device)
+        res["plain"][b] = {"ms": round(ms, 4), "first_call_s": round(time.perf_counter() - t1, 1)}
+        for kind, d in drafters.items():
+            k4 = 4 if 4 in ks[kind] else max(ks[kind])
+            # Sync check: any host-device sync inside a round raises.
+            try:
+                run_spec(target, d, k4, b, a.context, 4, device, a.compile, sync_check=True)
+                res["sync_check"][f"{kind} K={k4} b={b}"] = "no sync"
+            except RuntimeError as e:
+                res["sync_check"][f"{kind} K={k4} b={b}"] = f"SYNC: {str(e).splitlines()[0]}"
+            for k in ks[kind]:
+                t2 = time.perf_counter()
+                outs, stats = run_spec(target, d, k, b, a.context, a.rounds, device, a.compile)
+                rt = stats["round_seconds"][2:]
+                t_round = statistics.median(rt) * 1e3
+                # Lossless up to the first low-margin position (bf16 batched-verify rounding).
+                ok = True
+                for i, o in enumerate(outs):
+                    ref = plain_tokens[i]
+                    safe = next((j for j, m in enumerate(margins) if m[i] < 0.1), len(margins))
+                    n = min(safe, len(o.token_ids), len(ref))
+                    ok &= o.token_ids[:n] == ref[:n]
+                res["lossless"][f"{kind} K={k} b={b}"] = ok
+                acc = [x for o in outs for x in o.accepted]
+                res["rows"].append(
+                    {
+                        "kind": kind,
+                        "k": k,
+                        "batch": b,
+                        "t_round_ms": round(t_round, 4),
+                        "t_plain_ms": round(ms, 4),
+                        "ratio": round(t_round / ms, 3),
+                        "speedup_at_al3": round(3 * ms / t_round, 3),
+                        "rounds_timed": len(rt),
+                        "mean_accepted": sum(acc) / max(len(acc), 1),
+                        "wall_s": round(time.perf_counter() - t2, 1),
+                    }
+                )
+                print(json.dumps(res["rows"][-1]), flush=True)
+    from torch._dynamo.utils import counters
+
+    res["dynamo"] = {k: dict(v) for k, v in counters.items() if k in ("stats", "graph_break")}
+    res["total_s"] = round(time.perf_counter() - t0, 1)
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
+    print(f"\nround / plain decode step, {res['shape']}, {res['device']}, compile={a.compile}")
+    for b in batches:
+        print(f"batch {b}: plain step {res['plain'][b]['ms']:.3f} ms")
+        for kind in kinds:
+            rows = [r for r in res["rows"] if r["kind"] == kind and r["batch"] == b]
+            print(f"  {kind:6s} " + "  ".join(f"K={r['k']}: {r['ratio']:.2f}x" for r in rows))
+    print("sync check:", json.dumps(res["sync_check"]))
+    print("lossless (margin-aware):", all(res["lossless"].values()))
+    print(f"total {res['total_s']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

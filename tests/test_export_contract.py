@@ -1,0 +1,88 @@
+"""Every field of the export contract (DESIGN section 4), checked against the target the
+export was trained for (the zoo recipe of each registered kind)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from safetensors import safe_open
+
+from draftinfer.checkpoint import FORMAT_VERSION, read_drafter_config
+from draftinfer.paths import resolve_path
+from draftinfer.registry import registered_kinds
+from draftinfer.rope import rope_from_hf
+
+pytestmark = pytest.mark.slow
+
+
+def _target_config():
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(resolve_path("zoo:llama-tiny"))
+
+
+@pytest.mark.parametrize("kind", registered_kinds())
+def test_export_contract_against_its_target(zoo_run, zoo_target, kind):
+    export = Path(zoo_run(kind)["export_dir"])
+    tc, info = _target_config(), zoo_target.info
+    cfg = json.loads((export / "config.json").read_text())
+    spec, arch, meta = read_drafter_config(export)
+    spec.check_fit(arch, info)  # vocabulary, hidden size, taps, max_position_embeddings
+
+    # Files: safetensors only, tokenizer, resolved config, model card with front matter.
+    names = {p.name for p in export.iterdir()}
+    assert {"config.json", "model.safetensors", "README.md", "training_args.yaml"} <= names
+    assert {"tokenizer.json", "tokenizer_config.json"} <= names
+    assert not any(n.endswith((".bin", ".pt", ".pth", ".pkl")) for n in names)
+    front = yaml.safe_load((export / "README.md").read_text().split("---")[1])
+    assert front["base_model"] == "zoo:llama-tiny" and front["library_name"] == "drafttrain"
+    assert {"speculative-decoding", kind} <= set(front["tags"])
+    args = yaml.safe_load((export / "training_args.yaml").read_text())
+    assert args["drafter"]["kind"] == kind
+
+    # Our fields under one key, the conventions this code implements.
+    ours = cfg["drafttrain"]
+    assert ours["format_version"] == FORMAT_VERSION and ours["drafter_kind"] == kind
+    for key, value in spec.conventions(arch).items():
+        assert ours[key] == value, key
+    assert ours["target"] == "zoo:llama-tiny" and ours["trained_steps"] > 0
+    assert ours["serving_k"] >= 1
+
+    # Engine-facing fields against the target.
+    assert cfg["max_position_embeddings"] >= tc.max_position_embeddings
+    assert cfg["vocab_size"] == info.vocab_size
+    assert cfg["hidden_size"] == info.hidden_size == cfg["target_hidden_size"]
+    theta, scaling = rope_from_hf(tc)
+    assert cfg["rope_theta"] == theta and cfg["rope_scaling"] == scaling
+    assert cfg["torch_dtype"] == "bfloat16"
+
+    with safe_open(str(export / "model.safetensors"), "pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    assert not any(k.startswith("embed_tokens") for k in shapes)  # shared with the target
+    if cfg["architectures"] == ["LlamaForCausalLMEagle3"]:
+        H, Dd, V = info.hidden_size, cfg["draft_vocab_size"], info.vocab_size
+        aux = cfg["eagle_aux_hidden_state_layer_ids"]
+        assert aux == cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+        assert len(aux) == 3 and all(0 <= j < info.num_layers for j in aux)
+        assert cfg["model_type"] == "llama" and "norm_before_residual" in cfg
+        assert shapes["fc.weight"] == (H, 3 * H)
+        assert shapes["lm_head.weight"] == (Dd, H) and shapes["norm.weight"] == (H,)
+        assert shapes["d2t"] == (Dd,) and shapes["t2d"] == (V,)
+        layer = "midlayer." if cfg["num_hidden_layers"] == 1 else "layers.0."
+        assert shapes[layer + "self_attn.q_proj.weight"][1] == 2 * H
+        assert shapes[layer + "hidden_norm.weight"] == (H,)
+        spec_cfg = json.loads((export / "config.speculators.json").read_text())
+        assert spec_cfg["speculators_config"]["verifier"]["name_or_path"] == "zoo:llama-tiny"
+        if cfg.get("parallel_drafting"):
+            assert shapes["mask_hidden"] == (1, 1, 3 * H)
+            assert cfg["ptd_token_id"] == cfg["pard_token"] == cfg["mask_token_id"]
+            assert 0 <= cfg["mask_token_id"] < V
+            assert cfg["parallel_k"] == ours["parallel_k"] == ours["serving_k"]
+            assert spec_cfg["speculators_model_type"] == "peagle"
+            assert spec_cfg["mask_token_id"] == cfg["mask_token_id"]
+        else:
+            assert "mask_hidden" not in shapes and "parallel_drafting" not in cfg
+            assert spec_cfg["speculators_model_type"] == "eagle3"
