@@ -47,6 +47,13 @@ class Verifier:
             raise ValueError(f"verify mode must be one of {VERIFY_MODES}, got {mode!r}")
         self.mode, self.vocab = mode, vocab_size
 
+    def _placeholders(self, B: int, V: int, N: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (B, V, N, str(dev))
+        if getattr(self, "_ph_key", None) != key:
+            self._ph_key = key
+            self._ph = (torch.ones(B, V, device=dev), torch.ones(N, device=dev))
+        return self._ph
+
     def sample_next(
         self, logits: torch.Tensor, t: dict[str, torch.Tensor], positions: torch.Tensor
     ) -> torch.Tensor:
@@ -118,11 +125,13 @@ class Verifier:
         bonus_logits = logits[torch.arange(B, device=dev), num_drafts]  # [B, V]
         if all_greedy:
             bonus = bonus_logits.argmax(-1)
-            noise = torch.ones(B, V, device=dev)  # unused by greedy rows
+            # Greedy rows read no randomness: fixed placeholders, no hashing work per round.
+            noise, uniforms = self._placeholders(B, V, N, dev)
         else:
             probs = logits_to_probs(bonus_logits, t["temperature"], t["top_k"], t["top_p"])
             bonus = sample_from_probs(probs, exponential_noise(t["seed"], L + num_drafts, V, dev))
             noise = exponential_noise(t["seed"], L, V, dev, stream=STREAM_RECOVERY)
+            uniforms = uniforms_for(t["seed"], L, cu, N)
         draft_probs = None
         if q is not None:
             full = torch.zeros(B * K, V, device=dev)
@@ -135,7 +144,7 @@ class Verifier:
             target_probs.contiguous(),
             bonus,
             t["is_greedy"],
-            uniforms_for(t["seed"], L, cu, N),
+            uniforms,
             noise,
             max_num_draft=K,
         )

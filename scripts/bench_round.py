@@ -121,8 +121,11 @@ def build_drafter(kind: str, target, shape: dict, draft_vocab: int, k_max: int, 
     return d.to(device=device, dtype=dtype).eval()
 
 
-def plain_step_ms(target, batch: int, context: int, steps: int, device) -> tuple[float, list]:
-    """Median ms of one compiled greedy decode step at advancing positions, and its tokens."""
+def plain_step_ms(
+    target, batch: int, context: int, steps: int, device, mode: str | None = None
+) -> tuple[float, list]:
+    """Median ms of one compiled greedy decode step at advancing positions, and its tokens.
+    `mode="reduce-overhead"`: the step replayed as a CUDA graph (the best plain decode)."""
     from draftinfer.compiled import compiled, target_forward
     from draftinfer.slots import Slots, attn_bucket
 
@@ -133,7 +136,13 @@ def plain_step_ms(target, batch: int, context: int, steps: int, device) -> tuple
     out = target(ids, Slots(rows, pos))  # eager prefill
     tok = out.logits[:, -1].argmax(-1)
     attn_len = attn_bucket(context + steps + 16, target.max_seq_len)
-    step = compiled(target_forward, dynamic=False)
+    if mode is None:
+        step = compiled(target_forward, dynamic=False)
+    else:  # CUDA graphs need static cache addresses
+        for layer in target.model.layers:
+            torch._dynamo.mark_static_address(layer.self_attn.k_cache)
+            torch._dynamo.mark_static_address(layer.self_attn.v_cache)
+        step = compiled(target_forward, dynamic=False, mode=mode)
     times, toks, margins = [], [tok], []
     for s in range(steps):
         cache = torch.full((batch, 1), context + s, device=device)
@@ -142,6 +151,7 @@ def plain_step_ms(target, batch: int, context: int, steps: int, device) -> tuple
             start.record()
         t0 = time.perf_counter()
         logits, _ = step(target, tok[:, None], rows, cache, cache, attn_len, (), None)
+        logits = logits.clone()  # a graph replay overwrites its output buffer
         if device.type == "cuda":
             end.record()
             torch.cuda.synchronize()
@@ -171,10 +181,11 @@ def run_spec(target, drafter, k, batch, context, rounds, device, compile_mode, s
         max_batch=batch,
         max_model_len=target.max_seq_len,
         compile=compile_mode,
-        sync_check=sync_check,
     )
     ps = prompts(batch, context, target.config.vocab_size)
-    dec.generate([Request(p, max_tokens=6) for p in ps])  # warm-up: compile, allocate
+    dec.sync_check = False  # warm-up: compile, autotune, allocate (these may sync)
+    dec.generate([Request(p, max_tokens=6) for p in ps])
+    dec.sync_check = sync_check
     outs, stats = dec.generate([Request(p, max_tokens=rounds + 1) for p in ps])
     return outs, stats
 
@@ -238,6 +249,13 @@ def main() -> int:
         t1 = time.perf_counter()
         ms, (plain_tokens, margins) = plain_step_ms(target, b, a.context, a.rounds + 8, device)
         res["plain"][b] = {"ms": round(ms, 4), "first_call_s": round(time.perf_counter() - t1, 1)}
+        graph_ms = float("nan")
+        if device.type == "cuda":
+            graph_ms, (graph_tokens, _) = plain_step_ms(
+                target, b, a.context, a.rounds + 8, device, mode="reduce-overhead"
+            )
+            res["plain"][b]["cuda_graph_ms"] = round(graph_ms, 4)
+            res["plain"][b]["cuda_graph_same_tokens"] = graph_tokens == plain_tokens
         for kind, d in drafters.items():
             k4 = 4 if 4 in ks[kind] else max(ks[kind])
             # Sync check: any host-device sync inside a round raises.
@@ -268,6 +286,8 @@ def main() -> int:
                         "t_round_ms": round(t_round, 4),
                         "t_plain_ms": round(ms, 4),
                         "ratio": round(t_round / ms, 3),
+                        "t_plain_graph_ms": round(graph_ms, 4),
+                        "ratio_vs_graph": round(t_round / graph_ms, 3),
                         "speedup_at_al3": round(3 * ms / t_round, 3),
                         "rounds_timed": len(rt),
                         "mean_accepted": sum(acc) / max(len(acc), 1),
@@ -284,10 +304,17 @@ def main() -> int:
         Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
     print(f"\nround / plain decode step, {res['shape']}, {res['device']}, compile={a.compile}")
     for b in batches:
-        print(f"batch {b}: plain step {res['plain'][b]['ms']:.3f} ms")
+        p = res["plain"][b]
+        print(
+            f"batch {b}: plain step {p['ms']:.3f} ms compiled, "
+            f"{p.get('cuda_graph_ms', float('nan')):.3f} ms compiled + CUDA graph"
+        )
         for kind in kinds:
             rows = [r for r in res["rows"] if r["kind"] == kind and r["batch"] == b]
-            print(f"  {kind:6s} " + "  ".join(f"K={r['k']}: {r['ratio']:.2f}x" for r in rows))
+            ratios = "  ".join(f"K={r['k']}: {r['ratio']:.2f}" for r in rows)
+            print(f"  {kind:6s} t_round/t_plain {ratios}")
+            ratios = "  ".join(f"K={r['k']}: {r['ratio_vs_graph']:.2f}" for r in rows)
+            print(f"  {kind:6s} vs CUDA graph  {ratios}")
     print("sync check:", json.dumps(res["sync_check"]))
     print("lossless (margin-aware):", all(res["lossless"].values()))
     print(f"total {res['total_s']} s")

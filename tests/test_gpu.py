@@ -86,9 +86,9 @@ def test_round_makes_no_host_sync(tiny_llama3_dir, kind, batch, compiled):
     )
     d = _drafter(kind, target, torch.bfloat16)
     ps = prompts(batch, seed=33)
-    dec = SpecDecoder(
-        target, d, 4, max_batch=batch, max_model_len=256, compile=compiled, sync_check=True
-    )
+    dec = SpecDecoder(target, d, 4, max_batch=batch, max_model_len=256, compile=compiled)
+    dec.generate([Request(p, max_tokens=6) for p in ps])  # warm-up: compiles (they may sync)
+    dec.sync_check = True
     outs, stats = dec.generate([Request(p, max_tokens=24) for p in ps])
     assert stats["rounds"] > 0 and all(len(o.token_ids) == 24 for o in outs)
     sampled = [Request(p, SamplingParams(1.0, seed=i), max_tokens=8) for i, p in enumerate(ps)]
