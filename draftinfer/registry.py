@@ -148,44 +148,64 @@ class DrafterSpec:
                 )
 
 
-DRAFTERS: dict[str, DrafterSpec] = {}
-_loaded = False
+class KindRegistry(dict):
+    """Kind name -> spec. Filled by the packages under `package` (each registers itself when
+    imported; all are imported once, on first lookup) or by `register` (tests)."""
+
+    def __init__(self, package: str, error: type[Exception], label: str):
+        super().__init__()
+        self.package, self.error, self.label = package, error, label
+        self._loaded = False
+
+    def register(self, spec):
+        if not spec.name:
+            raise ValueError(f"{type(spec).__name__} has no name")
+        self[spec.name] = spec
+        return spec
+
+    def unregister(self, name: str) -> None:
+        self.pop(name, None)
+
+    def load(self) -> KindRegistry:
+        if not self._loaded:
+            self._loaded = True
+            pkg = importlib.import_module(self.package)
+            for mod in pkgutil.iter_modules(pkg.__path__):
+                importlib.import_module(f"{self.package}.{mod.name}")
+        return self
+
+    def spec(self, kind: str):
+        """The spec of `kind`; a one-line error (of this registry's class) when unknown."""
+        self.load()
+        if kind not in self:
+            raise self.error(f"unknown {self.label} {kind!r} (known: {sorted(self)})")
+        return self[kind]
+
+
+DRAFTERS = KindRegistry("draftinfer.kinds", CheckpointError, "drafter_kind")
 
 
 def register_drafter(spec: DrafterSpec) -> DrafterSpec:
     """Register a kind (called from the kind's own `__init__.py`, or by a test)."""
-    if not spec.name:
-        raise ValueError(f"{type(spec).__name__} has no name")
     if spec.config_class.kind != spec.name:
         raise ValueError(
             f"{type(spec).__name__}: config kind {spec.config_class.kind!r} != {spec.name!r}"
         )
-    DRAFTERS[spec.name] = spec
-    return spec
+    return DRAFTERS.register(spec)
 
 
 def unregister_drafter(name: str) -> None:
-    DRAFTERS.pop(name, None)
+    DRAFTERS.unregister(name)
 
 
 def load_kinds() -> dict[str, DrafterSpec]:
     """Import every package under `draftinfer/kinds/` once; each registers itself."""
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        import draftinfer.kinds as pkg
-
-        for mod in pkgutil.iter_modules(pkg.__path__):
-            importlib.import_module(f"{pkg.__name__}.{mod.name}")
-    return DRAFTERS
+    return DRAFTERS.load()
 
 
 def drafter_spec(kind: str) -> DrafterSpec:
     """The spec registered under `kind`; a one-line `CheckpointError` for an unknown kind."""
-    load_kinds()
-    if kind not in DRAFTERS:
-        raise CheckpointError(f"unknown drafter_kind {kind!r} (known: {sorted(DRAFTERS)})")
-    return DRAFTERS[kind]
+    return DRAFTERS.spec(kind)
 
 
 def spec_of(drafter: torch.nn.Module) -> DrafterSpec:

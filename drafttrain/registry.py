@@ -15,13 +15,12 @@ A spec answers what `train(cfg)` needs and nothing in `train.py` names a kind:
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 from draftinfer.errors import ConfigError
+from draftinfer.registry import KindRegistry
 
 
 @dataclass
@@ -44,35 +43,21 @@ class TrainSpec:
         return self.objective_class(drafter, cfg, backend)
 
 
-TRAIN_SPECS: dict[str, TrainSpec] = {}
-_loaded = False
+TRAIN_SPECS = KindRegistry("drafttrain.kinds", ConfigError, "drafter kind")
 
 
 def register_train_kind(spec: TrainSpec) -> TrainSpec:
-    if not spec.name:
-        raise ValueError(f"{type(spec).__name__} has no name")
-    TRAIN_SPECS[spec.name] = spec
-    return spec
+    return TRAIN_SPECS.register(spec)
 
 
 def unregister_train_kind(name: str) -> None:
-    TRAIN_SPECS.pop(name, None)
+    TRAIN_SPECS.unregister(name)
 
 
 def load_train_kinds() -> dict[str, TrainSpec]:
     """Import every package under `drafttrain/kinds/` once; each registers itself."""
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        import drafttrain.kinds as pkg
-
-        for mod in pkgutil.iter_modules(pkg.__path__):
-            importlib.import_module(f"{pkg.__name__}.{mod.name}")
-    return TRAIN_SPECS
+    return TRAIN_SPECS.load()
 
 
 def train_spec(kind: str) -> TrainSpec:
-    load_train_kinds()
-    if kind not in TRAIN_SPECS:
-        raise ConfigError(f"unknown drafter kind {kind!r}; known: {sorted(TRAIN_SPECS)}")
-    return TRAIN_SPECS[kind]
+    return TRAIN_SPECS.spec(kind)

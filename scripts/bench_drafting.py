@@ -22,32 +22,14 @@ import sys
 from pathlib import Path
 
 import torch
-from benchlib import import_kernel
+from benchlib import DRAFT_VOCAB, LLAMA31_8B, TINY, drafter_arch, import_kernel
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 SHAPES = {
-    "llama3-8b": dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=128256,
-        draft_vocab_size=32000,
-        target_hidden_size=4096,
-    ),
-    "tiny": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=512,
-        draft_vocab_size=256,
-        target_hidden_size=64,
-    ),
+    "llama3-8b": drafter_arch(LLAMA31_8B, DRAFT_VOCAB["llama3.1-8b"]),
+    "tiny": drafter_arch(TINY, DRAFT_VOCAB["tiny"]),
 }
 
 
@@ -55,7 +37,7 @@ def build(kind: str, shape: dict, k_max: int, device, dtype):
     from draftinfer.registry import drafter_spec
 
     torch.manual_seed(0)
-    common = dict(shape, aux_layer_ids=[2, 16, 29], rope_theta=500000.0)
+    common = dict(shape)
     if kind == "ptd":
         common.update(num_hidden_layers=2, mask_token_id=0, parallel_k=k_max)
     spec = drafter_spec(kind)

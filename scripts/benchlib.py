@@ -10,6 +10,57 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Real model dimensions (STYLE 16): NativeConfig fields of the targets the benchmarks use.
+LLAMA31_8B = dict(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    max_position_embeddings=131072,
+)
+TINY = dict(
+    LLAMA31_8B,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+)
+DRAFT_VOCAB = {"llama3.1-8b": 32000, "tiny": 256}
+
+
+def drafter_arch(target: dict, draft_vocab: int) -> dict:
+    """EAGLE-family drafter config fields sized for a target shape: the target's width, heads,
+    RoPE and context, EAGLE-3's default taps (2, L//2, L-3), a draft vocabulary."""
+    return dict(
+        hidden_size=target["hidden_size"],
+        intermediate_size=target["intermediate_size"],
+        num_attention_heads=target["num_heads"],
+        num_key_value_heads=target["num_kv_heads"],
+        head_dim=target["head_dim"],
+        vocab_size=target["vocab_size"],
+        draft_vocab_size=draft_vocab,
+        target_hidden_size=target["hidden_size"],
+        aux_layer_ids=[2, target["num_layers"] // 2, target["num_layers"] - 3],
+        rope_theta=target["rope_theta"],
+        rope_scaling=target["rope_scaling"],
+        max_position_embeddings=target["max_position_embeddings"],
+    )
+
 
 def import_kernel(name: str):
     """`draftkernels.<name>`, also from a checkout that is not pip-installed (the `kernels/`

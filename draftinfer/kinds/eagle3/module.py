@@ -27,6 +27,17 @@ from draftinfer.rope import RotaryEmbedding
 from draftinfer.vocab import draft_to_target_ids, identity_maps
 
 
+def _attention(c: Eagle3Config, in_features: int) -> Attention:
+    return Attention(
+        in_features,
+        c.hidden_size,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.head_dim,
+        c.attention_bias,
+    )
+
+
 class _FirstLayer(nn.Module):
     """Layer 0: attends over `[input_layernorm(embeds), hidden_norm(feature)]` (width 2H)."""
 
@@ -35,14 +46,7 @@ class _FirstLayer(nn.Module):
         self.norm_before_residual = c.norm_before_residual
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(
-            2 * c.hidden_size,
-            c.hidden_size,
-            c.num_attention_heads,
-            c.num_key_value_heads,
-            c.head_dim,
-            c.attention_bias,
-        )
+        self.self_attn = _attention(c, 2 * c.hidden_size)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
 
@@ -60,14 +64,7 @@ class _Layer(nn.Module):
     def __init__(self, c: Eagle3Config):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(
-            c.hidden_size,
-            c.hidden_size,
-            c.num_attention_heads,
-            c.num_key_value_heads,
-            c.head_dim,
-            c.attention_bias,
-        )
+        self.self_attn = _attention(c, c.hidden_size)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
 
