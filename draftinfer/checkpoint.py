@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from draftinfer.errors import CheckpointError
 from draftinfer.registry import DrafterSpec, drafter_spec, spec_of
@@ -53,10 +53,14 @@ def write_drafter(
         **spec.conventions(arch),
         **meta,
     }
-    tensors = {}
+    tensors, seen = {}, set()
     for name, t in spec.serving_state_dict(drafter).items():
         t = t.detach().cpu()
-        tensors[name] = (t.to(dtype) if t.is_floating_point() else t).contiguous()
+        t = (t.to(dtype) if t.is_floating_point() else t).contiguous()
+        if t.data_ptr() in seen:  # a layout may hold copies of one tensor (engine copies)
+            t = t.clone()
+        seen.add(t.data_ptr())
+        tensors[name] = t
     tmp = out / "model.safetensors.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     tmp.replace(out / "model.safetensors")
@@ -101,18 +105,26 @@ def read_drafter_tensors(
     ckpt_dir: str | Path, spec: DrafterSpec, arch: Any
 ) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """-> (an unloaded module of the kind, the checkpoint's tensors under module names),
-    validated by the kind's spec (names, drafting-mode tensors, shapes)."""
-    path = Path(ckpt_dir) / "model.safetensors"
-    if not path.is_file():
-        raise CheckpointError(f"not a drafter checkpoint: {path} does not exist")
-    try:
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        first = (str(e).splitlines() or [type(e).__name__])[0]
-        raise CheckpointError(f"corrupted safetensors file {path}: {first}") from None
+    validated by the kind's spec (names, drafting-mode tensors, shapes). The tensors are read
+    from `model.safetensors` or the shards of `model.safetensors.index.json` (a target copy
+    with MTP modules stitched in); only the names the kind claims are loaded."""
+    from safetensors import safe_open
+
+    from draftinfer.models import weight_files
+
+    tensors: dict[str, torch.Tensor] = {}
+    for path in weight_files(Path(ckpt_dir)):
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    if spec.wants_tensor(arch, name):
+                        tensors[name] = f.get_tensor(name)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            first = (str(e).splitlines() or [type(e).__name__])[0]
+            raise CheckpointError(f"corrupted safetensors file {path}: {first}") from None
     module = spec.build(arch)
-    tensors = spec.from_serving_names(tensors)
-    spec.validate_state_dict(arch, tensors, module, str(path))
+    tensors = spec.from_serving_names(arch, tensors)
+    spec.validate_state_dict(arch, tensors, module, str(Path(ckpt_dir)))
     return module, tensors
 
 

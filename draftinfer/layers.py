@@ -64,13 +64,20 @@ class Attention(nn.Module):
         n_kv: int,
         head_dim: int,
         bias: bool = False,
+        *,
+        o_bias: bool = False,
+        qk_norm: bool = False,
+        eps: float = 1e-6,
     ):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = n_heads, n_kv, head_dim
         self.q_proj = nn.Linear(in_features, n_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(in_features, n_kv * head_dim, bias=bias)
         self.v_proj = nn.Linear(in_features, n_kv * head_dim, bias=bias)
-        self.o_proj = nn.Linear(n_heads * head_dim, hidden, bias=False)
+        self.o_proj = nn.Linear(n_heads * head_dim, hidden, bias=o_bias)
+        # Qwen3: RMSNorm over head_dim on q and k, before RoPE.
+        self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_fn: AttnFn, layer_idx: int
@@ -79,9 +86,44 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(*lead, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(*lead, self.n_kv, self.head_dim)
         v = self.v_proj(x).view(*lead, self.n_kv, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = attn_fn(layer_idx, q, k, v)  # [B, T, n_heads, head_dim]
         return self.o_proj(o.reshape(*lead, self.n_heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    """A pre-norm Llama-family decoder layer (Llama, Qwen2, Qwen3) with pluggable attention.
+
+    Parameter names equal Hugging Face's and the native targets' (`self_attn.q_proj`, ...,
+    `mlp.gate_proj`, `input_layernorm`, `post_attention_layernorm`), so a target's layer loads
+    into it by name. `arch` carries `hidden_size`, `intermediate_size`, `num_attention_heads`,
+    `num_key_value_heads`, `head_dim`, `rms_norm_eps`, `qkv_bias`, `o_bias`, `mlp_bias`,
+    `qk_norm`.
+    """
+
+    def __init__(self, arch):
+        super().__init__()
+        c = arch
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(
+            c.hidden_size,
+            c.hidden_size,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+            c.qkv_bias,
+            o_bias=c.o_bias,
+            qk_norm=c.qk_norm,
+            eps=c.rms_norm_eps,
+        )
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size, c.mlp_bias)
+
+    def forward(self, x, cos, sin, attn_fn: AttnFn, idx: int) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_fn, idx)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 def expand_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:

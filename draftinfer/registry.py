@@ -72,7 +72,14 @@ class DrafterSpec:
     def serving_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         return module.trainable_state_dict()
 
-    def from_serving_names(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def wants_tensor(self, arch: Any, name: str) -> bool:
+        """Whether a checkpoint tensor (serving name) belongs to this drafter; a kind stored
+        inside a target checkpoint (stitched MTP modules) claims only its own."""
+        return True
+
+    def from_serving_names(
+        self, arch: Any, tensors: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
         return dict(tensors)
 
     def speculators_config(self, arch: Any, verifier: str, k: int) -> dict[str, Any] | None:
@@ -83,8 +90,15 @@ class DrafterSpec:
         """Markdown lines for the model card: how engines serve this export."""
         return ""
 
+    def stitch(self, export_dir, arch: Any, target_dir, out_dir):
+        """Write this drafter into a copy of its target checkpoint (engines that load the
+        drafter from the target). Kinds that are not part of a target refuse."""
+        raise CheckpointError(
+            f"a {self.name!r} drafter is not stored inside its target; serve its export directory"
+        )
+
     # -- checks -----------------------------------------------------------------------------
-    def conventions(self, arch: Any) -> dict[str, str]:
+    def conventions(self, arch: Any) -> dict[str, Any]:
         return dict(BASE_CONVENTIONS)
 
     def check_fit(self, arch: Any, info: Any) -> None:

@@ -88,6 +88,7 @@ class TargetInfo:
     num_layers: int
     max_position_embeddings: int
     rope_axes: int = 1  # 3 for M-RoPE targets
+    family: str = ""  # the HF architecture, e.g. "LlamaForCausalLM"
 
 
 class Target(Protocol):

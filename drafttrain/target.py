@@ -24,11 +24,10 @@ import torch
 from torch import nn
 
 from draftinfer.paths import resolve_path
-from draftinfer.rope import rope_axes, rope_from_hf
 from draftinfer.slots import Slots
 from draftinfer.target import FeatureSpec, TargetInfo, TargetInputs, TargetOutput, as_inputs
 from drafttrain.config import TargetConfig
-from drafttrain.errors import ConfigError, TargetError
+from drafttrain.errors import TargetError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -112,13 +111,11 @@ class FrozenTarget:
         self.config = self.model.config
         self.layers = decoder_layers(self.model)
         self.final_norm = getattr(self.model.get_decoder(), "norm", None)
-        head_dim = getattr(self.config, "head_dim", None) or (
-            self.config.hidden_size // self.config.num_attention_heads
-        )
-        try:
-            _, scaling = rope_from_hf(self.config, head_dim)
-        except ConfigError as e:
-            raise TargetError(f"target {cfg.name_or_path!r}: {e}") from None
+        # RoPE axes only (the HF model applies its own rotary, whatever its type): a drafter
+        # that re-implements the rotary parses it strictly itself (`draftinfer.rope`).
+        params = getattr(self.config, "rope_parameters", None) or {}
+        scaling = getattr(self.config, "rope_scaling", None) or {}
+        mrope = "mrope_section" in params or "mrope_section" in scaling
         max_pos = getattr(self.config, "max_position_embeddings", None)
         if max_pos is None:
             raise TargetError(f"target {cfg.name_or_path!r}: config has no max_position_embeddings")
@@ -127,7 +124,8 @@ class FrozenTarget:
             hidden_size=int(self.config.hidden_size),
             num_layers=len(self.layers),
             max_position_embeddings=int(max_pos),
-            rope_axes=rope_axes(scaling),
+            rope_axes=3 if mrope else 1,
+            family=(getattr(self.config, "architectures", None) or [type(self.model).__name__])[0],
         )
 
     # -- shared weights -------------------------------------------------------------------

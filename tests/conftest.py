@@ -67,6 +67,7 @@ ZOO_RECIPE = [
 ZOO_KIND_OVERRIDES: dict[str, list[str]] = {
     "eagle3": ["drafter.ttt_steps=3"],
     "ptd": ["drafter.parallel_k=7", "trainer.max_steps=150"],
+    "mtp": [],
 }
 
 

@@ -108,7 +108,9 @@ def test_missing_files(tmp_path):
         read_drafter_config(tmp_path)
     _export(tmp_path)
     (tmp_path / "model.safetensors").unlink()
-    with pytest.raises(CheckpointError, match="model.safetensors does not exist"):
+    with pytest.raises(
+        CheckpointError, match="no model.safetensors or model.safetensors.index.json"
+    ):
         load_drafter(tmp_path, _emb())
 
 

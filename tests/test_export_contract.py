@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -53,17 +54,35 @@ def test_export_contract_against_its_target(zoo_run, zoo_target, kind):
 
     # Engine-facing fields against the target.
     assert cfg["max_position_embeddings"] >= tc.max_position_embeddings
-    assert cfg["vocab_size"] == info.vocab_size
-    assert cfg["hidden_size"] == info.hidden_size == cfg["target_hidden_size"]
-    theta, scaling = rope_from_hf(tc)
-    assert cfg["rope_theta"] == theta and cfg["rope_scaling"] == scaling
+    assert cfg["vocab_size"] == info.vocab_size and cfg["hidden_size"] == info.hidden_size
+    # The same RoPE as the target's, however the config spells it (rope_theta + rope_scaling,
+    # or transformers 5's rope_parameters).
+    assert rope_from_hf(SimpleNamespace(**cfg), tc.head_dim) == rope_from_hf(tc)
     assert cfg["torch_dtype"] == "bfloat16"
 
     with safe_open(str(export / "model.safetensors"), "pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     assert not any(k.startswith("embed_tokens") for k in shapes)  # shared with the target
+    H, V, L = info.hidden_size, info.vocab_size, info.num_layers
+    if "num_nextn_predict_layers" in cfg:  # MTP: the target family's config + N modules
+        N = cfg["num_nextn_predict_layers"]
+        assert N == ours["n_predict"] == ours["serving_k"] == 3
+        assert cfg["architectures"] == tc.architectures and cfg["num_hidden_layers"] == L
+        for key in ("mtp_chain", "mtp_carry", "mtp_feature_tap"):
+            assert key in ours
+        assert all(k.startswith("model.layers.") for k in shapes)
+        for k in range(N):
+            p = f"model.layers.{L + k}."
+            assert shapes[p + "eh_proj.weight"] == (H, 2 * H)
+            assert shapes[p + "enorm.weight"] == shapes[p + "hnorm.weight"] == (H,)
+            assert shapes[p + "shared_head.norm.weight"] == (H,)
+            assert shapes[p + "shared_head.head.weight"] == (V, H)
+            assert p + "self_attn.q_proj.weight" in shapes and p + "mlp.down_proj.weight" in shapes
+        assert shapes[f"model.layers.{L}.embed_tokens.weight"] == (V, H)
+        assert not (export / "config.speculators.json").exists()
     if cfg["architectures"] == ["LlamaForCausalLMEagle3"]:
-        H, Dd, V = info.hidden_size, cfg["draft_vocab_size"], info.vocab_size
+        assert cfg["hidden_size"] == cfg["target_hidden_size"]
+        Dd = cfg["draft_vocab_size"]
         aux = cfg["eagle_aux_hidden_state_layer_ids"]
         assert aux == cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
         assert len(aux) == 3 and all(0 <= j < info.num_layers for j in aux)

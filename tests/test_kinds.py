@@ -25,8 +25,8 @@ from draftinfer.registry import drafter_spec, load_kinds, registered_kinds
 from draftinfer.sampling import SamplingParams
 from draftinfer.slots import Slots
 from drafttrain.registry import load_train_kinds, train_spec
+from tests.kind_factories import small_drafter, small_embeddings
 from tests.prompts import zoo_prompts
-from tests.test_ttt import SMALL, randomized
 
 KINDS = registered_kinds()
 MAX_LEN = 384
@@ -42,12 +42,23 @@ def _decoder(env, k, **kw):
     return SpecDecoder(env["target"], env["drafter"], k, max_model_len=MAX_LEN, **kw)
 
 
+def servable(kind: str, arch, k: int) -> bool:
+    """Whether a drafter of `kind` with architecture `arch` drafts `k` tokens per round."""
+    try:
+        drafter_spec(kind).check_k(arch, k)
+    except CheckpointError:
+        return False
+    return True
+
+
 # ---- T1: greedy speculative output == plain greedy output ---------------------------------
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("k", [1, 3, 7])
+@pytest.mark.parametrize("k", [1, 3, 6, 7])
 @pytest.mark.parametrize("batch", [1, 4, 16])
 def test_t1_greedy_equals_plain_greedy(kind_env, kind, k, batch):
     env = kind_env(kind)
+    if not servable(kind, env["drafter"].config, k):
+        pytest.skip(f"this {kind} drafter does not serve K={k} (its spec's check_k)")
     ps = zoo_prompts(batch, seed=k * 100 + batch)
     plain = greedy_generate(env["target"], ps, 16)
     outs = _decoder(env, k, max_batch=min(batch, 8)).generate(
@@ -164,18 +175,10 @@ def test_s2_drafter_kv_refreshed_with_target_features(kind_env, kind):
 
 
 # ---- S8: mode / weights consistency -------------------------------------------------------
-def _small(kind: str, **kw):
-    spec = drafter_spec(kind)
-    torch.manual_seed(0)
-    d = randomized(spec.build(spec.config_class(**{**SMALL, **kw})))
-    d.d2t.zero_()
-    return d
-
-
 @pytest.mark.parametrize("kind, other", [(a, b) for a in KINDS for b in KINDS if a != b])
 def test_s8_checkpoint_of_one_kind_refused_as_another(kind, other, tmp_path):
-    a, b = _small(kind), _small(other)
-    emb = {"input_embeddings": a.embed_tokens.weight}
+    a, b = small_drafter(kind), small_drafter(other)
+    emb = small_embeddings(a)
     write_drafter(tmp_path / "a", a, {"target": "t"}, dtype=torch.float32)
     write_drafter(tmp_path / "b", b, {"target": "t"}, dtype=torch.float32)
     load_drafter(tmp_path / "a", emb)  # each loads as itself
@@ -183,22 +186,24 @@ def test_s8_checkpoint_of_one_kind_refused_as_another(kind, other, tmp_path):
     shutil.copyfile(tmp_path / "a" / "model.safetensors", tmp_path / "b" / "model.safetensors")
     with pytest.raises(CheckpointError) as e:
         load_drafter(tmp_path / "b", emb)
-    msg = str(e.value)
-    assert "\n" not in msg and (repr(other) in msg or repr(kind) in msg)
+    assert "\n" not in str(e.value)
     # And a's proposer refuses b's drafter (and vice versa): no silent mode switch.
     with pytest.raises(CheckpointError, match="cannot run in"):
         drafter_spec(kind).proposer_class(b, 1, 32, torch.device("cpu"), torch.float32)
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_s8_config_kind_must_match_architectures(kind, tmp_path):
-    d = _small(kind)
+def test_s8_architectures_must_be_the_kinds(kind, tmp_path):
+    """`architectures` is what engines dispatch on (a drafter architecture, or for MTP the
+    target family): a value the kind does not write is refused, naming it."""
+    d = small_drafter(kind)
     write_drafter(tmp_path, d, {"target": "t"}, dtype=torch.float32)
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["architectures"] = ["SomethingElse"]
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match="do not match drafter_kind"):
-        load_drafter(tmp_path, {"input_embeddings": d.embed_tokens.weight})
+    with pytest.raises(CheckpointError, match="SomethingElse") as e:
+        load_drafter(tmp_path, small_embeddings(d))
+    assert "\n" not in str(e.value)
 
 
 # ---- S9: train/serve parity ---------------------------------------------------------------
@@ -216,26 +221,21 @@ def _mrope_positions(T: int) -> torch.Tensor:
 def test_s9_training_forward_equals_runner(kind, rope, anchor):
     """For the same weights and window, the trainer's logits for the k drafts after committed
     row `anchor` equal the runner's (first pass, then the k-th draft step), incl. M-RoPE."""
-    k, T = 4, 15
-    extra = {}
-    if rope == "mrope":
-        extra["rope_scaling"] = {"rope_type": "default", "mrope_section": [2, 1, 1]}
-    spec = drafter_spec(kind)
-    fields = spec.config_class.__dataclass_fields__
-    if "parallel_k" in fields:
-        extra["parallel_k"] = k
-    d = _small(kind, draft_vocab_size=SMALL["vocab_size"], **extra)
+    T = 15
+    d = small_drafter(kind, rope)
+    k = next(k for k in (4, 3, 2, 1) if servable(kind, d.config, k))
     tspec = train_spec(kind)
     obj = tspec.objective(d, tspec.config_class(), "eager")
     torch.manual_seed(2)
-    ids = torch.randint(0, SMALL["vocab_size"], (1, T))
-    feats = torch.randn(1, T, d.config.features.width(SMALL["target_hidden_size"]))
+    V = d.embed_tokens.weight.shape[0]
+    ids = torch.randint(0, V, (1, T))
+    feats = torch.randn(1, T, d.config.features.width(d.embed_tokens.weight.shape[1]))
     pos = _mrope_positions(T) if rope == "mrope" else torch.arange(T)[None]
     with torch.no_grad():
         train_logits = obj.anchor_logits(ids, feats, pos, anchor, k)
     # Runner: admit rows 0..anchor (t_{i+1}, f_i, pos_i), then one round of k drafts, fed
     # the teacher-forced tokens (identity draft vocabulary) so both sides see one window.
-    prop = spec.proposer_class(d, 2, 64, torch.device("cpu"), torch.float32)
+    prop = drafter_spec(kind).proposer_class(d, 2, 64, torch.device("cpu"), torch.float32)
     n = anchor + 1
     fp = FirstPass(
         torch.tensor([1]), ids[:, 1 : n + 1], feats[:, :n], torch.arange(n)[None], pos[..., :n]
@@ -245,7 +245,7 @@ def test_s9_training_forward_equals_runner(kind, rope, anchor):
 
     def teacher(logits, step):
         seen.append(logits.clone())
-        return ids[:, anchor + 2 + step].clamp(max=SMALL["vocab_size"] - 1), None
+        return ids[:, anchor + 2 + step], None
 
     prop.propose(pending, torch.tensor([k]), k, teacher)
     torch.testing.assert_close(torch.cat(seen), train_logits, rtol=1e-5, atol=1e-5)

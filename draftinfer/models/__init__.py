@@ -42,9 +42,10 @@ SAFE_INDEX = "model.safetensors.index.json"
 # Checkpoint tensors that carry no weights of ours: old checkpoints saved RoPE tables.
 _IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def _resolve_dir(name_or_path: str | Path) -> Path:
+def resolve_checkpoint_dir(name_or_path: str | Path) -> Path:
     """A local checkpoint directory: `zoo:` shorthand, a local path, or a hub id already in the
     local HF cache (or fetchable when online)."""
     path = resolve_path(str(name_or_path))
@@ -107,7 +108,9 @@ def native_class_for(config: dict[str, Any]) -> type[NativeCausalLM]:
     )
 
 
-def _weight_files(ckpt: Path) -> list[Path]:
+def weight_files(ckpt: Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory (`model.safetensors`, or the shards
+    of `model.safetensors.index.json`); one-line `CheckpointError`s, pickles refused."""
     single, index = ckpt / SAFE_SINGLE, ckpt / SAFE_INDEX
     if index.is_file():
         weight_map = _read_json(index).get("weight_map")
@@ -126,9 +129,11 @@ def _weight_files(ckpt: Path) -> list[Path]:
 
 
 @torch.no_grad()
-def load_weights(model: NativeCausalLM, files: Iterable[Path]) -> None:
+def load_weights(model: NativeCausalLM, files: Iterable[Path], extra_layers: int = 0) -> None:
     """Copy safetensors tensors into `model` by HF name (cast to the model's dtype/device);
-    every parameter must be present, and no unknown tensor may be left over."""
+    every parameter must be present, and no unknown tensor may be left over, except the
+    `extra_layers` decoder layers past the model's own (MTP modules stitched into the target
+    checkpoint, `num_nextn_predict_layers`), which belong to a drafter."""
     from safetensors import SafetensorError, safe_open
 
     params = dict(model.named_parameters())  # a tied head appears once, as embed_tokens
@@ -140,7 +145,15 @@ def load_weights(model: NativeCausalLM, files: Iterable[Path]) -> None:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
                     if name not in params:
-                        if not (_IGNORED.match(name) or (tied and name == "lm_head.weight")):
+                        layer = _LAYER.match(name)
+                        stitched = layer is not None and (
+                            model.config.num_layers
+                            <= int(layer.group(1))
+                            < model.config.num_layers + extra_layers
+                        )
+                        if not (
+                            stitched or _IGNORED.match(name) or (tied and name == "lm_head.weight")
+                        ):
                             unknown.append(name)
                         continue
                     t = f.get_tensor(name)
@@ -168,7 +181,7 @@ def load_weights(model: NativeCausalLM, files: Iterable[Path]) -> None:
 
 def load_native_config(path: str | Path) -> tuple[type[NativeCausalLM], NativeConfig, Path]:
     """(class, config, checkpoint dir) without touching the weights."""
-    ckpt = _resolve_dir(path)
+    ckpt = resolve_checkpoint_dir(path)
     cfg_path = ckpt / "config.json"
     if not cfg_path.is_file():
         raise CheckpointError(f"no config.json in {ckpt}")
@@ -198,14 +211,15 @@ def load_native_target(
     missing, extra or misshaped tensor; `ConfigError` for an unsupported architecture.
     """
     cls, cfg, ckpt = load_native_config(path)
-    files = _weight_files(ckpt)
+    files = weight_files(ckpt)
+    extra_layers = int(_read_json(ckpt / "config.json").get("num_nextn_predict_layers") or 0)
     device = torch.device(device)
     with torch.device("meta"):  # no random init of weights we are about to overwrite
         model = cls(cfg)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.tie_weights()  # to_empty may re-create parameters, which unties them
     model.init_rope(device)
-    load_weights(model, files)
+    load_weights(model, files, extra_layers)
     model.requires_grad_(False).eval()
     model.setup_caches(max_batch, max_seq_len)
     return model

@@ -160,7 +160,9 @@ class NativeCausalLM(nn.Module):
             raise ConfigError(f"{arch}: sliding-window attention layers are not supported")
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         theta, scaling = rope_from_hf(hf, head_dim)  # strict: unknown rope keys are errors
-        bias = bool(getattr(hf, "attention_bias", False))
+        qkv_bias, o_bias, mlp_bias, qk_norm = cls.block_flags(
+            bool(getattr(hf, "attention_bias", False)), bool(getattr(hf, "mlp_bias", False))
+        )
         return NativeConfig(
             architecture=arch,
             vocab_size=hf.vocab_size,
@@ -175,11 +177,18 @@ class NativeCausalLM(nn.Module):
             rope_scaling=scaling,
             max_position_embeddings=int(hf.max_position_embeddings),
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            qkv_bias=bias,
-            o_bias=bias,
-            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=mlp_bias,
+            qk_norm=qk_norm,
             eos_token_ids=list(eos_token_ids),
         )
+
+    @classmethod
+    def block_flags(cls, attention_bias: bool, mlp_bias: bool) -> tuple[bool, bool, bool, bool]:
+        """(qkv_bias, o_bias, mlp_bias, qk_norm) of this family's decoder layer, from the HF
+        config's `attention_bias` / `mlp_bias` (one rule for the target and MTP blocks)."""
+        return attention_bias, attention_bias, mlp_bias, False
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -198,6 +207,7 @@ class NativeCausalLM(nn.Module):
             num_layers=c.num_layers,
             max_position_embeddings=c.max_position_embeddings,
             rope_axes=rope_axes(c.rope_scaling),
+            family=c.architecture,
         )
 
     def setup_caches(self, max_batch: int, max_seq_len: int) -> None:
@@ -330,10 +340,8 @@ class Qwen2ForCausalLM(NativeCausalLM):
     hf_model_types = ("qwen2",)
 
     @classmethod
-    def config_from_hf(cls, hf: Any, eos_token_ids: list[int]) -> NativeConfig:
-        cfg = super().config_from_hf(hf, eos_token_ids)
-        cfg.qkv_bias, cfg.o_bias, cfg.mlp_bias = True, False, False
-        return cfg
+    def block_flags(cls, attention_bias: bool, mlp_bias: bool) -> tuple[bool, bool, bool, bool]:
+        return True, False, False, False
 
 
 class Qwen3ForCausalLM(NativeCausalLM):
@@ -343,7 +351,5 @@ class Qwen3ForCausalLM(NativeCausalLM):
     hf_model_types = ("qwen3",)
 
     @classmethod
-    def config_from_hf(cls, hf: Any, eos_token_ids: list[int]) -> NativeConfig:
-        cfg = super().config_from_hf(hf, eos_token_ids)
-        cfg.qk_norm, cfg.mlp_bias = True, False
-        return cfg
+    def block_flags(cls, attention_bias: bool, mlp_bias: bool) -> tuple[bool, bool, bool, bool]:
+        return attention_bias, attention_bias, False, True

@@ -55,7 +55,7 @@ class Eagle3Spec(DrafterSpec):
             }
         return sd
 
-    def from_serving_names(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def from_serving_names(self, arch, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {
             ("layers.0." + k[len("midlayer.") :] if k.startswith("midlayer.") else k): v
             for k, v in tensors.items()

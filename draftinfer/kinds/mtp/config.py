@@ -1,0 +1,131 @@
+"""Multi-layer MTP drafter architecture (`mtp`): N distinct modules, module k drafts token k.
+
+What `config.json` holds (DESIGN section 4, mtp): the *target family's own config* (what
+engines read for `speculative_config.model`) with `num_nextn_predict_layers = N`, plus our
+fields under `"drafttrain"`:
+
+- `n_predict`: N, the number of modules (must equal `num_nextn_predict_layers` and the modules
+  present in the weights, S8);
+- `mtp_feature_tap`: which target final hidden state feeds module 0 (`pre_norm` | `post_norm`;
+  DeepSeek and Qwen3.5 serve the post-final-norm one);
+- `mtp_chain`: module k+1 consumes module k's output (DeepSeek paper, Step-3.5) or every
+  module consumes the target feature (MiMo);
+- `mtp_carry`: which output of module k is carried when chained (`pre_norm`: vLLM's DeepSeek
+  MTP and SGLang's Step-3.5 carry the pre-`shared_head.norm` state; `post_norm`:
+  transformers' `MtpModel`);
+- `mask_pos0_embedding`: zero the token embedding at RoPE position 0, as vLLM's
+  `DeepSeekMultiTokenPredictorLayer` does (`inputs_embeds[positions == 0] = 0`);
+- `block`: `native` (a Llama/Qwen2/Qwen3 decoder layer: `draftinfer.layers.DecoderLayer`, run
+  by training and the runner alike) or `hf` (the target family's own decoder-layer class,
+  for training against any HF causal LM; the runner refuses it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
+
+from draftinfer.checkfields import require
+from draftinfer.errors import CheckpointError, ConfigError
+from draftinfer.rope import rope_axes, rope_from_hf
+from draftinfer.target import FINAL_HIDDEN, FeatureSpec
+
+# Fields of a target config.json that are not the architecture (dropped when re-read).
+_NOT_ARCH = ("drafttrain", "num_nextn_predict_layers", "torch_dtype", "dtype")
+OURS = ("n_predict", "mtp_feature_tap", "mtp_chain", "mtp_carry", "mask_pos0_embedding", "block")
+
+
+@dataclass
+class MTPConfig:
+    kind: ClassVar[str] = "mtp"
+
+    n_predict: int
+    target_config: dict[str, Any] = field(default_factory=dict)  # the target's config.json
+    mtp_feature_tap: str = "post_norm"
+    mtp_chain: bool = True
+    mtp_carry: str = "pre_norm"
+    mask_pos0_embedding: bool = True
+    block: str = "native"
+
+    def __post_init__(self) -> None:
+        if self.n_predict < 1:
+            raise ConfigError(f"n_predict must be >= 1, got {self.n_predict}")
+        for name in ("mtp_feature_tap", "mtp_carry"):
+            if getattr(self, name) not in FINAL_HIDDEN:
+                raise ConfigError(
+                    f"{name} must be one of {FINAL_HIDDEN}, got {getattr(self, name)!r}"
+                )
+        if self.block not in ("native", "hf"):
+            raise ConfigError(f"block must be native or hf, got {self.block!r}")
+        c = self.target_config
+        for key in ("architectures", "hidden_size", "num_hidden_layers", "vocab_size"):
+            if key not in c:
+                raise ConfigError(f"mtp target_config has no {key!r}")
+        self.hidden_size = int(c["hidden_size"])
+        self.vocab_size = int(c["vocab_size"])
+        self.target_num_layers = int(c["num_hidden_layers"])
+        self.max_position_embeddings = int(c.get("max_position_embeddings", 0))
+        self.architecture = c["architectures"][0]
+        if self.block == "native":
+            self._native_block()
+
+    def _native_block(self) -> None:
+        """Block and RoPE fields from the target family's config (the native targets' rules)."""
+        from draftinfer.models import native_class_for
+
+        c = self.target_config
+        cls = native_class_for(c)  # a one-line ConfigError for a family we cannot run
+        self.num_attention_heads = int(c["num_attention_heads"])
+        self.num_key_value_heads = int(c.get("num_key_value_heads") or self.num_attention_heads)
+        self.head_dim = int(c.get("head_dim") or self.hidden_size // self.num_attention_heads)
+        self.intermediate_size = int(c["intermediate_size"])
+        self.rms_norm_eps = float(c.get("rms_norm_eps", 1e-6))
+        bias = bool(c.get("attention_bias", False))
+        family = cls.block_flags(bias, bool(c.get("mlp_bias", False)))
+        self.qkv_bias, self.o_bias, self.mlp_bias, self.qk_norm = family
+        self.rope_theta, self.rope_scaling = rope_from_hf(_Attrs(c), self.head_dim)
+
+    # -- what every drafter config provides -----------------------------------------------
+    @property
+    def target_hidden_size(self) -> int:
+        return self.hidden_size
+
+    @property
+    def features(self) -> FeatureSpec:
+        return FeatureSpec(final_hidden=self.mtp_feature_tap)
+
+    @property
+    def rope_axes(self) -> int:
+        return rope_axes(getattr(self, "rope_scaling", None))
+
+    def ours(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in OURS}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items()}
+
+    def to_hf(self) -> dict[str, Any]:
+        """The target family's config with the module count engines read."""
+        return {**self.target_config, "num_nextn_predict_layers": self.n_predict}
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any], where: str = "config.json") -> MTPConfig:
+        meta = d.get("drafttrain") or {}
+        n = int(require(d, "num_nextn_predict_layers", where))
+        ours = {name: require(meta, name, f"{where} [drafttrain]") for name in OURS}
+        if ours["n_predict"] != n:
+            raise CheckpointError(
+                f"{where}: num_nextn_predict_layers {n} != drafttrain.n_predict {ours['n_predict']}"
+            )
+        target = {k: v for k, v in d.items() if k not in _NOT_ARCH}
+        try:
+            return cls(target_config=target, **ours)
+        except ConfigError as e:
+            raise CheckpointError(f"{where}: {e}") from None
+
+
+class _Attrs:
+    """A config dict seen as attributes (for `rope_from_hf`)."""
+
+    def __init__(self, d: dict[str, Any]):
+        self.__dict__.update(d)

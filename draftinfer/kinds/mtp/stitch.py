@@ -1,0 +1,97 @@
+"""Stitching MTP modules into a copy of their target checkpoint (DESIGN section 4, mtp (b)).
+
+Engines that load MTP from the target itself (vLLM's `method: mtp` with no draft model,
+transformers' `MtpModel.from_pretrained(main_model)`) read `num_nextn_predict_layers` from the
+target's `config.json` and the modules' tensors `model.layers.{L+k}.*` from its safetensors
+index. The copy gets:
+
+- every file of the target, its weights as shard 1 of the index (a single `model.safetensors`
+  is renamed, since loaders prefer a single file over an index when both exist);
+- the modules' tensors (the export's `model.safetensors`) as one more shard;
+- `config.json` with `num_nextn_predict_layers = N` and our `"drafttrain"` section, so
+  `draftinfer` also loads the drafter from the stitched directory.
+
+The copy is written to `OUT_DIR.tmp` and renamed at the end: nothing half-written.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from draftinfer.errors import CheckpointError
+from draftinfer.target import TargetInfo
+
+INDEX = "model.safetensors.index.json"
+MTP_SHARD = "model-mtp.safetensors"
+
+
+def target_info(config: dict) -> TargetInfo:
+    return TargetInfo(
+        vocab_size=int(config["vocab_size"]),
+        hidden_size=int(config["hidden_size"]),
+        num_layers=int(config["num_hidden_layers"]),
+        max_position_embeddings=int(config.get("max_position_embeddings", 0)),
+        family=(config.get("architectures") or [""])[0],
+    )
+
+
+def stitch(spec, export_dir: Path, arch, target_dir: Path, out_dir: Path) -> Path:
+    export_dir, target_dir, out = Path(export_dir), Path(target_dir), Path(out_dir)
+    tcfg_path = target_dir / "config.json"
+    if not tcfg_path.is_file():
+        raise CheckpointError(f"not a target checkpoint: {tcfg_path} does not exist")
+    tcfg = json.loads(tcfg_path.read_text())
+    spec.check_fit(arch, target_info(tcfg))
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointError(f"output directory {out} exists and is not empty")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(target_dir, tmp)
+    try:
+        index_path = tmp / INDEX
+        if index_path.is_file():
+            index = json.loads(index_path.read_text())
+        else:
+            single = tmp / "model.safetensors"
+            if not single.is_file():
+                raise CheckpointError(f"no model.safetensors or {INDEX} in {target_dir}")
+            shard = "model-target.safetensors"
+            single.rename(tmp / shard)
+            with safe_open(str(tmp / shard), framework="pt") as f:
+                index = {"metadata": {}, "weight_map": {k: shard for k in f.keys()}}
+        weight_map = index["weight_map"]
+        L = int(tcfg["num_hidden_layers"])
+        stale = [k for k in weight_map if _layer(k) is not None and _layer(k) >= L]
+        if stale:
+            raise CheckpointError(f"{target_dir} already holds MTP layers ({stale[0]}, ...)")
+        tensors = load_file(str(export_dir / "model.safetensors"))
+        save_file(tensors, str(tmp / MTP_SHARD), metadata={"format": "pt"})
+        weight_map.update({k: MTP_SHARD for k in tensors})
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        index.setdefault("metadata", {})["total_size"] = (
+            int(index["metadata"].get("total_size", 0)) + total
+        )
+        index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        export_cfg = json.loads((export_dir / "config.json").read_text())
+        tcfg["num_nextn_predict_layers"] = arch.n_predict
+        tcfg["drafttrain"] = export_cfg["drafttrain"]
+        (tmp / "config.json").write_text(json.dumps(tcfg, indent=2, sort_keys=True) + "\n")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        out.rmdir()
+    tmp.rename(out)
+    return out
+
+
+def _layer(name: str) -> int | None:
+    parts = name.split(".")
+    if len(parts) > 3 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
+        return int(parts[2])
+    return None

@@ -1,0 +1,82 @@
+"""Training side of the multi-layer MTP kind: config, objective and initialisation from the
+target, registered as `mtp`. The block of each module is the target family's decoder layer:
+the native `DecoderLayer` (shared with the runner) for Llama / Qwen2 / Qwen3 targets, the
+family's own transformers class otherwise (trainable against any HF causal LM; served by
+engines)."""
+
+from __future__ import annotations
+
+import torch
+
+from draftinfer.errors import ConfigError
+from draftinfer.models import TARGET_MODELS
+from draftinfer.registry import drafter_spec
+from drafttrain.kinds.mtp.config import MTPTrainConfig
+from drafttrain.kinds.mtp.objective import MTPObjective
+from drafttrain.registry import InitContext, TrainSpec, register_train_kind
+
+INITS = ("target_last_layer", "random")
+
+
+class MTPTrainSpec(TrainSpec):
+    name = "mtp"
+    config_class = MTPTrainConfig
+    objective_class = MTPObjective
+
+    def arch(self, cfg: MTPTrainConfig, ctx: InitContext):
+        info, tc = ctx.target.info, ctx.target.config
+        for field in (
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+        ):
+            value = getattr(cfg, field)
+            if value is not None and value != getattr(tc, field, None):
+                raise ConfigError(
+                    f"MTP modules use the target's layer shapes: drafter.{field}={value} "
+                    f"does not match the target's {getattr(tc, field, None)}"
+                )
+        if cfg.init not in INITS:
+            raise ConfigError(f"drafter.init must be one of {INITS}, got {cfg.init!r}")
+        if cfg.loss_weights not in ("uniform", "geometric"):
+            raise ConfigError(
+                f"drafter.loss_weights must be uniform or geometric, got {cfg.loss_weights!r}"
+            )
+        target_config = {k: v for k, v in tc.to_dict().items() if k not in ("drafttrain",)}
+        target_config.setdefault("architectures", [info.family])
+        return drafter_spec(self.name).config_class(
+            n_predict=cfg.n_predict,
+            target_config=target_config,
+            mtp_feature_tap=cfg.mtp_feature_tap,
+            mtp_chain=cfg.mtp_chain,
+            mtp_carry=cfg.mtp_carry,
+            mask_pos0_embedding=cfg.mask_pos0_embedding,
+            block="native" if info.family in TARGET_MODELS else "hf",
+        )
+
+    @torch.no_grad()
+    def init_drafter(self, cfg: MTPTrainConfig, ctx: InitContext):
+        spec = drafter_spec(self.name)
+        drafter = spec.build(self.arch(cfg, ctx))
+        shared = ctx.target.shared_weights()
+        spec.attach_shared(drafter, {k: v.float() for k, v in shared.items()})
+        if cfg.init == "target_last_layer":
+            last = ctx.target.layers[-1].state_dict()
+            norm = ctx.target.final_norm_weight()
+            H = drafter.config.hidden_size
+            for layer in drafter.layers:
+                layer.block.load_state_dict({k: v.float() for k, v in last.items()})
+                if norm is not None:
+                    layer.norm.weight.copy_(norm.float())
+                w = torch.zeros(H, 2 * H)
+                w[:, :H].normal_(0.0, 0.02)
+                w[:, H:] = torch.eye(H)  # start from the (normed) carried hidden state
+                layer.eh_proj.weight.copy_(w)
+        return drafter
+
+
+register_train_kind(MTPTrainSpec())
+
+__all__ = ["MTPObjective", "MTPTrainConfig", "MTPTrainSpec"]

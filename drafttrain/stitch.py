@@ -1,0 +1,40 @@
+"""Write an exported drafter into a copy of its target checkpoint.
+
+    python -m drafttrain.stitch EXPORT_DIR TARGET_DIR OUT_DIR
+
+For drafters engines load from the target itself (multi-layer MTP modules under
+`model.layers.{L+k}.*` with `num_nextn_predict_layers` in the target's `config.json`). What
+is written, and how, is the drafter kind's (`DrafterSpec.stitch`); `TARGET_DIR` may be a local
+directory, `zoo:<name>` or a hub id in the local cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from draftinfer.checkpoint import read_drafter_config
+from draftinfer.errors import DraftError
+from draftinfer.models import resolve_checkpoint_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m drafttrain.stitch", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument("export_dir")
+    p.add_argument("target_dir")
+    p.add_argument("out_dir")
+    a = p.parse_args(argv)
+    try:
+        spec, arch, _ = read_drafter_config(a.export_dir)
+        out = spec.stitch(a.export_dir, arch, resolve_checkpoint_dir(a.target_dir), a.out_dir)
+    except DraftError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
