@@ -308,9 +308,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             avg["lr"] = scheduler.get_last_lr()[0]
             avg["tokens_per_s"] = tok_window / max(dt, 1e-9)
             logger.log(avg, done)
+            accs = sorted((k for k in avg if k.startswith("acc_")), key=lambda k: int(k[4:]))
             bar.set_postfix(
                 loss=f"{avg['loss']:.3f}",
-                acc0=f"{avg.get('acc_0', 0):.2f}",
+                acc="/".join(f"{avg[k]:.2f}" for k in accs),  # per draft step / depth / module
                 sim_al=f"{avg['sim_al']:.2f}",
                 tok_s=f"{avg['tokens_per_s']:.0f}",
             )

@@ -1,5 +1,6 @@
-"""Drafting time per round against K: parallel drafting (`ptd`, one forward) vs EAGLE-3
-chain drafting (K forwards), side by side in one run, on 8B-shaped drafters.
+"""Drafting time per round against K: parallel drafting (`ptd`, one forward), EAGLE-3 chain
+drafting (K forwards) and multi-layer MTP (`mtp`, N=3 distinct full-size decoder layers,
+K a multiple of N), side by side in one run, on 8B-shaped drafters.
 
     python scripts/bench_drafting.py --out docs/results/bench_drafting.json
     python scripts/bench_drafting.py --device cpu --tiny      # smoke test
@@ -22,7 +23,7 @@ import sys
 from pathlib import Path
 
 import torch
-from benchlib import DRAFT_VOCAB, LLAMA31_8B, TINY, drafter_arch, import_kernel
+from benchlib import DRAFT_VOCAB, LLAMA31_8B, TINY, drafter_arch, hf_config_dict, import_kernel
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -31,15 +32,18 @@ SHAPES = {
     "llama3-8b": drafter_arch(LLAMA31_8B, DRAFT_VOCAB["llama3.1-8b"]),
     "tiny": drafter_arch(TINY, DRAFT_VOCAB["tiny"]),
 }
+TARGETS = {"llama3-8b": LLAMA31_8B, "tiny": TINY}
 
 
-def build(kind: str, shape: dict, k_max: int, device, dtype):
+def build(kind: str, shape: dict, target: dict, k_max: int, device, dtype):
     from draftinfer.registry import drafter_spec
 
     torch.manual_seed(0)
     common = dict(shape)
     if kind == "ptd":
         common.update(num_hidden_layers=2, mask_token_id=0, parallel_k=k_max)
+    if kind == "mtp":
+        common = dict(n_predict=3, target_config=hf_config_dict(target))
     spec = drafter_spec(kind)
     d = spec.build(spec.config_class(**common))
     with torch.no_grad():
@@ -49,13 +53,15 @@ def build(kind: str, shape: dict, k_max: int, device, dtype):
     return d.to(device=device, dtype=dtype).eval()
 
 
-def first_pass(batch: int, start: int, n: int, width: int, shape, device, dtype):
-    """A padded first pass: `n` live rows at cache indices start.., padded to `width`."""
+def first_pass(batch: int, start: int, n: int, width: int, shape, device, drafter):
+    """A padded first pass: `n` live rows at cache indices start.., padded to `width`, with
+    random target features of the drafter's declared width."""
     from draftinfer.proposer import FirstPass
 
-    H3 = 3 * shape["target_hidden_size"]
+    F = drafter.config.features.width(shape["target_hidden_size"])
+    dtype = next(drafter.parameters()).dtype
     ids = torch.randint(0, shape["vocab_size"], (batch, width), device=device)
-    feats = torch.randn(batch, width, H3, device=device, dtype=dtype)
+    feats = torch.randn(batch, width, F, device=device, dtype=dtype)
     j = torch.arange(width, device=device)
     cache = torch.where(j < n, start + j, -1).expand(batch, -1).contiguous()
     return FirstPass(torch.arange(batch, device=device), ids, feats, cache, cache.clamp(min=0))
@@ -66,11 +72,10 @@ def time_round(proposer, batch: int, context: int, k: int, device, shape, repeat
     from draftinfer.slots import attn_bucket
 
     d = proposer.drafter
-    dtype = d.fc.weight.dtype
     # Prefix: fill the drafter KV with `context` rows once.
-    prefix = first_pass(batch, 0, context, context, shape, device, dtype)
+    prefix = first_pass(batch, 0, context, context, shape, device, d)
     proposer.propose(prefix, torch.zeros(batch, dtype=torch.long, device=device), 1)
-    fp = first_pass(batch, context, k // 2 + 1, k + 1, shape, device, dtype)
+    fp = first_pass(batch, context, k // 2 + 1, k + 1, shape, device, d)
     caps = torch.full((batch,), k, dtype=torch.long, device=device)
     attn_len = attn_bucket(context + 2 * k + 2, proposer.max_seq_len)
     times = []
@@ -98,8 +103,8 @@ def check(kind: str, proposer, device, shape) -> bool:
     from draftinfer.proposer import greedy_chooser
 
     d = proposer.drafter
-    n, k = 9, 4
-    fp = first_pass(1, 0, n, n, shape, device, d.fc.weight.dtype)
+    n, k = 9, 3
+    fp = first_pass(1, 0, n, n, shape, device, d)
     drafts, _ = proposer.propose(fp, torch.tensor([k], device=device), k, greedy_chooser)
     ref, _ = type(proposer).reference_drafts(
         d, fp.ids[0], fp.features[0], fp.rope_pos[0], k, greedy_chooser
@@ -115,6 +120,7 @@ def main() -> int:
     ap.add_argument("--ks", default="2,3,4,5,6,7,8")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--kinds", default="eagle3,ptd,mtp")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     if a.device == "cuda" and not torch.cuda.is_available():
@@ -126,6 +132,8 @@ def main() -> int:
     device = torch.device(a.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shape = SHAPES["tiny" if a.tiny else "llama3-8b"]
+    target = TARGETS["tiny" if a.tiny else "llama3-8b"]
+    kinds = a.kinds.split(",")
     ks = [int(x) for x in a.ks.split(",")]
     batches = [int(x) for x in a.batches.split(",")]
     max_len = a.context + 64
@@ -137,8 +145,16 @@ def main() -> int:
         "context": a.context,
         "rows": [],
     }
-    for kind in ("eagle3", "ptd"):
-        d = build(kind, shape, max(ks + [4]), device, dtype)
+
+    def servable(kind, d, k) -> bool:
+        try:
+            drafter_spec(kind).check_k(d.config, k)
+        except ValueError:  # CheckpointError: this drafter does not draft k per round
+            return False
+        return True
+
+    for kind in kinds:
+        d = build(kind, shape, target, max(ks + [4]), device, dtype)
         make = drafter_spec(kind).proposer_class
         ok = check(kind, make(d, 1, max_len, device, dtype), device, shape)
         results[f"{kind}_matches_reference"] = ok
@@ -147,7 +163,7 @@ def main() -> int:
             return 1
         for b in batches:
             prop = make(d, b, max_len, device, dtype)
-            for k in ks:
+            for k in [k for k in ks if servable(kind, d, k)]:
                 ms = time_round(prop, b, a.context, k, device, shape, a.repeats)
                 results["rows"].append({"kind": kind, "batch": b, "k": k, "ms": round(ms, 4)})
         del d
@@ -157,17 +173,20 @@ def main() -> int:
         "batch | kind   | " + " | ".join(f"K={k}" for k in ks) + " | K=max/K=min",
     ]
     for b in batches:
-        for kind in ("eagle3", "ptd"):
-            ms = [r["ms"] for r in results["rows"] if r["kind"] == kind and r["batch"] == b]
+        for kind in kinds:
+            got = {
+                r["k"]: r["ms"] for r in results["rows"] if r["kind"] == kind and r["batch"] == b
+            }
+            ms = list(got.values())
             lines.append(
                 f"{b:5d} | {kind:6s} | "
-                + " | ".join(f"{m:.3f}" for m in ms)
+                + " | ".join(f"{got[k]:.3f}" if k in got else "-" for k in ks)
                 + f" | {ms[-1] / ms[0]:.2f}x"
             )
             results[f"ratio_{kind}_b{b}"] = ms[-1] / ms[0]
     lines.append(
         "matches reference: "
-        + ", ".join(f"{kd}={results[f'{kd}_matches_reference']}" for kd in ("eagle3", "ptd"))
+        + ", ".join(f"{kd}={results[f'{kd}_matches_reference']}" for kd in kinds)
     )
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)

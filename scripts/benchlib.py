@@ -43,6 +43,27 @@ TINY = dict(
 DRAFT_VOCAB = {"llama3.1-8b": 32000, "tiny": 256}
 
 
+def hf_config_dict(target: dict) -> dict:
+    """The target shape as a Llama `config.json` (what an MTP drafter's config embeds)."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": target["vocab_size"],
+        "hidden_size": target["hidden_size"],
+        "intermediate_size": target["intermediate_size"],
+        "num_hidden_layers": target["num_layers"],
+        "num_attention_heads": target["num_heads"],
+        "num_key_value_heads": target["num_kv_heads"],
+        "head_dim": target["head_dim"],
+        "rms_norm_eps": target["rms_norm_eps"],
+        "max_position_embeddings": target["max_position_embeddings"],
+        "rope_theta": target["rope_theta"],
+        "rope_scaling": target["rope_scaling"],
+        "attention_bias": False,
+        "mlp_bias": False,
+    }
+
+
 def drafter_arch(target: dict, draft_vocab: int) -> dict:
     """EAGLE-family drafter config fields sized for a target shape: the target's width, heads,
     RoPE and context, EAGLE-3's default taps (2, L//2, L-3), a draft vocabulary."""

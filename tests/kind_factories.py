@@ -33,8 +33,9 @@ ROPES = {
     },
     "mrope": {"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0},
 }
-# Train-config fields a kind may have, set for these small shapes when it has them.
-SMALL_TRAIN = {"draft_vocab_size": 97, "num_layers": 1, "parallel_k": 5, "mask_token_id": 96}
+# Train-config fields a kind may have, set for small drafters when it has them (vocabulary
+# fields follow the target).
+SMALL_TRAIN = {"num_layers": 1, "parallel_k": 5}
 
 
 @functools.lru_cache(maxsize=4)
@@ -47,12 +48,12 @@ def small_target_dir(rope: str = "1d") -> str:
     return str(save_tiny_target(cfg, Path(tempfile.mkdtemp(prefix=f"small_{rope}_"))))
 
 
-@functools.lru_cache(maxsize=4)
-def _small_target(rope: str):
+@functools.lru_cache(maxsize=8)
+def _frozen(target_dir: str):
     from drafttrain.config import TargetConfig
     from drafttrain.target import FrozenTarget
 
-    return FrozenTarget(TargetConfig(name_or_path=small_target_dir(rope)), torch.device("cpu"))
+    return FrozenTarget(TargetConfig(name_or_path=target_dir), torch.device("cpu"))
 
 
 def randomized(d: torch.nn.Module) -> torch.nn.Module:
@@ -62,24 +63,30 @@ def randomized(d: torch.nn.Module) -> torch.nn.Module:
     return d.eval()
 
 
-def small_drafter(kind: str, rope: str = "1d", seed: int = 0, **train_overrides):
-    """A randomized drafter of `kind` for the small target (identity draft vocabulary)."""
+def drafter_for(kind: str, target_dir: str, seed: int = 0, **train_overrides):
+    """A randomized drafter of `kind` built for the target in `target_dir` by the kind's own
+    `TrainSpec.init_drafter` (identity draft vocabulary, mask token = the last id)."""
     import datasets
 
     from drafttrain.registry import InitContext, train_spec
 
+    target = _frozen(str(target_dir))
+    V = target.info.vocab_size
     spec = train_spec(kind)
     fields = {f.name for f in dataclasses.fields(spec.config_class)}
-    cfg = spec.config_class(
-        **{k: v for k, v in {**SMALL_TRAIN, **train_overrides}.items() if k in fields}
-    )
-    data = datasets.Dataset.from_dict({"input_ids": [list(range(97))], "loss_mask": [[1] * 97]})
-    ctx = InitContext(_small_target(rope), None, data, Path(tempfile.mkdtemp()))
+    wanted = {**SMALL_TRAIN, "draft_vocab_size": V, "mask_token_id": V - 1, **train_overrides}
+    cfg = spec.config_class(**{k: v for k, v in wanted.items() if k in fields})
+    data = datasets.Dataset.from_dict({"input_ids": [list(range(V))], "loss_mask": [[1] * V]})
+    ctx = InitContext(target, None, data, Path(tempfile.mkdtemp()))
     torch.manual_seed(seed)
-    d = spec.init_drafter(cfg, ctx)
-    return randomized(d)
+    return randomized(spec.init_drafter(cfg, ctx))
+
+
+def small_drafter(kind: str, rope: str = "1d", seed: int = 0, **train_overrides):
+    """A randomized drafter of `kind` for the small target (vocabulary 97)."""
+    return drafter_for(kind, small_target_dir(rope), seed, **train_overrides)
 
 
 def small_embeddings(d: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The small target's shared weights (what `load_drafter` needs)."""
-    return _small_target("1d").shared_weights()
+    return _frozen(small_target_dir("1d")).shared_weights()

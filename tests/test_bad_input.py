@@ -98,7 +98,7 @@ def test_training_bad_input(case, train_env, tmp_path):
 def good_export(train_env, tmp_path_factory):
     target = load_native_target(train_env["target"], max_batch=2, max_seq_len=128)
     out = tmp_path_factory.mktemp("export")
-    d = untrained_drafter("ptd", target, parallel_k=3)
+    d = untrained_drafter("ptd", train_env["target"], target, parallel_k=3)
     write_drafter(out, d, {"target": train_env["target"], "serving_k": 3}, torch.float32)
     return out
 

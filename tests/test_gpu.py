@@ -24,10 +24,10 @@ pytestmark = pytest.mark.gpu
 BF16_MARGIN = 0.1  # logits units; bf16 rounding of a [B, K+1] verify vs a 1-token step
 
 
-def _drafter(kind: str, target, dtype):
+def _drafter(kind: str, target_dir, target, dtype):
     from tests.tiny_models import untrained_drafter
 
-    return untrained_drafter(kind, target).to("cuda", dtype)
+    return untrained_drafter(kind, target_dir, target).to("cuda", dtype)
 
 
 def _margins(target, prompt: list[int], out: list[int]) -> list[float]:
@@ -46,7 +46,7 @@ def test_t1_fp32_cuda_exact(tiny_llama3_dir, kind):
     target = load_native_target(
         tiny_llama3_dir, "cuda", torch.float32, max_batch=8, max_seq_len=128
     )
-    d = _drafter(kind, target, torch.float32)
+    d = _drafter(kind, tiny_llama3_dir, target, torch.float32)
     ps = prompts(8, seed=31)
     plain = greedy_generate(target, ps, 16)
     outs = SpecDecoder(target, d, 3, max_batch=8, max_model_len=128).generate(
@@ -60,7 +60,7 @@ def test_t1_bf16_margin_aware(tiny_llama3_dir, kind):
     target = load_native_target(
         tiny_llama3_dir, "cuda", torch.bfloat16, max_batch=8, max_seq_len=128
     )
-    d = _drafter(kind, target, torch.bfloat16)
+    d = _drafter(kind, tiny_llama3_dir, target, torch.bfloat16)
     ps = prompts(8, seed=32)
     plain = greedy_generate(target, ps, 24)
     outs = SpecDecoder(target, d, 3, max_batch=8, max_model_len=128).generate(
@@ -80,13 +80,17 @@ def test_t1_bf16_margin_aware(tiny_llama3_dir, kind):
 @pytest.mark.parametrize("compiled", [False, True])
 def test_round_makes_no_host_sync(tiny_llama3_dir, kind, batch, compiled):
     """The round's tensor work (propose, verify forward, verification, next first pass) runs
-    under `torch.cuda.set_sync_debug_mode("error")`: any host-device sync raises. K = 4."""
+    under `torch.cuda.set_sync_debug_mode("error")`: any host-device sync raises. K = 4
+    (3 for MTP's 3 modules)."""
     target = load_native_target(
         tiny_llama3_dir, "cuda", torch.bfloat16, max_batch=8, max_seq_len=256
     )
-    d = _drafter(kind, target, torch.bfloat16)
+    d = _drafter(kind, tiny_llama3_dir, target, torch.bfloat16)
     ps = prompts(batch, seed=33)
-    dec = SpecDecoder(target, d, 4, max_batch=batch, max_model_len=256, compile=compiled)
+    from tests.test_kinds import servable
+
+    k = 4 if servable(kind, d.config, 4) else 3  # K=4 for eagle3 / ptd, 3 for mtp (N=3)
+    dec = SpecDecoder(target, d, k, max_batch=batch, max_model_len=256, compile=compiled)
     dec.generate([Request(p, max_tokens=6) for p in ps])  # warm-up: compiles (they may sync)
     dec.sync_check = True
     outs, stats = dec.generate([Request(p, max_tokens=24) for p in ps])

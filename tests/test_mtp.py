@@ -215,9 +215,7 @@ def test_stitch_round_trip_and_missing_layer(kind_env, zoo_target, tmp_path):
     shard = out / "model-mtp.safetensors"
     sd = {k: v for k, v in load_file(str(shard)).items() if not k.startswith("model.layers.9.")}
     save_file(sd, str(shard))
-    with pytest.raises(
-        CheckpointError, match=r"hold 2 MTP module\(s\) \(missing model.layers.9\)"
-    ):
+    with pytest.raises(CheckpointError, match=r"hold 2 MTP module\(s\) \(missing model.layers.9\)"):
         load_drafter(out, t.shared_weights())
 
 

@@ -261,9 +261,10 @@ def test_drafter_target_mismatch_is_one_line_error(env, tiny_qwen3_dir):
 
 @pytest.mark.parametrize("kind", registered_kinds())
 def test_untrained_random_drafter_is_lossless_with_al_near_one(zoo_target, kind):
+    from draftinfer.paths import resolve_path
     from tests.tiny_models import untrained_drafter
 
-    d = untrained_drafter(kind, zoo_target)
+    d = untrained_drafter(kind, resolve_path("zoo:llama-tiny"), zoo_target)
     ps = random_prompts(6, seed=40)
     plain = greedy_generate(zoo_target, ps, 16)
     outs = SpecDecoder(zoo_target, d, 3, max_batch=6, max_model_len=MAX_LEN).generate(

@@ -104,28 +104,15 @@ def make_train_env(root: Path) -> dict[str, str]:
     return {"target": str(target), "data": str(data)}
 
 
-def untrained_drafter(kind: str, target, **arch):
-    """A random-init drafter of `kind` sized for a native `target`, sharing its embedding.
-    Lossless whatever its quality; its acceptance length should be about 1."""
+def untrained_drafter(kind: str, target_dir, target, **train_overrides):
+    """A random-init drafter of `kind` built for the target in `target_dir` (by the kind's
+    `TrainSpec`), sharing the native `target`'s embeddings. Lossless whatever its quality; its
+    acceptance length should be about 1."""
     from draftinfer.registry import drafter_spec
+    from tests.kind_factories import drafter_for
 
-    c = target.config
-    spec = drafter_spec(kind)
-    common = dict(
-        hidden_size=c.hidden_size,
-        intermediate_size=96,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=c.vocab_size,
-        draft_vocab_size=c.vocab_size,
-        target_hidden_size=c.hidden_size,
-        aux_layer_ids=[1, 2, 3],
-        max_position_embeddings=c.max_position_embeddings,
-    )
-    torch.manual_seed(0)
-    d = spec.build(spec.config_class(**{**common, **arch}))
-    spec.attach_shared(d, target.shared_weights())
+    d = drafter_for(kind, str(target_dir), **train_overrides)
+    drafter_spec(kind).attach_shared(d, target.shared_weights())
     return d.eval()
 
 

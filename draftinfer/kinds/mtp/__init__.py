@@ -147,20 +147,25 @@ class MTPSpec(DrafterSpec):
         super().validate_state_dict(arch, tensors, module, where)
 
     def serving_hint(self, arch, k: int) -> str:
-        N = arch.n_predict
+        N, L = arch.n_predict, arch.target_num_layers
         return (
             f'vLLM: `--speculative-config \'{{"method": "mtp", "model": "<this dir>", '
-            f'"num_speculative_tokens": {N}}}\'` for the families vLLM runs MTP for (DeepSeek '
-            "V3, GLM-4.5, MiMo, Qwen3-Next, Step-3.5, ...); `num_speculative_tokens` must be a "
-            "multiple of N (engines pick module `step % N`). vLLM serves only the first "
-            "MiMo-V2 MTP layer. SGLang loads it as the draft model (NextN / EAGLE worker) and "
-            f"chains modules only for Step-3.5 checkpoints. `python -m drafttrain.stitch` "
-            f"writes the {N} modules into a copy of the target for engines that load MTP from "
-            f"the target. This target ({arch.architecture}) is served by `draftinfer`"
-            + ("." if arch.block == "native" else " only through engines (block: hf).")
+            f'"num_speculative_tokens": {N}}}\'` for the families vLLM runs MTP for (DeepSeek-V3, '
+            "GLM-4.5, MiMo, Qwen3-Next, Step-3.5, ...; keys as `deepseek_mtp.py` loads them). "
+            "`num_speculative_tokens` must be a multiple of N (engines pick module `step % N`); "
+            "vLLM serves only the first MiMo-V2 MTP layer. SGLang chains modules only for "
+            "Step-3.5; its DeepSeek NextN loader reads one module renumbered `model.layers.0` "
+            "in a one-layer config, a variant this export does not write. transformers' "
+            f"`MtpModel` and vLLM with no draft model load the modules from the target: "
+            f"`python -m drafttrain.stitch <this dir> <target> <out>`. "
+            + (
+                f"This target ({arch.architecture}) is served by `draftinfer`."
+                if arch.block == "native"
+                else f"`draftinfer` does not run {arch.architecture} targets (block: hf)."
+            )
             + f"\n\nmtp_chain {arch.mtp_chain}, mtp_carry {arch.mtp_carry}, mtp_feature_tap "
-            f"{arch.mtp_feature_tap}; tensors `model.layers.{arch.target_num_layers}..`"
-            f"`{arch.target_num_layers + N - 1}.*`."
+            f"{arch.mtp_feature_tap}; modules at `model.layers.{L}.*` to "
+            f"`model.layers.{L + N - 1}.*`."
         )
 
 

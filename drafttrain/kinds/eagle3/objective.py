@@ -23,7 +23,6 @@ drafting would accept if step errors were independent.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from draftinfer.kinds.eagle3 import Eagle3Config, Eagle3Drafter
 from draftinfer.positions import draft_step_positions
@@ -31,6 +30,7 @@ from draftinfer.rope import rope_from_hf
 from draftinfer.target import TargetOutput
 from drafttrain.errors import ConfigError
 from drafttrain.kinds.eagle3.config import Eagle3TrainConfig
+from drafttrain.losses import DraftLoss, soft_cross_entropy, top1_agrees
 from drafttrain.ttt import TTTAttention
 
 
@@ -159,25 +159,18 @@ class Eagle3Objective:
         logits_per_step = self.unroll(
             batch["input_ids"], tgt.features, tgt.rope_pos, self.cfg.ttt_steps
         )
-        total = torch.zeros((), device=tlog.device)
-        metrics: dict[str, float] = {}
-        surv, sim_al = 1.0, 1.0
+        out = DraftLoss(tlog.device)
         for k, logits in enumerate(logits_per_step):
             p_k = shift_left(target_p, 1 + k)
             valid = shift_left(loss_mask, 2 + k, False) & shift_left(in_draft, 1 + k, False)
-            n = valid.sum()
-            ce = -(p_k * F.log_softmax(logits.float(), dim=-1)).sum(-1)  # [B, T]
-            loss_k = (ce * valid).sum() / n.clamp(min=1)
-            total = total + (self.cfg.ttt_decay**k) * loss_k
-            hit = (logits.argmax(-1) == p_k.argmax(-1)) & valid
-            acc = (hit.sum() / n.clamp(min=1)).item()
-            surv *= acc
-            sim_al += surv
-            metrics[f"loss_{k}"] = loss_k.item()
-            metrics[f"acc_{k}"] = acc
-        metrics["sim_al"] = sim_al
-        metrics["tokens"] = float(loss_mask.sum().item())
-        return total, metrics
+            out.add(
+                k,
+                soft_cross_entropy(logits, p_k),
+                top1_agrees(logits, p_k),
+                valid,
+                self.cfg.ttt_decay**k,
+            )
+        return out.result(loss_mask)
 
     def checkpoint_meta(self) -> dict:
         # serving_k: the draft length the export advertises (speculators' speculative_tokens).

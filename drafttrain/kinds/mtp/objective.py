@@ -16,7 +16,6 @@ acceptance length `1 + sum_k prod_{s<=k} acc_s`.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from draftinfer.kinds.mtp import MTPDrafter
 from draftinfer.positions import draft_step_positions
@@ -24,6 +23,7 @@ from draftinfer.proposer import causal_attn
 from draftinfer.target import TargetOutput
 from drafttrain.kinds.eagle3.objective import shift_left
 from drafttrain.kinds.mtp.config import MTPTrainConfig
+from drafttrain.losses import DraftLoss, soft_cross_entropy, top1_agrees
 
 
 class MTPObjective:
@@ -64,25 +64,13 @@ class MTPObjective:
         target_p = torch.softmax(tlog, dim=-1)  # [B, T, V]
         loss_mask = batch["loss_mask"].bool() & batch["attention_mask"].bool()
         logits = self.module_logits(batch["input_ids"], tgt.features, tgt.rope_pos, N)
-        total = torch.zeros((), device=tlog.device)
-        metrics: dict[str, float] = {}
-        surv, sim_al = 1.0, 1.0
+        out = DraftLoss(tlog.device)
         for k, lg in enumerate(logits):
             p_k = shift_left(target_p, 1 + k)  # row i: the target's distribution at i+k+1
             valid = shift_left(loss_mask, 2 + k, False)  # t_{i+k+2} is an assistant token
-            n = valid.sum().clamp(min=1)
-            ce = -(p_k * F.log_softmax(lg.float(), dim=-1)).sum(-1)
-            loss_k = (ce * valid).sum() / n
             weight = 1.0 if c.loss_weights == "uniform" else c.loss_decay**k
-            total = total + weight * loss_k
-            acc = (((lg.argmax(-1) == p_k.argmax(-1)) & valid).sum() / n).item()
-            surv *= acc
-            sim_al += surv
-            metrics[f"loss_{k}"] = loss_k.item()
-            metrics[f"acc_{k}"] = acc
-        metrics["sim_al"] = sim_al
-        metrics["tokens"] = float(loss_mask.sum().item())
-        return total, metrics
+            out.add(k, soft_cross_entropy(lg, p_k), top1_agrees(lg, p_k), valid, weight)
+        return out.result(loss_mask)
 
     def checkpoint_meta(self) -> dict:
         c = self.cfg

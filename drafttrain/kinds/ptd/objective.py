@@ -25,13 +25,13 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from draftinfer.kinds.ptd import PTDDrafter
 from draftinfer.layers import causal_attention
 from draftinfer.target import TargetOutput
 from drafttrain.kinds.eagle3.objective import shift_left
 from drafttrain.kinds.ptd.config import PTDTrainConfig
+from drafttrain.losses import DraftLoss, soft_cross_entropy, top1_agrees
 
 PAD_ANCHOR = 1 << 30  # anchor/depth of padding slots: they see depth-0 rows, nobody sees them
 
@@ -207,25 +207,12 @@ class PTDObjective:
         p = target_p[bidx, src]  # [B, N, Dd]
         nxt = (src + 1).clamp(max=T - 1)
         valid = inside & (src + 1 < T) & loss_mask[bidx, nxt] & in_draft[bidx, src]
-        ce = -(p * F.log_softmax(logits.float(), dim=-1)).sum(-1)  # [B, N]
-        hit = logits.argmax(-1) == p.argmax(-1)
-        total = torch.zeros((), device=tlog.device)
-        metrics: dict[str, float] = {}
-        surv, sim_al = 1.0, 1.0
+        ce, hit = soft_cross_entropy(logits, p), top1_agrees(logits, p)  # [B, N]
+        out = DraftLoss(tlog.device)
         for dd in range(K):
-            v = valid & (depth == dd)
-            n = v.sum().clamp(min=1)
-            loss_d = (ce * v).sum() / n
-            total = total + c.depth_decay**dd * loss_d
-            acc = ((hit & v).sum() / n).item()
-            surv *= acc
-            sim_al += surv
-            metrics[f"loss_{dd}"] = loss_d.item()
-            metrics[f"acc_{dd}"] = acc
-            metrics[f"slots_{dd}"] = float((real & (depth == dd)).sum().item())
-        metrics["sim_al"] = sim_al
-        metrics["tokens"] = float(loss_mask.sum().item())
-        return total, metrics
+            out.add(dd, ce, hit, valid & (depth == dd), c.depth_decay**dd)
+            out.metrics[f"slots_{dd}"] = float((real & (depth == dd)).sum().item())
+        return out.result(loss_mask)
 
     def checkpoint_meta(self) -> dict:
         c = self.cfg
