@@ -189,50 +189,63 @@ class SpecDecoder:
             self.proposer.compile(dynamic=True)
 
     # -- target passes ------------------------------------------------------------------
-    def _admit(self, slot: _Active) -> None:
-        """Prefill the prompt (in chunks), sample the first token from the target alone, hand
-        the prompt rows to the proposer and keep the rows it returns as the pending first pass.
-        Runs between rounds (host syncs allowed)."""
-        P, dev = len(slot.tokens), self.device
-        ids = torch.tensor(slot.tokens, device=dev)
-        row = self.rows[slot.row : slot.row + 1]
+    def _admit(self, slots: list[_Active]) -> None:
+        """Admit requests together: one chunked prefill of their left-padded prompts (every
+        prompt ends in the last column), the first token of each sampled from the target
+        alone, the prompt rows handed to the proposer, and the rows it returns kept as the
+        pending first pass. Runs between rounds (host syncs allowed)."""
+        if not slots:
+            return
+        dev, n = self.device, len(slots)
+        lens = torch.tensor([len(s.tokens) for s in slots], device=dev)
+        P = int(lens.max())
+        col = torch.arange(P, device=dev)[None]
+        cache_pos = col - (P - lens)[:, None]  # [n, P]: -1.. left padding, then 0..P_b-1
+        cache_pos = torch.where(cache_pos >= 0, cache_pos, -1)
+        ids = torch.zeros(n, P, dtype=torch.long, device=dev)
+        for b, s in enumerate(slots):
+            ids[b, P - len(s.tokens) :] = torch.tensor(s.tokens, device=dev)
+        rows = torch.tensor([s.row for s in slots], device=dev)
         feats, ropes, logits = [], [], None
-        for s in range(0, P, self.prefill_chunk):
-            chunk = ids[s : s + self.prefill_chunk]
-            cache_pos = torch.arange(s, s + chunk.numel(), device=dev)[None]
-            out = self.target(chunk[None], Slots(row, cache_pos), self.features)
+        for c in range(0, P, self.prefill_chunk):
+            chunk = slice(c, c + self.prefill_chunk)
+            out = self.target(ids[:, chunk], Slots(rows, cache_pos[:, chunk]), self.features)
             feats.append(out.features)
             ropes.append(out.rope_pos)
             logits = out.logits
-        self.sampling.set(slot.row, slot.req.sampling)
-        t = {name: x[slot.row : slot.row + 1] for name, x in self.sampling.tensors.items()}
-        first = self.verifier.sample_next(logits[0, -1:], t, torch.tensor([P], device=dev))
-        tok = int(first[0])
-        slot.out, slot.finish = apply_stops(
-            slot.req, [], [tok], P, self.max_model_len, self.tokenizer
-        )
-        slot.tokens.append(tok)
-        if slot.finish is not None:
+        self.sampling.set_rows([s.row for s in slots], [s.req.sampling for s in slots])
+        t = {name: x[rows] for name, x in self.sampling.tensors.items()}
+        first = self.verifier.sample_next(logits[:, -1], t, lens).tolist()
+        for s, tok in zip(slots, first):
+            s.out, s.finish = apply_stops(
+                s.req, [], [tok], len(s.tokens), self.max_model_len, self.tokenizer
+            )
+            s.tokens.append(tok)
+        keep = [b for b, s in enumerate(slots) if s.finish is None]
+        if not keep:
             return
-        # Row i consumes (t_{i+1}, f_i) at pos_i for i = 0..P-1 (convention 1).
+        # Row i consumes (t_{i+1}, f_i) at pos_i for i = 0..P_b-1 (convention 1): the ids
+        # shift left by one and the sampled token fills the last column.
+        k = torch.tensor(keep, device=dev)
+        next_ids = torch.cat([ids[:, 1:], torch.tensor(first, device=dev)[:, None]], dim=1)
         first_pass = FirstPass(
-            row,
-            torch.tensor(slot.tokens[1:], device=dev)[None],
-            torch.cat(feats, dim=1),
-            torch.arange(P, device=dev)[None],
-            torch.cat(ropes, dim=-1),
+            rows[k],
+            next_ids[k],
+            torch.cat(feats, dim=1)[k],
+            cache_pos[k],
+            torch.cat(ropes, dim=-1)[..., k, :],
         )
-        pending = self.proposer.admit(slot.row, first_pass, attn_bucket(P, self.max_model_len))
-        n = pending.width
-        if n > self.k + 1:
-            raise RuntimeError(f"{type(self.proposer).__name__}.admit kept {n} rows > K + 1")
-        r = slot.row
+        pending = self.proposer.admit(first_pass, attn_bucket(P, self.max_model_len))
+        w = pending.width
+        if w > self.k + 1:
+            raise RuntimeError(f"{type(self.proposer).__name__}.admit kept {w} rows > K + 1")
+        r = rows[k]
         self.fp.ids[r], self.fp.cache_pos[r] = 0, -1
-        self.fp.ids[r, :n] = pending.ids[0]
-        self.fp.features[r, :n] = pending.features[0]
-        self.fp.cache_pos[r, :n] = pending.cache_pos[0]
-        self.fp.rope_pos[..., r, :n] = pending.rope_pos[..., 0, :]
-        self.bonus[r] = tok
+        self.fp.ids[r, :w] = pending.ids
+        self.fp.features[r, :w] = pending.features
+        self.fp.cache_pos[r, :w] = pending.cache_pos
+        self.fp.rope_pos[..., r, :w] = pending.rope_pos
+        self.bonus[r] = torch.tensor(first, device=dev)[k]
 
     def _round(self, live: list[_Active]) -> None:
         """One round for every live request: tensor work with no host sync, then one readback."""
@@ -324,6 +337,7 @@ class SpecDecoder:
         round_seconds: list[float] = []
         t0 = time.perf_counter()
         while pending or active:
+            admitted = []
             while pending and free_rows:
                 idx, req = pending.pop()
                 slot = _Active(
@@ -332,22 +346,25 @@ class SpecDecoder:
                     free_rows.pop(),
                     list(req.prompt_ids),
                 )
-                self._admit(slot)
-                active.append(slot)
+                admitted.append(slot)
+            self._admit(admitted)
+            active.extend(admitted)
             live = [s for s in active if s.finish is None]
             if live:
                 start = time.perf_counter()
                 self._round(live)
                 round_seconds.append(time.perf_counter() - start)
-            for s in [s for s in active if s.finish is not None]:
+            for s in active:
+                if s.finish is None:
+                    continue
                 res = RequestOutput(s.out, s.finish, accepted=s.accepted, proposed=s.proposed)
                 finalize_text(s.req, res, self.tokenizer)
                 results[s.idx] = res
                 self.proposer.release(s.row)
                 free_rows.append(s.row)
-                active.remove(s)
                 if on_finish is not None:
                     on_finish()
+            active = [s for s in active if s.finish is None]
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0

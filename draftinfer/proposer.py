@@ -2,11 +2,13 @@
 
 Lifecycle, called by the engine (and the reference loop):
 
-- `admit(row, first_pass) -> pending`: a request was admitted to cache `row` and its prompt
-  prefilled; `first_pass` holds the drafter rows the prefill made final (row `i` consumes
-  `(t_{i+1}, f_i)` at position `pos_i`, convention 1). The proposer builds whatever state it
-  keeps (its KV cache, a re-prefill cache) and returns the rows it wants in the next round's
-  first pass (e.g. the last row, whose output yields draft 1).
+- `admit(first_pass) -> pending`: requests were admitted to cache rows `first_pass.rows` and
+  their prompts prefilled; `first_pass` holds the drafter rows the prefill made final (row `i`
+  consumes `(t_{i+1}, f_i)` at position `pos_i`, convention 1), *left*-padded: every
+  request's last row sits in the last column, padding (`cache_pos` -1) before its first. The
+  proposer builds whatever state it keeps (its KV cache, a re-prefill cache) and returns the
+  rows it wants in the next round's first pass (e.g. the last column, whose output yields
+  draft 1), the same number for every request.
 - `propose(first_pass, num_drafts, k, choose, attn_len) -> (drafts, q)`: one round's drafting
   for a padded batch. `first_pass` is what the last commit made final (the accepted drafts and
   the recovered / bonus token, with the *target's* features from the verify forward), so
@@ -99,7 +101,7 @@ class Proposer:
         self.vocab_ids = drafter.draft_vocab_ids().to(self.device)  # [Dd] target ids
 
     # -- lifecycle ----------------------------------------------------------------------------
-    def admit(self, row: int, first_pass: FirstPass, attn_len: int | None = None) -> FirstPass:
+    def admit(self, first_pass: FirstPass, attn_len: int | None = None) -> FirstPass:
         raise NotImplementedError
 
     def propose(

@@ -19,11 +19,29 @@ one of rate `p(v)` with probability `p(v) / sum(p)`. This is the Gumbel-max tric
 `-log U` instead of `-log(-log U)`, and it is how the rejection sampler draws recovered tokens;
 the same noise layout serves bonus tokens and plain sampling (`sample_from_probs`).
 
-Streams. Numbers used for different purposes at the same `(seed, position)` must be
-independent, so each purpose has its own stream id (`STREAM_*`). The rejection test of the
-draft at position `t` uses `uniforms_for(..)` (stream `STREAM_ACCEPT`); the recovered token of
-a round uses `exponential_noise(seed, first draft position, V, stream=STREAM_RECOVERY)`; a
-bonus token or a plain sample at position `t` uses `exponential_noise(seed, t, V)`.
+Keys. Every random draw of the runner is a pure function of `(request seed, position,
+stream, counter)`, and one class says which key each draw reads: `RoundKeys` (below). For a
+round that starts with `L` committed tokens (its first draft sits at position `L`):
+
+| draw                                   | position       | stream            |
+|----------------------------------------|----------------|-------------------|
+| first token after prefill (P tokens)   | `P`            | `STREAM_SAMPLE`   |
+| draft of step / parallel slot `s`      | `L + s`        | `STREAM_DRAFT`    |
+| acceptance uniform of draft `j`        | `L + j`        | `STREAM_ACCEPT`   |
+| recovered token (first rejection)      | `L`            | `STREAM_RECOVERY` |
+| bonus token (all `n` drafts accepted)  | `L + n`        | `STREAM_SAMPLE`   |
+
+(the counter is the token id for exponential noise, 0 for uniforms). Why these are
+independent where exactness needs it: draws of different purposes never share a stream, and
+within a stream two draws share a key only if they decide the same position in different
+rounds. A round never revisits a position an earlier round *emitted*: the next round starts at
+`L + a + 1`, past every emitted token, so the uniforms, recovered and bonus noise it reads
+were never read by an emitted decision. It does redraw drafts at positions the last round
+drafted but did not emit (after the first rejection): those drafts (and their uniforms)
+decided nothing that was emitted, so their noise is still fresh given everything emitted.
+Within a round, each draft step and each parallel slot reads its own position, so drafts are
+independent given their q. `tests/test_lossless_sampling.py` tests the joint distribution of
+several emitted tokens against the target's, for every kind.
 """
 
 from __future__ import annotations
@@ -257,6 +275,33 @@ def exponential_noise(
     return noise[0] if scalar else noise
 
 
+class RoundKeys:
+    """The keys `(position, stream)` of every random draw of one round (module docstring's
+    table): the one place that decides them. `L [B]`: committed tokens per request."""
+
+    def __init__(self, L: torch.Tensor):
+        self.L = L
+
+    @staticmethod
+    def sample(position: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """A token sampled from the target alone (the first after prefill) at `position`."""
+        return position, STREAM_SAMPLE
+
+    def draft(self, step: int) -> tuple[torch.Tensor, int]:
+        """The draft of chain step (or parallel slot) `step`."""
+        return self.L + step, STREAM_DRAFT
+
+    def accept(self) -> tuple[torch.Tensor, int]:
+        """The first draft's uniform; draft `j` reads position `L + j` (`uniforms_for`)."""
+        return self.L, STREAM_ACCEPT
+
+    def recovered(self) -> tuple[torch.Tensor, int]:
+        return self.L, STREAM_RECOVERY
+
+    def bonus(self, num_drafts: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return self.L + num_drafts, STREAM_SAMPLE
+
+
 def with_seed(params: SamplingParams) -> SamplingParams:
     """The request's params with its seed fixed (a fresh one when unseeded)."""
     return replace(params, seed=resolve_seed(params.seed))
@@ -277,16 +322,17 @@ class SamplingState:
     @classmethod
     def of(cls, params: Sequence[SamplingParams], device: torch.device | str) -> SamplingState:
         state = cls(len(params), device)
-        for row, p in enumerate(params):
-            state.set(row, p)
+        state.set_rows(range(len(params)), params)
         return state
 
-    def set(self, row: int, params: SamplingParams) -> None:
-        """Row `row` now samples with `params` (seed resolved by `with_seed` beforehand)."""
-        if params.seed is None:
+    def set_rows(self, rows: Sequence[int], params: Sequence[SamplingParams]) -> None:
+        """Rows `rows` now sample with `params` (seeds resolved beforehand), in one copy each."""
+        if any(p.seed is None for p in params):
             raise ValueError("unresolved seed: admit requests through with_seed()")
-        one = sampling_tensors([params], self.device)
-        one["seed"] = torch.tensor([params.seed], dtype=torch.long, device=self.device)
-        for name, t in one.items():
-            self.tensors[name][row] = t[0]
-        self.greedy[row] = params.is_greedy
+        new = sampling_tensors(params, self.device)
+        new["seed"] = torch.tensor([p.seed for p in params], dtype=torch.long, device=self.device)
+        index = torch.tensor(list(rows), dtype=torch.long, device=self.device)
+        for name, t in new.items():
+            self.tensors[name][index] = t
+        for row, p in zip(rows, params):
+            self.greedy[row] = p.is_greedy

@@ -8,8 +8,8 @@ Modes:
 - `full`: drafts are *sampled* from the drafter's own distribution q (temperature, top-k,
   top-p of the request) and verified with `min(1, p/q)`, recovering from `max(p - q, 0)`.
 
-Randomness is keyed by (request seed, position of the token it decides) through
-`draftinfer.sampling` (DESIGN 3.12). Greedy requests (temperature 0) accept while the draft
+Randomness is keyed by (request seed, position of the token it decides, stream); which key
+each draw reads is decided in one place, `draftinfer.sampling.RoundKeys` (DESIGN 3.12). Greedy requests (temperature 0) accept while the draft
 equals the target argmax and emit the argmax at the first mismatch.
 
 Static shapes: the padded drafts `[B, K]` (request b owns its first `num_drafts[b]`) are
@@ -24,8 +24,7 @@ import torch
 from draftkernels.rejection_sampler import rejection_sample
 
 from draftinfer.sampling import (
-    STREAM_DRAFT,
-    STREAM_RECOVERY,
+    RoundKeys,
     exponential_noise,
     logits_to_probs,
     sample_from_probs,
@@ -60,19 +59,20 @@ class Verifier:
         """A token per row from the target alone (first token after prefill). logits `[R, V]`,
         sampling tensors `[R]`, positions `[R]`: where each sampled token will sit -> `[R]`."""
         probs = logits_to_probs(logits, t["temperature"], t["top_k"], t["top_p"])
-        noise = exponential_noise(t["seed"], positions, probs.shape[-1], logits.device)
+        pos, stream = RoundKeys.sample(positions)
+        noise = exponential_noise(t["seed"], pos, probs.shape[-1], logits.device, stream=stream)
         return sample_from_probs(probs, noise)
 
     def draft_chooser(self, t: dict[str, torch.Tensor], L: torch.Tensor):
         """How the proposer picks drafts; the draft of step `s` sits at position `L + s`."""
         if self.mode == "onehot":
             return lambda logits, step: (logits.argmax(-1), None)
+        keys = RoundKeys(L)
 
         def choose(logits: torch.Tensor, step: int):
             q = logits_to_probs(logits, t["temperature"], t["top_k"], t["top_p"])  # [B, Dd]
-            noise = exponential_noise(
-                t["seed"], L + step, q.shape[-1], L.device, stream=STREAM_DRAFT
-            )
+            pos, stream = keys.draft(step)
+            noise = exponential_noise(t["seed"], pos, q.shape[-1], L.device, stream=stream)
             return sample_from_probs(q, noise), q
 
         return choose
@@ -128,10 +128,16 @@ class Verifier:
             # Greedy rows read no randomness: fixed placeholders, no hashing work per round.
             noise, uniforms = self._placeholders(B, V, N, dev)
         else:
+            keys = RoundKeys(L)
             probs = logits_to_probs(bonus_logits, t["temperature"], t["top_k"], t["top_p"])
-            bonus = sample_from_probs(probs, exponential_noise(t["seed"], L + num_drafts, V, dev))
-            noise = exponential_noise(t["seed"], L, V, dev, stream=STREAM_RECOVERY)
-            uniforms = uniforms_for(t["seed"], L, cu, N)
+            pos, stream = keys.bonus(num_drafts)
+            bonus = sample_from_probs(
+                probs, exponential_noise(t["seed"], pos, V, dev, stream=stream)
+            )
+            pos, stream = keys.recovered()
+            noise = exponential_noise(t["seed"], pos, V, dev, stream=stream)
+            pos, stream = keys.accept()
+            uniforms = uniforms_for(t["seed"], pos, cu, N, stream=stream)
         draft_probs = None
         if q is not None:
             full = torch.zeros(B * K, V, device=dev)

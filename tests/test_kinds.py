@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -87,6 +88,28 @@ def test_fast_path_equals_reference_loop(kind_env, kind, verify, temperature):
         assert sum(a for o in fast for a in o.accepted) > 0
 
 
+# ---- T5: greedy rows of a mixed greedy / sampling batch equal an all-greedy batch ---------
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("verify", ["onehot", "full"])
+def test_t5_mixed_greedy_and_sampling_batch(kind_env, kind, verify):
+    env = kind_env(kind)
+    k = max(k for k in (1, 2, 3, 4) if servable(kind, env["drafter"].config, k))
+    ps = zoo_prompts(6, seed=4)
+    greedy = [Request(p, max_tokens=12) for p in ps]
+    params = [
+        SamplingParams(1.0, seed=1),
+        SamplingParams(0.8, top_k=20, seed=2),
+        SamplingParams(1.0, top_p=0.9, seed=3),
+    ]
+    mixed = [r if i % 2 == 0 else replace(r, sampling=params[i // 2]) for i, r in enumerate(greedy)]
+    g = _decoder(env, k, verify=verify).generate(greedy)[0]
+    m = _decoder(env, k, verify=verify).generate(mixed)[0]
+    assert [m[i].token_ids for i in range(0, 6, 2)] == [g[i].token_ids for i in range(0, 6, 2)]
+    V = env["target"].info.vocab_size
+    assert all(0 <= t < V for o in m for t in o.token_ids)  # no NaN-driven garbage ids
+    assert sum(a for o in m for a in o.accepted) > 0
+
+
 # ---- S1: first-pass pairing (t_{i+1}, f_i, pos_i) ------------------------------------------
 @pytest.mark.parametrize("kind", KINDS)
 def test_s1_first_pass_pairing(kind_env, kind, monkeypatch):
@@ -95,9 +118,9 @@ def test_s1_first_pass_pairing(kind_env, kind, monkeypatch):
     admitted, proposed = [], []
     orig_admit, orig_propose = dec.proposer.admit, dec.proposer.propose
 
-    def spy_admit(row, fp, *a, **kw):
-        admitted.append((row, fp))
-        return orig_admit(row, fp, *a, **kw)
+    def spy_admit(fp, *a, **kw):
+        admitted.append((int(fp.rows[0]), fp))
+        return orig_admit(fp, *a, **kw)
 
     def spy_propose(fp, *a, **kw):
         proposed.append(FirstPass(*(x.clone() for x in vars(fp).values())))
@@ -154,7 +177,7 @@ def test_s2_drafter_kv_refreshed_with_target_features(kind_env, kind, monkeypatc
         return out
 
     monkeypatch.setattr(dec.proposer, "propose", spy)
-    dec._admit(slot)
+    dec._admit([slot])
     for _ in range(8):
         dec._round([slot])
         if slot.finish:
@@ -178,7 +201,7 @@ def test_s2_drafter_kv_refreshed_with_target_features(kind_env, kind, monkeypatc
             torch.arange(L - 1)[None],
             out.rope_pos,
         )
-        fresh.propose(fresh.admit(0, fp), torch.tensor([0]), 1)
+        fresh.propose(fresh.admit(fp), torch.tensor([0]), 1)
         for x, y in zip(got, fresh.kv_snapshot(0, L - 1)):
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
 
@@ -249,7 +272,7 @@ def test_s9_training_forward_equals_runner(kind, rope, anchor):
     fp = FirstPass(
         torch.tensor([1]), ids[:, 1 : n + 1], feats[:, :n], torch.arange(n)[None], pos[..., :n]
     )
-    pending = prop.admit(1, fp)
+    pending = prop.admit(fp)
     seen = []
 
     def teacher(logits, step):

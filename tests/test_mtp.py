@@ -51,7 +51,7 @@ def test_s3_modules_carry_what_the_config_says(chain, carry, monkeypatch):
         torch.arange(T)[None],
         torch.arange(T)[None],
     )
-    pending = prop.admit(0, fp)
+    pending = prop.admit(fp)
     calls.clear()
     prop.propose(pending, torch.tensor([3]), 3)
     (k0, h0, n0, p0), (k1, h1, n1, p1), (k2, h2, _, _) = calls
@@ -80,9 +80,9 @@ def test_s7_continued_chunked_prefill_equals_one_prefill(split):
     pos = torch.arange(T)[None]
     whole = FirstPass(torch.tensor([0]), ids, feats, pos, pos)
     a = spec.proposer_class(d, 1, 64, torch.device("cpu"), torch.float32)
-    a.propose(a.admit(0, whole), torch.tensor([0]), 3)
+    a.propose(a.admit(whole), torch.tensor([0]), 3)
     b = spec.proposer_class(d, 1, 64, torch.device("cpu"), torch.float32)
-    pending = b.admit(0, whole.take(0, split))  # chunk 1: rows 0..split-1
+    pending = b.admit(whole.take(0, split))  # chunk 1: rows 0..split-1
     assert torch.equal(pending.ids, whole.ids[:, split - 1 : split])
     # Chunk 2 continues the prefill: chunk 1's pending row, then its own rows, no drafts.
     b.propose(whole.take(split - 1), torch.tensor([0]), 3)

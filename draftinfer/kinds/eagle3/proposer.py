@@ -54,7 +54,7 @@ class Eagle3ChainProposer(Proposer):
         return self.cache.snapshot(row, n)
 
     @torch.no_grad()
-    def admit(self, row: int, first_pass: FirstPass, attn_len: int | None = None) -> FirstPass:
+    def admit(self, first_pass: FirstPass, attn_len: int | None = None) -> FirstPass:
         """Write drafter KV for every prompt row but the last; the last row stays pending:
         its output yields the first round's draft 1."""
         if first_pass.width > 1:

@@ -145,10 +145,10 @@ class MTPProposer(Proposer):
         h.rope_pos[..., rows, :] = win.rope_pos.gather(-1, index)
 
     @torch.no_grad()
-    def admit(self, row: int, first_pass: FirstPass, attn_len: int | None = None) -> FirstPass:
+    def admit(self, first_pass: FirstPass, attn_len: int | None = None) -> FirstPass:
         """Prefill every module over the prompt rows but the last (rows whose tokens are not
         known yet are recomputed by the first round's window); the last row stays pending."""
-        self.hist.cache_pos[row] = -1
+        self.hist.cache_pos[first_pass.rows] = -1
         if first_pass.width > 1:
             win = first_pass.take(0, -1)
             B = win.ids.shape[0]
