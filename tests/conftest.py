@@ -16,7 +16,20 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--exhaustive",
+        action="store_true",
+        help="also run the `exhaustive` tests (long statistical runs, minutes each)",
+    )
+
+
 def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--exhaustive"):
+        skip_long = pytest.mark.skip(reason="exhaustive statistics: run with --exhaustive")
+        for item in items:
+            if "exhaustive" in item.keywords:
+                item.add_marker(skip_long)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (gpu mark)")
