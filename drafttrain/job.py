@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from drafttrain.card import RUNNER_PLOT, RUNNER_REPORT, write_model_card
+from drafttrain.card import RUNNER_PLOT, RUNNER_REPORT, runner_reports, write_model_card
 from drafttrain.config import TrainConfig
 from drafttrain.errors import ConfigError
 from drafttrain.export import export_run
@@ -76,25 +76,32 @@ def run_job(cfg: TrainConfig) -> dict[str, Any]:
     """train -> export -> verify (each optional per `cfg.export`) -> model card -> Hub upload
     (`export.push_to_hub`). Every check of the later stages runs before training."""
     base_model = check_job(cfg)
-    summary = train(cfg)
-    if not cfg.export.enabled:
-        return summary
-    run_dir = Path(summary["run_dir"])
-    export_dir = export_run(run_dir, card=False)
-    summary["export_dir"] = str(export_dir)
-    if cfg.export.verify:
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()  # training's memory is released: train() returned
-        summary["runner"] = verify(cfg, export_dir)
-        for k in cfg.export.verify_extra_k:
-            if k != cfg.export.verify_k:
-                verify(cfg, export_dir, k)
-    write_model_card(run_dir, export_dir)
-    if cfg.export.push_to_hub:
-        from drafttrain.hub import push_to_hub
+    summary = train(cfg, keep_logger=True)
+    logger = summary.pop("logger")
+    try:
+        if not cfg.export.enabled:
+            return summary
+        run_dir = Path(summary["run_dir"])
+        export_dir = export_run(run_dir, card=False)
+        summary["export_dir"] = str(export_dir)
+        if cfg.export.verify:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # training's memory is released: train() returned
+            summary["runner"] = verify(cfg, export_dir)
+            for k in cfg.export.verify_extra_k:
+                if k != cfg.export.verify_k:
+                    verify(cfg, export_dir, k)
+            logger.log_runner(
+                runner_reports(export_dir), export_dir / RUNNER_PLOT, cfg.trainer.max_steps
+            )
+        write_model_card(run_dir, export_dir)
+        if cfg.export.push_to_hub:
+            from drafttrain.hub import push_to_hub
 
-        summary["hub"] = push_to_hub(
-            run_dir, export_dir, cfg.export.push_to_hub, base_model, cfg.export.hub_private
-        )
-        print(summary["hub"])
+            summary["hub"] = push_to_hub(
+                run_dir, export_dir, cfg.export.push_to_hub, base_model, cfg.export.hub_private
+            )
+            print(summary["hub"])
+    finally:
+        logger.finish()
     return summary

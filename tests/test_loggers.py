@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import pytest
+
+from drafttrain.card import runner_reports
 from drafttrain.config import LoggerConfig
+from drafttrain.job import run_job
 from drafttrain.loggers import MetricLogger, read_metrics
+from tests.test_config import compose_preset
+from tests.tiny_models import tiny_recipe
 
 
 def test_jsonl_merges_rows_of_a_step_and_resume_overrides(tmp_path):
@@ -33,3 +40,47 @@ def test_wandb_offline_run_is_written(tmp_path, monkeypatch):
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["loss"] == 1.0
+
+
+@pytest.mark.slow
+def test_wandb_offline_run_holds_training_and_runner_results(train_env, tmp_path, monkeypatch):
+    """`logger=wandb` (offline by default) through the job: one offline run under the run
+    directory with the training losses, the runner's AL and per-position acceptance per K, its
+    AL table (`wandb.Table`) and its acceptance plot (`wandb.Image`)."""
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # conftest disables wandb elsewhere
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "run"
+    args = [
+        a for a in tiny_recipe("eagle3", train_env, out, 4) if not a.startswith("export.verify=")
+    ]
+    args += [
+        "logger=wandb",
+        "trainer.log_every=2",
+        "export.verify=true",
+        "export.verify_k=2",
+        "export.verify_extra_k=[1]",
+        "export.verify_prompts=4",
+        "export.verify_max_new_tokens=8",
+        "export.verify_batch_size=4",
+    ]
+    cfg = compose_preset("eagle3", args)
+    assert cfg.logger.kind == "wandb" and cfg.logger.mode == "offline"
+    summary = run_job(cfg)
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1  # training and runner results in one run
+    records = next(runs[0].glob("run-*.wandb")).read_bytes()
+    reports = runner_reports(Path(summary["export_dir"]))
+    assert [r["k"] for r in reports] == [1, 2]
+    keys = ["loss", "acc_0", "sim_al", "lr", "runner/al_table", "runner/acceptance"]
+    for r in reports:
+        keys.append(f"runner/k{r['k']}/acceptance_length")
+        keys += [f"runner/k{r['k']}/acceptance_pos_{j + 1}" for j in range(r["k"])]
+    for key in keys:
+        assert key.encode() in records, key
+    (table_file,) = (runs[0] / "files" / "media" / "table" / "runner").glob("al_table_*.table.json")
+    table = json.loads(table_file.read_text())
+    assert table["columns"][:4] == ["K", "acceptance_length", "pos_1", "pos_2"]
+    assert [row[:2] for row in table["data"]] == [[r["k"], r["acceptance_length"]] for r in reports]
+    assert table["data"][1][2:4] == reports[1]["per_position_acceptance"]
+    (image,) = (runs[0] / "files" / "media" / "images" / "runner").glob("acceptance_*.png")
+    assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
