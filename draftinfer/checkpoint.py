@@ -11,6 +11,7 @@ mismatch. Tensors are safetensors only; nothing is ever unpickled.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,8 @@ from draftinfer.errors import CheckpointError
 from draftinfer.registry import DrafterSpec, drafter_spec, spec_of
 
 FORMAT_VERSION = 1
+# Subfolder of an export holding the same drafter in vllm-project/speculators' layout.
+SPECULATORS_DIR = "speculators"
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -53,19 +56,52 @@ def write_drafter(
         **spec.conventions(arch),
         **meta,
     }
+    _save_tensors(out / "model.safetensors", spec.serving_state_dict(drafter), dtype)
+    atomic_write_text(out / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+def _save_tensors(path: Path, named: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    """Floating tensors cast to `dtype`, written atomically as safetensors."""
     tensors, seen = {}, set()
-    for name, t in spec.serving_state_dict(drafter).items():
+    for name, t in named.items():
         t = t.detach().cpu()
         t = (t.to(dtype) if t.is_floating_point() else t).contiguous()
         if t.data_ptr() in seen:  # a layout may hold copies of one tensor (engine copies)
             t = t.clone()
         seen.add(t.data_ptr())
         tensors[name] = t
-    tmp = out / "model.safetensors.tmp"
+    tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": "pt"})
-    tmp.replace(out / "model.safetensors")
-    atomic_write_text(out / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return out
+    tmp.replace(path)
+
+
+def write_speculators(
+    out_dir: str | Path,
+    drafter: torch.nn.Module,
+    verifier: str,
+    verifier_architectures: list[str],
+    k: int,
+    input_embeddings: Callable[[], torch.Tensor],
+    dtype: torch.dtype = torch.bfloat16,
+) -> Path | None:
+    """Write `out_dir/speculators/` (`config.json` + `model.safetensors`): the same drafter in
+    vllm-project/speculators' layout, when its kind has one (`DrafterSpec.speculators_layout`).
+    A folder of its own because speculators and the engines disagree on `config.json` (its
+    `speculators_model_type` / `speculators_config`) and on tensor names.
+    `input_embeddings()` reads the target's input embedding (called only if the layout holds it)."""
+    layout = spec_of(drafter).speculators_layout(
+        drafter, verifier, verifier_architectures, k, input_embeddings
+    )
+    if layout is None:
+        return None
+    config, tensors = layout
+    sub = Path(out_dir) / SPECULATORS_DIR
+    sub.mkdir(parents=True, exist_ok=True)
+    _save_tensors(sub / "model.safetensors", tensors, dtype)
+    config = {**config, "torch_dtype": str(dtype).removeprefix("torch.")}
+    atomic_write_text(sub / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return sub
 
 
 def read_drafter_config(ckpt_dir: str | Path) -> tuple[DrafterSpec, Any, dict[str, Any]]:

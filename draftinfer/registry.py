@@ -11,7 +11,7 @@ A spec answers:
   `to_dict`, `to_hf`, `from_hf`), `module_class` (the `nn.Module` training and the runner
   share), `proposer_class` (how the runner drafts with it);
 - how it is *served*: `serving_state_dict` / `from_serving_names` (tensor names engines
-  load), `hf_config` (config.json fields engines read), `speculators_config`,
+  load), `hf_config` (config.json fields engines read), `speculators_layout`,
   `serving_hint` (launch lines for the model card);
 - what it *checks*: `check_fit(arch, target_info)` (drafter made for this target),
   `validate_state_dict(arch, tensors, where)` (tensor names and shapes, drafting-mode
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -82,12 +83,24 @@ class DrafterSpec:
     ) -> dict[str, torch.Tensor]:
         return dict(tensors)
 
-    def speculators_config(self, arch: Any, verifier: str, k: int) -> dict[str, Any] | None:
-        """The checkpoint in vllm-project/speculators' format, or None if it has none."""
+    def speculators_layout(
+        self,
+        module: torch.nn.Module,
+        verifier: str,
+        verifier_architectures: list[str],
+        k: int,
+        input_embeddings: Callable[[], torch.Tensor],
+    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
+        """The checkpoint in vllm-project/speculators' layout: (its `config.json`, tensors under
+        its names), written to the export's `speculators/` folder; None if the kind has none.
+        `verifier` is the target's name as recorded, `k` the drafts per round, and
+        `input_embeddings()` reads the target's input embedding `[V, H]` (only if needed)."""
         return None
 
-    def serving_hint(self, arch: Any, k: int) -> str:
-        """Markdown lines for the model card: how engines serve this export."""
+    def serving_hint(self, arch: Any, k: int, target: str, drafter: str) -> str:
+        """Markdown for the model card: the launch commands engines serve this export with,
+        for `target` (hub id or path) and the drafter at `drafter` (hub id or path), `k` drafts
+        per round."""
         return ""
 
     def stitch(self, export_dir, arch: Any, target_dir, out_dir):

@@ -109,7 +109,8 @@ class LoggerConfig:
 @dataclass
 class ExportConfig:
     enabled: bool = True
-    # Also write a vllm-project/speculators-format config beside the vLLM/SGLang one.
+    # Also write `speculators/` (config.json + model.safetensors): the drafter in
+    # vllm-project/speculators' layout, loadable by its `from_pretrained`, for kinds that have one.
     speculators_config: bool = True
     dtype: str = "bfloat16"
     # After export, load the exported files in `draftinfer` and measure AL + losslessness on
@@ -119,6 +120,15 @@ class ExportConfig:
     verify_prompts: int = 32
     verify_max_new_tokens: int = 64
     verify_batch_size: int = 8
+    # More K values the runner measures after `verify_k` (the card's AL table has a row per K).
+    verify_extra_k: list[int] = field(default_factory=list)
+    # Upload the export to the Hugging Face Hub as `ORG/NAME` after verification (null: no
+    # upload). The token is huggingface_hub's own (`HF_TOKEN`, then the saved token file).
+    push_to_hub: str | None = None
+    hub_private: bool = False
+    # The target's hub id for the card's `base_model` when `target.name_or_path` is a local
+    # directory or a zoo name (null: `target.name_or_path`, which an upload requires be a hub id).
+    hub_base_model: str | None = None
 
 
 @dataclass

@@ -1,7 +1,11 @@
 """Metric loggers: `metrics.jsonl` in the run directory always, wandb when `logger=wandb`.
 
-wandb runs through the real client, offline by default (no network needed; `wandb sync`
-uploads later). Tests use `logger=none`.
+wandb runs through the real client, offline by default (`logger.mode: offline`: no network
+needed, the run is written under `<output_dir>/wandb/`; `wandb sync` uploads it later;
+`logger.mode=online` logs live). One wandb run holds the training metrics (losses, per-step /
+per-depth / per-module accuracy, simulated AL) and, when the job verifies the export, the
+runner's results (`log_runner`): AL and per-position acceptance per K as scalars, the AL table
+as a `wandb.Table` and the per-position acceptance plot as a `wandb.Image`.
 """
 
 from __future__ import annotations
@@ -39,6 +43,31 @@ class MetricLogger:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
+
+    def log_runner(self, reports: list[dict[str, Any]], plot: Path | None, step: int) -> None:
+        """The runner's reports (one per K, `draftinfer.run.run_eval`) and its acceptance plot,
+        at training step `step` (wandb only; `metrics.jsonl` keeps training metrics)."""
+        if self.wandb is None or not reports:
+            return
+        import wandb
+
+        width = max(len(r["per_position_acceptance"]) for r in reports)
+        columns = ["K", "acceptance_length", *(f"pos_{j + 1}" for j in range(width))]
+        columns += ["lossless", "tokens_per_s_spec", "speedup"]
+        rows, scalars = [], {}
+        for r in reports:
+            pos = list(r["per_position_acceptance"])
+            rows.append(
+                [r["k"], r["acceptance_length"], *pos, *[None] * (width - len(pos))]
+                + [r["lossless"], r["tokens_per_s_spec"], r["speedup"]]
+            )
+            scalars[f"runner/k{r['k']}/acceptance_length"] = r["acceptance_length"]
+            for j, v in enumerate(pos):
+                scalars[f"runner/k{r['k']}/acceptance_pos_{j + 1}"] = v
+        data: dict[str, Any] = {**scalars, "runner/al_table": wandb.Table(columns, rows)}
+        if plot is not None and plot.is_file():
+            data["runner/acceptance"] = wandb.Image(str(plot))
+        self.wandb.log(data, step=step)
 
     def finish(self) -> None:
         if self.wandb is not None:

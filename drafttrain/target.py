@@ -48,6 +48,11 @@ def _is_hub_id(path: str) -> bool:
     return bool(_HUB_ID.match(path))
 
 
+def is_hub_id(name: str) -> bool:
+    """Whether `name` names a Hub repository (`org/name`), not a local path or a zoo name."""
+    return _is_hub_id(name) and not Path(name).expanduser().exists()
+
+
 def resolve_target_path(name_or_path: str) -> str:
     """`zoo:` shorthand resolved; a one-line `TargetError` for a local path that is missing."""
     path = resolve_path(name_or_path)
@@ -69,6 +74,40 @@ def load_tokenizer(name_or_path: str):
     except (OSError, ValueError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise TargetError(f"cannot load the tokenizer of {name_or_path!r}: {first}") from None
+
+
+def load_target_config(name_or_path: str):
+    """The target's transformers config (no weights); a one-line `TargetError` when it cannot be
+    loaded."""
+    from transformers import AutoConfig
+
+    path = resolve_target_path(name_or_path)
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise TargetError(f"cannot load the config of {name_or_path!r}: {first}") from None
+
+
+def read_input_embedding(name_or_path: str) -> torch.Tensor:
+    """The target's input embedding `[V, H]`, read from its safetensors alone (no model is
+    built): the `embed_tokens.weight` outside any decoder layer (`model.embed_tokens.weight`,
+    `model.language_model.embed_tokens.weight`, ...). One-line errors when absent."""
+    from safetensors import safe_open
+
+    from draftinfer.models import resolve_checkpoint_dir, weight_files
+
+    ckpt = resolve_checkpoint_dir(resolve_target_path(name_or_path))
+    for path in weight_files(ckpt):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            names = [
+                n for n in f.keys() if n.endswith("embed_tokens.weight") and ".layers." not in n
+            ]
+            if names:
+                return f.get_tensor(min(names, key=len))
+    raise TargetError(
+        f"no input embedding (embed_tokens.weight) in the weights of {name_or_path!r}"
+    )
 
 
 def load_target_model(cfg: TargetConfig, device: torch.device) -> nn.Module:

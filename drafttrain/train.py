@@ -187,8 +187,10 @@ def _setup(cfg: TrainConfig, run_dir: Path, device):
     return spec, tokenizer, target, data, drafter
 
 
-def train(cfg: TrainConfig) -> dict[str, Any]:
+def train(cfg: TrainConfig, keep_logger: bool = False) -> dict[str, Any]:
     """Train (or resume) and checkpoint. Returns a summary dict (`run_dir`, losses, eval).
+    `keep_logger=True` leaves the metric logger open in `summary["logger"]` (the job logs the
+    runner's results into the same wandb run, then finishes it).
 
     Bad input (config, data, target) fails with a one-line `DraftError` before anything is
     written; a fresh run directory is removed again if setup fails."""
@@ -333,7 +335,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         logger.log(ev, tc.max_steps)
         (run_dir / "eval.json").write_text(json.dumps(ev, indent=2) + "\n")
         summary.update(ev)
-    logger.finish()
+    if keep_logger:
+        summary["logger"] = logger
+    else:
+        logger.finish()
     save_training_plot(run_dir)
     summary["losses"] = losses
     return summary

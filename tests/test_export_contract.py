@@ -11,7 +11,7 @@ import pytest
 import yaml
 from safetensors import safe_open
 
-from draftinfer.checkpoint import FORMAT_VERSION, read_drafter_config
+from draftinfer.checkpoint import FORMAT_VERSION, SPECULATORS_DIR, read_drafter_config
 from draftinfer.paths import resolve_path
 from draftinfer.registry import registered_kinds
 from draftinfer.rope import rope_from_hf
@@ -39,8 +39,9 @@ def test_export_contract_against_its_target(zoo_run, zoo_target, kind):
     assert {"tokenizer.json", "tokenizer_config.json"} <= names
     assert not any(n.endswith((".bin", ".pt", ".pth", ".pkl")) for n in names)
     front = yaml.safe_load((export / "README.md").read_text().split("---")[1])
-    assert front["base_model"] == "zoo:llama-tiny" and front["library_name"] == "drafttrain"
-    assert {"speculative-decoding", kind} <= set(front["tags"])
+    assert front["base_model"] == "zoo:llama-tiny" and front["library_name"] == "vllm"
+    assert front["pipeline_tag"] == "text-generation"
+    assert {"speculative-decoding", kind, "drafttrain"} <= set(front["tags"])
     args = yaml.safe_load((export / "training_args.yaml").read_text())
     assert args["drafter"]["kind"] == kind
 
@@ -79,7 +80,7 @@ def test_export_contract_against_its_target(zoo_run, zoo_target, kind):
             assert shapes[p + "shared_head.head.weight"] == (V, H)
             assert p + "self_attn.q_proj.weight" in shapes and p + "mlp.down_proj.weight" in shapes
         assert shapes[f"model.layers.{L}.embed_tokens.weight"] == (V, H)
-        assert not (export / "config.speculators.json").exists()
+        assert not (export / SPECULATORS_DIR).exists()  # speculators has no such MTP layout
     if cfg["architectures"] == ["LlamaForCausalLMEagle3"]:
         assert cfg["hidden_size"] == cfg["target_hidden_size"]
         Dd = cfg["draft_vocab_size"]
@@ -93,8 +94,22 @@ def test_export_contract_against_its_target(zoo_run, zoo_target, kind):
         layer = "midlayer." if cfg["num_hidden_layers"] == 1 else "layers.0."
         assert shapes[layer + "self_attn.q_proj.weight"][1] == 2 * H
         assert shapes[layer + "hidden_norm.weight"] == (H,)
-        spec_cfg = json.loads((export / "config.speculators.json").read_text())
-        assert spec_cfg["speculators_config"]["verifier"]["name_or_path"] == "zoo:llama-tiny"
+        # The same drafter in vllm-project/speculators' layout (tests/test_third_party_loaders.py
+        # loads it with speculators itself).
+        spec_cfg = json.loads((export / SPECULATORS_DIR / "config.json").read_text())
+        verifier = spec_cfg["speculators_config"]["verifier"]
+        assert verifier == {"name_or_path": "zoo:llama-tiny", "architectures": tc.architectures}
+        assert spec_cfg["transformer_layer_config"]["vocab_size"] == V
+        assert spec_cfg["eagle_aux_hidden_state_layer_ids"] == aux
+        with safe_open(str(export / SPECULATORS_DIR / "model.safetensors"), "pt") as f:
+            spec_shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        assert not any(k.startswith("midlayer.") for k in spec_shapes)
+        assert spec_shapes["embed_tokens.weight"] == (V, H)
+        assert (
+            spec_shapes["layers.0.self_attn.q_proj.weight"]
+            == shapes[layer + "self_attn.q_proj.weight"]
+        )
+        assert ("d2t" in spec_shapes) == (Dd < V)
         if cfg.get("parallel_drafting"):
             assert shapes["mask_hidden"] == (1, 1, 3 * H)
             assert cfg["ptd_token_id"] == cfg["pard_token"] == cfg["mask_token_id"]
@@ -102,6 +117,7 @@ def test_export_contract_against_its_target(zoo_run, zoo_target, kind):
             assert cfg["parallel_k"] == ours["parallel_k"] == ours["serving_k"]
             assert spec_cfg["speculators_model_type"] == "peagle"
             assert spec_cfg["mask_token_id"] == cfg["mask_token_id"]
+            assert spec_shapes["mask_hidden"] == (1, 1, 3 * H)
         else:
             assert "mask_hidden" not in shapes and "parallel_drafting" not in cfg
             assert spec_cfg["speculators_model_type"] == "eagle3"

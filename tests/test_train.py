@@ -58,12 +58,13 @@ def test_train_loss_decreases_and_exports(train_env, tmp_path):
         "README.md",
         "training_args.yaml",
         "tokenizer.json",
-        "config.speculators.json",
+        "speculators/config.json",
+        "speculators/model.safetensors",
     ):
         assert (exp / name).is_file(), name
     assert not list(exp.glob("*.bin")) and not list(exp.glob("*.pt"))
     card = (exp / "README.md").read_text()
-    assert card.startswith("---\nbase_model:") and "library_name: drafttrain" in card
+    assert card.startswith("---\nbase_model:") and "library_name: vllm" in card
     config = json.loads((exp / "config.json").read_text())
     assert config["drafttrain"]["ttt_steps"] == 3 and config["drafttrain"]["trained_steps"] == 30
     # The export equals the last checkpoint's tensors (bf16-rounded), through the loader.

@@ -3,14 +3,13 @@ as the drafter kind `eagle3`."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from draftinfer.errors import CheckpointError
 from draftinfer.kinds.eagle3.config import Eagle3Config
 from draftinfer.kinds.eagle3.module import Eagle3Drafter
 from draftinfer.kinds.eagle3.proposer import Eagle3ChainProposer
+from draftinfer.kinds.eagle3.speculators import speculators_config, speculators_tensors
 from draftinfer.registry import DrafterSpec, register_drafter
 from draftinfer.vocab import check_maps
 
@@ -61,15 +60,25 @@ class Eagle3Spec(DrafterSpec):
             for k, v in tensors.items()
         }
 
-    def speculators_config(self, arch, verifier: str, k: int) -> dict[str, Any]:
-        return arch.speculators_config(verifier, k)
-
-    def serving_hint(self, arch, k: int) -> str:
+    def speculators_layout(self, module, verifier, verifier_architectures, k, input_embeddings):
+        """vllm-project/speculators' `Eagle3Speculator` layout (`speculators.py` says what its
+        loader reads)."""
+        arch = module.config
         return (
-            'vLLM: `--speculative-config \'{"method": "eagle3", "model": "<this dir>", '
-            f'"num_speculative_tokens": {k}}}\'`. SGLang: `--speculative-algorithm EAGLE3 '
-            f"--speculative-draft-model-path <this dir> --speculative-num-steps {k} "
-            f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}`.\n\n"
+            speculators_config(arch, verifier, verifier_architectures, k),
+            speculators_tensors(module, input_embeddings()),
+        )
+
+    def serving_hint(self, arch, k: int, target: str, drafter: str) -> str:
+        spec_cfg = f'{{"method": "eagle3", "model": "{drafter}", "num_speculative_tokens": {k}}}'
+        return (
+            "vLLM:\n\n```bash\n"
+            f"vllm serve {target} --speculative-config '{spec_cfg}'\n```\n\n"
+            "SGLang:\n\n```bash\n"
+            f"python -m sglang.launch_server --model-path {target} "
+            f"--speculative-algorithm EAGLE3 --speculative-draft-model-path {drafter} "
+            f"--speculative-num-steps {k} --speculative-eagle-topk 1 "
+            f"--speculative-num-draft-tokens {k + 1}\n```\n\n"
             f"Aux taps (inputs of target layers): {list(arch.aux_layer_ids)}; draft vocabulary "
             f"{arch.draft_vocab_size} of {arch.vocab_size}."
         )

@@ -126,38 +126,3 @@ class Eagle3Config:
             from draftinfer.errors import CheckpointError
 
             raise CheckpointError(f"{where}: {e}") from None
-
-    def speculators_config(self, verifier: str, k: int) -> dict[str, Any]:
-        """The same checkpoint described in vllm-project/speculators' format."""
-        hf = self.to_hf()
-        layer_keys = (
-            "hidden_size",
-            "intermediate_size",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "num_hidden_layers",
-            "rms_norm_eps",
-            "rope_theta",
-            "rope_scaling",
-            "max_position_embeddings",
-            "vocab_size",
-            "hidden_act",
-            "attention_bias",
-            "model_type",
-        )
-        return {
-            "architectures": [self.speculators_architecture],
-            "speculators_model_type": self.speculators_type,
-            "transformer_layer_config": {key: hf[key] for key in layer_keys},
-            "draft_vocab_size": self.draft_vocab_size,
-            "norm_before_residual": self.norm_before_residual,
-            "target_hidden_size": self.target_hidden_size,
-            "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
-            "speculators_config": {
-                "algorithm": self.speculators_type,
-                "default_proposal_method": "greedy",
-                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k}],
-                "verifier": {"name_or_path": verifier},
-            },
-        }

@@ -146,18 +146,20 @@ class MTPSpec(DrafterSpec):
             )
         super().validate_state_dict(arch, tensors, module, where)
 
-    def serving_hint(self, arch, k: int) -> str:
+    def serving_hint(self, arch, k: int, target: str, drafter: str) -> str:
         N, L = arch.n_predict, arch.target_num_layers
+        spec_cfg = f'{{"method": "mtp", "model": "{drafter}", "num_speculative_tokens": {N}}}'
         return (
-            f'vLLM: `--speculative-config \'{{"method": "mtp", "model": "<this dir>", '
-            f'"num_speculative_tokens": {N}}}\'` for the families vLLM runs MTP for (DeepSeek-V3, '
+            "vLLM:\n\n```bash\n"
+            f"vllm serve {target} --speculative-config '{spec_cfg}'\n```\n\n"
+            "This works for the families vLLM runs MTP for (DeepSeek-V3, "
             "GLM-4.5, MiMo, Qwen3-Next, Step-3.5, ...; keys as `deepseek_mtp.py` loads them). "
             "`num_speculative_tokens` must be a multiple of N (engines pick module `step % N`); "
             "vLLM serves only the first MiMo-V2 MTP layer. SGLang chains modules only for "
             "Step-3.5; its DeepSeek NextN loader reads one module renumbered `model.layers.0` "
             "in a one-layer config, a variant this export does not write. transformers' "
             f"`MtpModel` and vLLM with no draft model load the modules from the target: "
-            f"`python -m drafttrain.stitch <this dir> <target> <out>`. "
+            f"`python -m drafttrain.stitch {drafter} {target} <out>`. "
             + (
                 f"This target ({arch.architecture}) is served by `draftinfer`."
                 if arch.block == "native"

@@ -25,13 +25,26 @@ class PTDSpec(Eagle3Spec):
                 f"k={k} exceeds the K={arch.parallel_k} this parallel drafter was trained for"
             )
 
-    def serving_hint(self, arch, k: int) -> str:
+    def speculators_layout(self, module, verifier, verifier_architectures, k, input_embeddings):
+        """speculators' P-EAGLE (`PEagleSpeculator`) layout: the EAGLE-3 one plus `mask_hidden`
+        (a module tensor) and `mask_token_id` at the top level of its config."""
+        config, tensors = super().speculators_layout(
+            module, verifier, verifier_architectures, k, input_embeddings
+        )
+        return {**config, "mask_token_id": module.config.mask_token_id}, tensors
+
+    def serving_hint(self, arch, k: int, target: str, drafter: str) -> str:
+        K = arch.parallel_k
+        spec_cfg = (
+            f'{{"method": "eagle3", "model": "{drafter}", "num_speculative_tokens": {K}, '
+            '"parallel_drafting": true}'
+        )
         return (
-            'vLLM: `--speculative-config \'{"method": "eagle3", "model": "<this dir>", '
-            f'"num_speculative_tokens": {arch.parallel_k}, "parallel_drafting": true}}\'` '
-            f"(mask token {arch.mask_token_id}). SGLang serves EAGLE-3 chain drafting only.\n\n"
+            "vLLM:\n\n```bash\n"
+            f"vllm serve {target} --speculative-config '{spec_cfg}'\n```\n\n"
+            f"Mask token {arch.mask_token_id}. SGLang serves EAGLE-3 chain drafting only.\n\n"
             f"Aux taps (inputs of target layers): {list(arch.aux_layer_ids)}; draft vocabulary "
-            f"{arch.draft_vocab_size} of {arch.vocab_size}; trained for K={arch.parallel_k}."
+            f"{arch.draft_vocab_size} of {arch.vocab_size}; trained for K={K}."
         )
 
 

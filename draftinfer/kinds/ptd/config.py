@@ -44,6 +44,3 @@ class PTDConfig(Eagle3Config):
         )
         fields["parallel_k"] = int(require(d, "parallel_k", where))
         return fields
-
-    def speculators_config(self, verifier: str, k: int) -> dict[str, Any]:
-        return {**super().speculators_config(verifier, k), "mask_token_id": self.mask_token_id}

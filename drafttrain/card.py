@@ -1,0 +1,187 @@
+"""The model card (`README.md`) of an export: one definition, used for the export directory and
+for the Hub upload (`drafttrain.hub`), which only changes where the drafter is said to live.
+
+Front matter (huggingface_hub's `ModelCardData`): `base_model` (the target's hub id,
+`export.hub_base_model` when the target is a local directory), `library_name: vllm` (the
+export is vLLM's layout), `pipeline_tag` (`text-generation`, or `image-text-to-text` for a
+target with a vision tower), `tags` (`speculative-decoding`, the drafter kind, `drafttrain`).
+Body: the exact launch commands (the kind's `DrafterSpec.serving_hint`), the training metrics,
+the runner's acceptance-length table by K and its per-position acceptance plot when the export
+has them, and the training config.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from draftinfer.checkpoint import atomic_write_text, read_drafter_config
+from draftinfer.paths import resolve_path
+from drafttrain.config import load_train_config
+from drafttrain.loggers import read_metrics
+from drafttrain.target import is_hub_id, load_target_config
+
+# The runner's report for `export.verify_k` and its plot; extra K values write
+# `runner_report_k{K}.json` (`drafttrain.job.verify`).
+RUNNER_REPORT = "runner_report.json"
+RUNNER_PLOT = "acceptance.png"
+
+
+def runner_reports(export_dir: Path) -> list[dict[str, Any]]:
+    """The runner's reports in `export_dir`, one per measured K, sorted by K."""
+    paths = [export_dir / RUNNER_REPORT, *sorted(export_dir.glob("runner_report_k*.json"))]
+    reports = [json.loads(p.read_text()) for p in paths if p.is_file()]
+    return sorted(reports, key=lambda r: r["k"])
+
+
+def _al_table(reports: list[dict[str, Any]]) -> list[str]:
+    r0 = reports[0]
+    width = max(len(r["per_position_acceptance"]) for r in reports)
+    lines = [
+        "## Acceptance measured by the runner",
+        "",
+        f"`python -m draftinfer` loaded this directory from disk and decoded "
+        f"{r0['num_prompts']} held-out prompts against `{r0['target']}` "
+        f"({r0['device']}, {r0['dtype']}, temperature {r0['temperature']}). Acceptance length "
+        "(AL) = mean accepted drafts + 1 per round; position j = P(drafts 1..j all accepted).",
+        "",
+        "| K | AL | " + " | ".join(f"pos {j + 1}" for j in range(width)) + " | lossless |",
+        "|---|---|" + "---|" * width + "---|",
+    ]
+    for r in reports:
+        pos = [f"{v:.3f}" for v in r["per_position_acceptance"]]
+        pos += [""] * (width - len(pos))
+        lines.append(
+            f"| {r['k']} | {r['acceptance_length']:.3f} | "
+            + " | ".join(pos)
+            + f" | {r['lossless']} |"
+        )
+    return lines
+
+
+def card_text(
+    cfg: dict[str, Any],
+    kind: str,
+    front: dict[str, Any],
+    serving: str,
+    metrics: list[dict[str, float]],
+    has_plot: bool,
+    evaluation: dict[str, float] | None = None,
+    reports: list[dict[str, Any]] | None = None,
+    has_acceptance_plot: bool = False,
+) -> str:
+    """The card's markdown: `front` (card data) as YAML front matter, then the body."""
+    from huggingface_hub import ModelCardData
+
+    target = cfg["target"]["name_or_path"]
+    lines = [
+        "---",
+        ModelCardData(**front).to_yaml(),
+        "---",
+        "",
+        f"# {kind} drafter for `{front.get('base_model') or target}`",
+        "",
+        f"Trained with `python -m drafttrain conf={cfg.get('preset') or '<preset>'}` "
+        f"for {cfg['trainer']['max_steps']} optimizer steps against `{target}`.",
+        "",
+        "## Serving",
+        "",
+        serving,
+        "",
+    ]
+    if metrics:
+        last = metrics[-1]
+        accs = sorted((k for k in last if k.startswith("acc_")), key=lambda k: int(k[4:]))
+        lines += [
+            "## Training metrics (last logging window)",
+            "",
+            "| draft | " + " | ".join(a[4:] for a in accs) + " |",
+            "|---|" + "---|" * len(accs),
+            "| top-1 acc | " + " | ".join(f"{last[a]:.3f}" for a in accs) + " |",
+            "",
+            f"Simulated acceptance length: {last.get('sim_al', float('nan')):.3f}; "
+            f"final loss {last.get('loss', float('nan')):.4f}.",
+            "",
+        ]
+        if evaluation:
+            accs = sorted(
+                (k for k in evaluation if k.startswith("eval_acc_")),
+                key=lambda k: int(k.rsplit("_", 1)[1]),
+            )
+            lines += [
+                f"Held-out split `{cfg['data'].get('eval_split')}`: per-step top-1 accuracy "
+                + ", ".join(f"{evaluation[a]:.3f}" for a in accs)
+                + f"; simulated acceptance length {evaluation['eval_sim_al']:.3f}.",
+                "",
+            ]
+        if has_plot:
+            lines += ["![training curves](training_curves.png)", ""]
+    if reports:
+        lines += _al_table(reports) + [""]
+        if has_acceptance_plot:
+            lines += [f"![per-position acceptance]({RUNNER_PLOT})", ""]
+    else:
+        lines += [
+            "Acceptance length measured by the runner: run `python -m draftinfer "
+            "drafter=<this dir>`.",
+            "",
+        ]
+    lines += [
+        "## Training config",
+        "",
+        "```yaml",
+        yaml.safe_dump(cfg, sort_keys=False).strip(),
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_model_card(
+    run: Path,
+    out: Path,
+    dest: Path | None = None,
+    drafter_ref: str | None = None,
+    base_model: str | None = None,
+) -> Path:
+    """Write the card of export `out` (of run `run`) to `dest/README.md` (default `out`).
+
+    `drafter_ref` is where the launch commands load the drafter from: the Hub repo id for an
+    upload, the export directory otherwise. `base_model` defaults to `export.hub_base_model`,
+    else `target.name_or_path`; the commands name the target by it when it is a hub id, else
+    by the target's local path."""
+    run, out = Path(run), Path(out)
+    raw = yaml.safe_load((run / "training_args.yaml").read_text())
+    cfg = load_train_config(run / "training_args.yaml")
+    spec, arch, meta = read_drafter_config(out)
+    target = cfg.target.name_or_path
+    base = base_model or cfg.export.hub_base_model or target
+    target_ref = base if is_hub_id(base) else resolve_path(target)
+    vision = getattr(load_target_config(target), "vision_config", None) is not None
+    front = {
+        "base_model": base,
+        "library_name": "vllm",
+        "pipeline_tag": "image-text-to-text" if vision else "text-generation",
+        "tags": ["speculative-decoding", spec.name, "drafttrain"],
+    }
+    serving = spec.serving_hint(
+        arch, int(meta["serving_k"]), target_ref, drafter_ref or str(out.resolve())
+    )
+    ev_path = run / "eval.json"
+    text = card_text(
+        raw,
+        spec.name,
+        front,
+        serving,
+        read_metrics(run),
+        (out / "training_curves.png").is_file(),
+        json.loads(ev_path.read_text()) if ev_path.is_file() else None,
+        runner_reports(out),
+        (out / RUNNER_PLOT).is_file(),
+    )
+    dest = Path(dest) if dest is not None else out
+    atomic_write_text(dest / "README.md", text)
+    return dest / "README.md"
