@@ -140,6 +140,13 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
+def batch_slots(batch: dict[str, torch.Tensor]) -> Slots:
+    """Slots of a right-padded training batch: real tokens at their positions, -1 at padding."""
+    B = batch["input_ids"].shape[0]
+    rows = torch.arange(B, device=batch["input_ids"].device)
+    return Slots(rows, torch.where(batch["attention_mask"].bool(), batch["position_ids"], -1))
+
+
 class FrozenTarget:
     """Frozen HF target + feature capture. Call it on a padded batch of slots."""
 
@@ -178,6 +185,11 @@ class FrozenTarget:
         return None if self.final_norm is None else self.final_norm.weight
 
     # -- the target interface ---------------------------------------------------------------
+    def batch_output(self, batch: dict[str, torch.Tensor], features: FeatureSpec) -> TargetOutput:
+        """The output for a collated training batch (`input_ids`, `attention_mask`,
+        `position_ids`; `index` = dataset rows, which only a feature cache reads)."""
+        return self.forward(batch["input_ids"], batch_slots(batch), features)
+
     def rope_positions(self, cache_pos: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         pos = cache_pos.clamp(min=0)
         return pos if self.info.rope_axes == 1 else pos[None].expand(3, *pos.shape)

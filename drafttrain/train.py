@@ -27,7 +27,6 @@ from typing import Any
 import torch
 import yaml
 
-from draftinfer.slots import Slots
 from drafttrain.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
@@ -91,7 +90,9 @@ class BatchStream:
             self._batches = self._plan(self.lengths, self.batch_size, self.seed, self.epoch)
         ids = self._batches[self.index]
         self.index += 1
-        return collate([self.dataset[i] for i in ids], self.pad_id)
+        batch = collate([self.dataset[i] for i in ids], self.pad_id)
+        batch["index"] = torch.tensor(ids, dtype=torch.long)  # rows of the dataset (caches)
+        return batch
 
 
 def prepare_data(cfg: TrainConfig, tokenizer):
@@ -103,17 +104,10 @@ def prepare_data(cfg: TrainConfig, tokenizer):
     return data
 
 
-def batch_slots(batch: dict[str, torch.Tensor]) -> Slots:
-    """Slots of a right-padded training batch: real tokens at their positions, -1 at padding."""
-    B = batch["input_ids"].shape[0]
-    rows = torch.arange(B, device=batch["input_ids"].device)
-    return Slots(rows, torch.where(batch["attention_mask"].bool(), batch["position_ids"], -1))
-
-
-def run_objective(objective, target: FrozenTarget, batch: dict[str, torch.Tensor]):
-    """Target forward (the drafter's declared features) then the kind's objective."""
-    tgt = target(batch["input_ids"], batch_slots(batch), objective.drafter.config.features)
-    return objective(batch, tgt)
+def run_objective(objective, target, batch: dict[str, torch.Tensor]):
+    """The target's output for the batch (the drafter's declared features; a `FrozenTarget`
+    runs the model, a feature cache reads it) then the kind's objective."""
+    return objective(batch, target.batch_output(batch, objective.drafter.config.features))
 
 
 @torch.no_grad()
@@ -134,7 +128,9 @@ def evaluate(
     sums: dict[str, float] = {}
     weight = 0.0
     for ids in batches:
-        batch = {k: v.to(device) for k, v in collate([data[i] for i in ids], pad_id).items()}
+        batch = collate([data[i] for i in ids], pad_id)
+        batch["index"] = torch.tensor(ids, dtype=torch.long)
+        batch = {k: v.to(device) for k, v in batch.items()}
         _, m = run_objective(objective, target, batch)
         w = m.pop("tokens")
         weight += w
