@@ -67,7 +67,8 @@ def _hydra_main(cfg: DictConfig) -> None:
     except DraftError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    print(summary.get("export_dir") or summary["run_dir"])
+    if summary.get("main_process", True):
+        print(summary.get("export_dir") or summary["run_dir"])
 
 
 def main() -> None:

@@ -5,7 +5,11 @@ Layout: `<output_dir>/checkpoints/step_000100/` holding
 - `optimizer.safetensors` + `optimizer.json`: AdamW state tensors flattened by name, and the
   param groups (JSON),
 - `state.json`: step, micro-batch cursor, scheduler state, the drafter architecture,
-- `rng.safetensors`: CPU (and CUDA) generator states as uint8 tensors.
+- `rng.safetensors`: CPU (and CUDA) generator states as uint8 tensors (`rng_rank{r}` for
+  the other ranks of a multi-process run),
+- `engine/` instead of the optimizer files when DeepSpeed ZeRO or FSDP shard the drafter and
+  its optimizer: the engine's own sharded state (`accelerator.save_state`), written by every
+  rank; `drafter.safetensors` is still the full drafter, gathered on rank 0.
 `<output_dir>/checkpoints/latest` names the newest complete one.
 
 Atomicity: everything is written into `step_N.tmp/` and renamed in one `os.replace`, then
@@ -60,31 +64,42 @@ def rng_tensors() -> dict[str, torch.Tensor]:
     return out
 
 
-def save_checkpoint(
-    ckpt_root: Path,
-    step: int,
-    drafter_tensors: dict[str, torch.Tensor],
-    optimizer: torch.optim.Optimizer,
-    state: dict[str, Any],
-    keep_last: int = 2,
-) -> Path:
+def begin_checkpoint(ckpt_root: Path, step: int) -> Path:
+    """A fresh `step_N.tmp/` to write a checkpoint into (removed again if it existed)."""
     ckpt_root.mkdir(parents=True, exist_ok=True)
-    final = ckpt_root / f"step_{step:06d}"
     tmp = ckpt_root / f"step_{step:06d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    return tmp
+
+
+def finish_checkpoint(
+    ckpt_root: Path,
+    step: int,
+    drafter_tensors: dict[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer | None,
+    state: dict[str, Any],
+    keep_last: int = 2,
+) -> Path:
+    """Write the drafter, optimizer (None: an engine wrote its own sharded state under
+    `engine/`, `state["engine_state"]` says so), RNG and state into `step_N.tmp/`, fsync, and
+    publish it with one rename."""
+    final = ckpt_root / f"step_{step:06d}"
+    tmp = ckpt_root / f"step_{step:06d}.tmp"
     save_file(
         {k: v.detach().cpu().contiguous() for k, v in drafter_tensors.items()},
         str(tmp / "drafter.safetensors"),
     )
-    opt_tensors, opt_meta = _flatten_optimizer(optimizer)
-    save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
-    (tmp / "optimizer.json").write_text(json.dumps(opt_meta))
+    if optimizer is not None:
+        opt_tensors, opt_meta = _flatten_optimizer(optimizer)
+        save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+        (tmp / "optimizer.json").write_text(json.dumps(opt_meta))
     save_file(rng_tensors(), str(tmp / "rng.safetensors"))
     (tmp / "state.json").write_text(json.dumps({**state, "step": step}, indent=2))
-    for f in tmp.iterdir():  # data on disk before the rename makes it visible
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
+    for f in tmp.rglob("*"):  # data on disk before the rename makes it visible
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -95,6 +110,28 @@ def save_checkpoint(
     for old in steps[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def save_checkpoint(
+    ckpt_root: Path,
+    step: int,
+    drafter_tensors: dict[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer | None,
+    state: dict[str, Any],
+    keep_last: int = 2,
+) -> Path:
+    begin_checkpoint(ckpt_root, step)
+    return finish_checkpoint(ckpt_root, step, drafter_tensors, optimizer, state, keep_last)
+
+
+def save_rank_rng(tmp: Path, rank: int) -> None:
+    """Ranks other than 0 keep their own RNG state beside rank 0's `rng.safetensors`."""
+    save_file(rng_tensors(), str(tmp / f"rng_rank{rank}.safetensors"))
+
+
+def load_rank_rng(path: Path, rank: int) -> dict[str, torch.Tensor]:
+    f = path / (f"rng_rank{rank}.safetensors" if rank else "rng.safetensors")
+    return _load(f) if f.is_file() else {}
 
 
 def latest_checkpoint(ckpt_root: Path) -> Path | None:
@@ -114,16 +151,27 @@ def _load(path: Path) -> dict[str, torch.Tensor]:
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
-    """-> {"drafter": tensors, "optimizer": optimizer state dict, "state": dict, "rng": tensors}"""
-    for name in ("drafter.safetensors", "optimizer.safetensors", "optimizer.json", "state.json"):
+    """-> {"drafter": tensors, "optimizer": optimizer state dict (None when a sharding engine
+    keeps it under `engine/`), "state": dict, "rng": tensors}"""
+    for name in ("drafter.safetensors", "state.json"):
         if not (path / name).is_file():
             raise CheckpointError(f"incomplete checkpoint {path}: {name} missing")
+    state = json.loads((path / "state.json").read_text())
+    optimizer = None
+    if state.get("engine_state"):
+        if not (path / "engine").is_dir():
+            raise CheckpointError(f"incomplete checkpoint {path}: engine/ missing")
+    else:
+        for name in ("optimizer.safetensors", "optimizer.json"):
+            if not (path / name).is_file():
+                raise CheckpointError(f"incomplete checkpoint {path}: {name} missing")
+        optimizer = _unflatten_optimizer(
+            _load(path / "optimizer.safetensors"), json.loads((path / "optimizer.json").read_text())
+        )
     return {
         "drafter": _load(path / "drafter.safetensors"),
-        "optimizer": _unflatten_optimizer(
-            _load(path / "optimizer.safetensors"), json.loads((path / "optimizer.json").read_text())
-        ),
-        "state": json.loads((path / "state.json").read_text()),
+        "optimizer": optimizer,
+        "state": state,
         "rng": _load(path / "rng.safetensors") if (path / "rng.safetensors").is_file() else {},
     }
 

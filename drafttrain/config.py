@@ -94,6 +94,11 @@ class TrainerConfig:
     log_every: int = 10
     num_threads: int | None = None
     progress: bool = True
+    # A DeepSpeed JSON config (e.g. configs/deepspeed/zero2.json) for launchers without an
+    # accelerate config (`torchrun`, `deepspeed`); `accelerate launch --config_file
+    # configs/accelerate/<x>.yaml` needs none. `data.batch_size` is the *global* batch: each
+    # of N processes trains on its rows `rank::N` (docs/training.md, "Several GPUs").
+    deepspeed: str | None = None
 
 
 @dataclass

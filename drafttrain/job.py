@@ -79,8 +79,8 @@ def run_job(cfg: TrainConfig) -> dict[str, Any]:
     summary = train(cfg, keep_logger=True)
     logger = summary.pop("logger")
     try:
-        if not cfg.export.enabled:
-            return summary
+        if not cfg.export.enabled or not summary["main_process"]:
+            return summary  # under a launcher only the main process exports and uploads
         run_dir = Path(summary["run_dir"])
         export_dir = export_run(run_dir, card=False)
         summary["export_dir"] = str(export_dir)

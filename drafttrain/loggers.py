@@ -74,6 +74,19 @@ class MetricLogger:
             self.wandb.finish()
 
 
+class NullLogger:
+    """The logger of ranks other than the main process: logs nothing."""
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+    def log_runner(self, reports: list[dict[str, Any]], plot: Path | None, step: int) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
 def read_metrics(run_dir: Path) -> list[dict[str, float]]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():

@@ -7,8 +7,8 @@ resume) -> held-out evaluation. Nothing here names a drafter kind: the kind's `T
 (`drafttrain.registry`) supplies the drafter and the objective, and the drafter's
 `FeatureSpec` tells the target what to return.
 
-Single process today; the loop goes through `accelerate` so wrapping for several GPUs is
-applied from outside the model code later (STYLE rule 3). Determinism: the drafter init is
+One process or several: the loop goes through `accelerate` (`drafttrain.distributed`), so
+DDP, DeepSpeed ZeRO and FSDP2 wrap the drafter from outside the model code (STYLE rule 3). Determinism: the drafter init is
 seeded, the batch order is a pure function of (seed, epoch), and a checkpoint stores the
 optimizer, scheduler, RNG and the data cursor, so a resumed run reproduces the
 uninterrupted one exactly (test R3).
@@ -28,14 +28,27 @@ import torch
 import yaml
 
 from drafttrain.checkpoint import (
+    begin_checkpoint,
+    finish_checkpoint,
     latest_checkpoint,
     load_checkpoint,
+    load_rank_rng,
     restore_rng,
-    save_checkpoint,
+    save_rank_rng,
 )
 from drafttrain.config import TrainConfig
+from drafttrain.distributed import (
+    ObjectiveModule,
+    configure_engine,
+    full_drafter_state,
+    make_accelerator,
+    reduce_sum,
+    shard_batch,
+    shards_state,
+)
 from drafttrain.errors import ConfigError, DataError
-from drafttrain.loggers import MetricLogger, read_metrics
+from drafttrain.loggers import MetricLogger, NullLogger, read_metrics
+from drafttrain.losses import data_parallel
 from drafttrain.registry import InitContext, train_spec
 from drafttrain.target import FrozenTarget, load_tokenizer
 from drafttrain.ttt import pick_backend
@@ -104,34 +117,31 @@ def prepare_data(cfg: TrainConfig, tokenizer):
     return data
 
 
-def run_objective(objective, target, batch: dict[str, torch.Tensor]):
-    """The target's output for the batch (the drafter's declared features; a `FrozenTarget`
-    runs the model, a feature cache reads it) then the kind's objective."""
-    return objective(batch, target.batch_output(batch, objective.drafter.config.features))
-
-
 @torch.no_grad()
 def evaluate(
-    cfg: TrainConfig, objective, target: FrozenTarget, tokenizer, device, pad_id: int
+    cfg: TrainConfig, wrapped, tokenizer, device, pad_id: int, accelerator
 ) -> dict[str, float]:
-    """Mean objective metrics over `eval_batches` batches of the held-out split."""
+    """Mean objective metrics over `eval_batches` batches of the held-out split (every rank
+    scores its rows of each batch; the metrics are over the whole batch)."""
     from dataclasses import replace
 
     from drafttrain.data import collate, length_bucketed_batches, load_data, tokenize_dataset
 
+    rank, world = accelerator.process_index, accelerator.num_processes
     dcfg = replace(cfg.data, split=cfg.data.eval_split, max_samples=None)
     data = tokenize_dataset(load_data(dcfg), tokenizer, dcfg)
     batches = length_bucketed_batches(
         list(data["length"]), cfg.data.batch_size, cfg.seed, 0, shuffle=False
     )[: cfg.data.eval_batches]
-    objective.drafter.eval()
+    wrapped.eval()
     sums: dict[str, float] = {}
     weight = 0.0
     for ids in batches:
         batch = collate([data[i] for i in ids], pad_id)
         batch["index"] = torch.tensor(ids, dtype=torch.long)
-        batch = {k: v.to(device) for k, v in batch.items()}
-        _, m = run_objective(objective, target, batch)
+        batch = {k: v.to(device) for k, v in shard_batch(batch, rank, world).items()}
+        with accelerator.autocast(), data_parallel(reduce_sum(accelerator), world):
+            _, m = wrapped(batch)
         w = m.pop("tokens")
         weight += w
         for k, v in m.items():
@@ -188,9 +198,11 @@ def train(cfg: TrainConfig, keep_logger: bool = False) -> dict[str, Any]:
     `keep_logger=True` leaves the metric logger open in `summary["logger"]` (the job logs the
     runner's results into the same wandb run, then finishes it).
 
+    Under a launcher (`drafttrain.distributed`) every rank runs this with its share of each
+    global batch; only the main process writes the run directory, logs and shows progress.
+
     Bad input (config, data, target) fails with a one-line `DraftError` before anything is
     written; a fresh run directory is removed again if setup fails."""
-    from accelerate import Accelerator
     from tqdm.auto import tqdm
 
     tc = cfg.trainer
@@ -201,22 +213,23 @@ def train(cfg: TrainConfig, keep_logger: bool = False) -> dict[str, Any]:
     ckpt_root = run_dir / "checkpoints"
     resume_from = latest_checkpoint(ckpt_root) if cfg.resume else None
 
-    mp = tc.mixed_precision
-    if mp == "auto":
-        mp = "bf16" if torch.cuda.is_available() else "no"
-    accelerator = Accelerator(mixed_precision=mp, cpu=not torch.cuda.is_available())
-    device = accelerator.device
+    accelerator = make_accelerator(tc)
+    device, main = accelerator.device, accelerator.is_main_process
+    rank, world = accelerator.process_index, accelerator.num_processes
     torch.manual_seed(cfg.seed)
     try:
-        spec, tokenizer, target, data, drafter = _setup(cfg, run_dir, device)
+        with accelerator.main_process_first():  # rank 0 builds the data caches, then the rest
+            spec, tokenizer, target, data, drafter = _setup(cfg, run_dir, device)
     except BaseException:
-        if fresh and run_dir.exists():
+        if main and fresh and run_dir.exists():
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_resolved_config(cfg, run_dir / "training_args.yaml")
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_resolved_config(cfg, run_dir / "training_args.yaml")
     kind, arch = spec.name, drafter.config
     drafter.to(device)
+    own_keys = set(drafter.trainable_state_dict())
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         params, lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay
@@ -227,7 +240,7 @@ def train(cfg: TrainConfig, keep_logger: bool = False) -> dict[str, Any]:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     stream = BatchStream(data, cfg.data.batch_size, pad_id, cfg.seed)
 
-    start_step = 0
+    start_step, ck = 0, None
     if resume_from is not None:
         ck = load_checkpoint(resume_from)
         if ck["state"].get("drafter_config") != arch.to_dict():
@@ -235,38 +248,72 @@ def train(cfg: TrainConfig, keep_logger: bool = False) -> dict[str, Any]:
                 f"cannot resume from {resume_from}: its drafter architecture "
                 "differs from this config"
             )
+        if bool(ck["state"].get("engine_state")) != shards_state(accelerator):
+            raise ConfigError(
+                f"cannot resume from {resume_from}: it was written "
+                + ("with" if ck["state"].get("engine_state") else "without")
+                + " a sharding engine (DeepSpeed ZeRO / FSDP); resume under the same launcher"
+            )
         drafter.load_own_state({k: v.to(device) for k, v in ck["drafter"].items()})
-        optimizer.load_state_dict(ck["optimizer"])
+        if ck["optimizer"] is not None:
+            optimizer.load_state_dict(ck["optimizer"])
         scheduler.load_state_dict(ck["state"]["scheduler"])
         stream.restore(ck["state"]["data"])
-        restore_rng(ck["rng"])
         start_step = ck["state"]["step"]
-    drafter, optimizer = accelerator.prepare(drafter, optimizer)
-    model = accelerator.unwrap_model(drafter)
-    backend = pick_backend(cfg.drafter.attention_backend, device)
-    objective = spec.objective(model, cfg.drafter, backend)
-    logger = MetricLogger(cfg.logger, run_dir, config_to_dict(cfg), resume=resume_from is not None)
+    objective = spec.objective(
+        drafter, cfg.drafter, pick_backend(cfg.drafter.attention_backend, device)
+    )
+    configure_engine(accelerator, tc, -(-cfg.data.batch_size // world))
+    wrapped, optimizer = accelerator.prepare(ObjectiveModule(objective, target), optimizer)
+    if ck is not None:
+        if ck["state"].get("engine_state"):
+            accelerator.load_state(str(resume_from / "engine"))
+        restore_rng(load_rank_rng(resume_from, rank))
+    logger = (
+        MetricLogger(cfg.logger, run_dir, config_to_dict(cfg), resume=resume_from is not None)
+        if main
+        else NullLogger()
+    )
+    engine_state = shards_state(accelerator)
 
     def checkpoint(step: int) -> None:
-        save_checkpoint(
-            ckpt_root,
-            step,
-            model.trainable_state_dict(),
-            optimizer,
-            {
-                "scheduler": scheduler.state_dict(),
-                "data": stream.state(),
-                "drafter_kind": kind,
-                "drafter_config": arch.to_dict(),
-                "objective": objective.checkpoint_meta(),
-            },
-            keep_last=tc.keep_last,
+        """Collective: every rank calls it (gathers, engine state, per-rank RNG)."""
+        own = (
+            full_drafter_state(accelerator, wrapped, own_keys)
+            if engine_state
+            else drafter.trainable_state_dict()
         )
+        tmp = begin_checkpoint(ckpt_root, step) if main else None
+        accelerator.wait_for_everyone()
+        tmp = ckpt_root / f"step_{step:06d}.tmp"
+        if engine_state:
+            accelerator.save_state(str(tmp / "engine"))
+        if rank:
+            save_rank_rng(tmp, rank)
+        accelerator.wait_for_everyone()
+        if main:
+            finish_checkpoint(
+                ckpt_root,
+                step,
+                own,
+                None if engine_state else optimizer,
+                {
+                    "scheduler": scheduler.state_dict(),
+                    "data": stream.state(),
+                    "drafter_kind": kind,
+                    "drafter_config": arch.to_dict(),
+                    "objective": objective.checkpoint_meta(),
+                    "world_size": world,
+                    "engine_state": engine_state,
+                },
+                keep_last=tc.keep_last,
+            )
+        accelerator.wait_for_everyone()
 
     bar = tqdm(
         total=tc.max_steps,
         initial=start_step,
-        disable=not tc.progress,
+        disable=not (tc.progress and main),
         desc=f"train {kind}",
         unit="step",
         dynamic_ncols=True,
@@ -274,20 +321,21 @@ def train(cfg: TrainConfig, keep_logger: bool = False) -> dict[str, Any]:
     window: dict[str, float] = {}
     n_window, tok_window, t_window = 0, 0.0, time.perf_counter()
     first_loss = last_loss = None
-    losses: list[float] = []  # per optimizer step of this process (golden-loss tests)
+    losses: list[float] = []  # per optimizer step (golden-loss and rank-match tests)
     for step in range(start_step, tc.max_steps):
-        drafter.train()
+        wrapped.train()
         step_metrics: dict[str, float] = {}
         for _ in range(tc.grad_accum):
-            batch = {k: v.to(device) for k, v in stream.next().items()}
-            with accelerator.autocast():
-                loss, m = run_objective(objective, target, batch)
-            accelerator.backward(loss / tc.grad_accum)
-            m["loss"] = loss.item()
+            batch = shard_batch(stream.next(), rank, world)
+            batch = {k: v.to(device) for k, v in batch.items()}
+            with accelerator.accumulate(wrapped), accelerator.autocast():
+                with data_parallel(reduce_sum(accelerator), world):
+                    loss, m = wrapped(batch)
+                accelerator.backward(loss)
             for k, v in m.items():
                 step_metrics[k] = step_metrics.get(k, 0.0) + v / tc.grad_accum
         if tc.grad_clip > 0:
-            accelerator.clip_grad_norm_(params, tc.grad_clip)
+            accelerator.clip_grad_norm_(wrapped.parameters(), tc.grad_clip)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -325,16 +373,19 @@ def train(cfg: TrainConfig, keep_logger: bool = False) -> dict[str, Any]:
         "steps": tc.max_steps,
         "first_loss": first_loss,
         "last_loss": last_loss,
+        "main_process": main,
     }
     if cfg.data.eval_split:
-        ev = evaluate(cfg, objective, target, tokenizer, device, pad_id)
+        ev = evaluate(cfg, wrapped, tokenizer, device, pad_id, accelerator)
         logger.log(ev, tc.max_steps)
-        (run_dir / "eval.json").write_text(json.dumps(ev, indent=2) + "\n")
+        if main:
+            (run_dir / "eval.json").write_text(json.dumps(ev, indent=2) + "\n")
         summary.update(ev)
     if keep_logger:
         summary["logger"] = logger
     else:
         logger.finish()
-    save_training_plot(run_dir)
+    if main:
+        save_training_plot(run_dir)
     summary["losses"] = losses
     return summary

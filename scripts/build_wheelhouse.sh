@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Wheels the GPU machine lacks (it has torch, triton, transformers, accelerate, pyarrow, ...
-# but not hydra/omegaconf/datasets), for its Python 3.12 / manylinux x86-64, into .whl/.
+# but not hydra/omegaconf/datasets/deepspeed), for its Python 3.12 / manylinux x86-64, into
+# .whl/.
 # Usage: bash scripts/build_wheelhouse.sh [.whl]     (then carry the folder to the machine)
 set -euo pipefail
 out=${1:-.whl}
@@ -10,7 +11,9 @@ plat=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
 # Pure-python or binary wheels, no dependency resolution (the machine has the rest).
 python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp "${plat[@]}" -d "$out" \
-  hydra-core==1.3.2 omegaconf==2.3.0 datasets==4.0.0 dill==0.3.8 multiprocess==0.70.16
+  hydra-core==1.3.2 omegaconf==2.3.0 datasets==4.0.0 dill==0.3.8 multiprocess==0.70.16 \
+  hjson==3.1.0 ninja==1.13.0 msgpack==1.1.1 py-cpuinfo==9.0.0 einops==0.8.1
 # antlr4-python3-runtime 4.9.3 (omegaconf's parser) is published as an sdist only: build it.
-python -m pip wheel -q --no-deps -w "$out" antlr4-python3-runtime==4.9.3
+# deepspeed is an sdist too (pure Python; its CUDA ops are built just in time, never here).
+python -m pip wheel -q --no-deps -w "$out" antlr4-python3-runtime==4.9.3 deepspeed==0.19.8
 ls -1 "$out"
