@@ -152,9 +152,7 @@ def main() -> None:
             "wall_s": wall,
             "losses": [full[s]["loss"] for s in sorted(full)],
             "tokens_per_s": sum(tok_s) / len(tok_s),
-            "resume_max_abs_diff": max(
-                abs(resumed[s]["loss"] - full[s]["loss"]) for s in resumed
-            ),
+            "resume_max_abs_diff": max(abs(resumed[s]["loss"] - full[s]["loss"]) for s in resumed),
             "resume_steps": sorted(resumed),
         }
         if base_fmt is None:
@@ -173,8 +171,10 @@ def main() -> None:
 
     b = results["runs"]["1gpu"]["tokens_per_s"]
     print(f"\nD1: eagle3, {args.steps} steps, global batch {args.batch}, target {args.target}")
-    print(f"{'engine':8} {'GPUs':>4} {'tok/s':>9} {'x 1GPU':>7} {'max rel dL (1..20)':>19} "
-          f"{'resume |dL|':>11} {'export fmt':>10}")
+    print(
+        f"{'engine':8} {'GPUs':>4} {'tok/s':>9} {'x 1GPU':>7} {'max rel dL (1..20)':>19} "
+        f"{'resume |dL|':>11} {'export fmt':>10}"
+    )
     for engine, e in results["runs"].items():
         gpus = 1 if engine == "1gpu" else 2
         print(
