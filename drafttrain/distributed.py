@@ -23,6 +23,8 @@ process. What the training loop needs from it:
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -51,9 +53,34 @@ def make_accelerator(tc: TrainerConfig):
         kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=tc.deepspeed)
     if not cuda and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         os.environ.setdefault("ACCELERATE_USE_CPU", "true")  # torchrun on CPUs: gloo
-    return Accelerator(
+    accelerator = Accelerator(
         mixed_precision=mp, cpu=not cuda, gradient_accumulation_steps=tc.grad_accum, **kwargs
     )
+    if tc.deepspeed and accelerator.state.deepspeed_plugin is None:
+        raise ConfigError(
+            f"trainer.deepspeed={tc.deepspeed!r} needs CUDA GPUs (DeepSpeed does not run under "
+            "accelerate on CPUs); leave it unset here"
+        )
+    return accelerator
+
+
+@contextmanager
+def replicated_loading(accelerator) -> Iterator[None]:
+    """Load models whole on every rank. With a ZeRO-3 config registered, transformers'
+    `from_pretrained` builds models inside `deepspeed.zero.Init`, partitioned across ranks
+    and through collectives: the frozen target would be sharded (it must be replicated) and,
+    loaded by the main process first, would wait forever for the other ranks."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None:
+        yield
+        return
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()
 
 
 def shards_state(accelerator) -> bool:

@@ -43,6 +43,7 @@ from drafttrain.distributed import (
     full_drafter_state,
     make_accelerator,
     reduce_sum,
+    replicated_loading,
     shard_batch,
     shards_state,
 )
@@ -218,7 +219,8 @@ def train(cfg: TrainConfig, keep_logger: bool = False) -> dict[str, Any]:
     rank, world = accelerator.process_index, accelerator.num_processes
     torch.manual_seed(cfg.seed)
     try:
-        with accelerator.main_process_first():  # rank 0 builds the data caches, then the rest
+        # Rank 0 builds the data caches, then the rest; the target is whole on every rank.
+        with accelerator.main_process_first(), replicated_loading(accelerator):
             spec, tokenizer, target, data, drafter = _setup(cfg, run_dir, device)
     except BaseException:
         if main and fresh and run_dir.exists():

@@ -23,6 +23,7 @@ Backends:
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from draftinfer.errors import ConfigError
 from draftinfer.layers import expand_kv
@@ -61,6 +62,7 @@ def ttt_attention_eager(
 
 
 _flex_cache: dict[tuple, object] = {}
+FLEX_BLOCK = 128
 
 
 def flex_fn(device: torch.device):
@@ -94,16 +96,21 @@ def ttt_attention_flex(
     """Same contract as `ttt_attention_eager`; causal block by flex attention, merged by LSE."""
     nh, T, D = q.shape[2], q.shape[1], q.shape[3]
     scale = D**-0.5
-    qh, kh, vh = q.transpose(1, 2), k0.transpose(1, 2), v0.transpose(1, 2)
+    # Lengths padded to a multiple of FLEX_BLOCK: below 128 query rows inductor lowers flex
+    # attention to its decoding kernel, which has no backward, and bucketed lengths compile
+    # once per bucket. Padded keys sit after every real query, so the causal mask hides them.
+    Tp = -(-T // FLEX_BLOCK) * FLEX_BLOCK
+    qh, kh, vh = (F.pad(x.transpose(1, 2), (0, 0, 0, Tp - T)) for x in (q, k0, v0))
     out0, lse0 = flex_fn(q.device)(
         qh,
         kh,
         vh,
-        block_mask=_causal_block_mask(T, q.device),
+        block_mask=_causal_block_mask(Tp, q.device),
         scale=scale,
         enable_gqa=kh.shape[1] != nh,
         return_lse=True,
     )
+    out0, lse0 = out0[:, :, :T], lse0[:, :, :T]
     out0 = out0.transpose(1, 2)  # [B, T, nh, D]
     if not extra:
         return out0

@@ -105,9 +105,41 @@ def export_format(run_dir: Path) -> dict:
     exp = run_dir / "export"
     cfg = json.loads((exp / "config.json").read_text())
     with safe_open(str(exp / "model.safetensors"), "pt") as f:
-        tensors = {k: [str(f.get_slice(k).get_dtype()), f.get_slice(k).get_shape()] for k in f}
+        tensors = {
+            k: [str(f.get_slice(k).get_dtype()), f.get_slice(k).get_shape()] for k in f.keys()
+        }
     files = sorted(p.name for p in exp.iterdir())
     return {"config": cfg, "tensors": tensors, "files": files}
+
+
+def check_engine(engine: str, args) -> tuple[dict, dict]:
+    out = args.work / engine
+    shutil.rmtree(out, ignore_errors=True)
+    wall = run(train_cmd(engine, out, args), args.out / f"{engine}.log")
+    full = losses(out)
+    shutil.copy(out / "metrics.jsonl", args.out / f"{engine}_metrics.jsonl")
+    tok_s = [full[s]["tokens_per_s"] for s in sorted(full) if s > 5]
+    entry = {
+        "wall_s": wall,
+        "losses": [full[s]["loss"] for s in sorted(full)],
+        "tokens_per_s": sum(tok_s) / len(tok_s),
+    }
+    if not (engine == "1gpu" and args.skip_baseline_resume):
+        # Resume: restart from the mid-run checkpoint as after a kill there.
+        res = args.work / f"{engine}_resumed"
+        shutil.rmtree(res, ignore_errors=True)
+        shutil.copytree(out, res)
+        mid = args.steps // 2
+        shutil.rmtree(res / "checkpoints" / f"step_{args.steps:06d}")
+        (res / "checkpoints" / "latest").write_text(f"step_{mid:06d}")
+        (res / "metrics.jsonl").unlink()
+        run(train_cmd(engine, res, args, "resume=true"), args.out / f"{engine}_resume.log")
+        resumed = losses(res)
+        entry["resume_max_abs_diff"] = max(
+            abs(resumed[s]["loss"] - full[s]["loss"]) for s in resumed
+        )
+        entry["resume_steps"] = sorted(resumed)
+    return entry, export_format(out)
 
 
 def main() -> None:
@@ -121,6 +153,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--work", type=Path, default=Path("/tmp/d1"))
+    ap.add_argument("--skip-baseline-resume", action="store_true")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
@@ -131,30 +164,12 @@ def main() -> None:
     engines = ["1gpu", *[e for e in args.engines.split(",") if e]]
     base_fmt = None
     for engine in engines:
-        out = args.work / engine
-        shutil.rmtree(out, ignore_errors=True)
-        wall = run(train_cmd(engine, out, args), args.out / f"{engine}.log")
-        full = losses(out)
-        # Resume: restart from the mid-run checkpoint as after a kill there.
-        res = args.work / f"{engine}_resumed"
-        shutil.rmtree(res, ignore_errors=True)
-        shutil.copytree(out, res)
-        mid = args.steps // 2
-        shutil.rmtree(res / "checkpoints" / f"step_{args.steps:06d}")
-        (res / "checkpoints" / "latest").write_text(f"step_{mid:06d}")
-        (res / "metrics.jsonl").unlink()
-        run(train_cmd(engine, res, args, "resume=true"), args.out / f"{engine}_resume.log")
-        resumed = losses(res)
-        fmt = export_format(out)
-        shutil.copy(out / "metrics.jsonl", args.out / f"{engine}_metrics.jsonl")
-        tok_s = [full[s]["tokens_per_s"] for s in sorted(full) if s > 5]
-        entry = {
-            "wall_s": wall,
-            "losses": [full[s]["loss"] for s in sorted(full)],
-            "tokens_per_s": sum(tok_s) / len(tok_s),
-            "resume_max_abs_diff": max(abs(resumed[s]["loss"] - full[s]["loss"]) for s in resumed),
-            "resume_steps": sorted(resumed),
-        }
+        try:
+            entry, fmt = check_engine(engine, args)
+        except (SystemExit, subprocess.SubprocessError) as e:  # record it, go on
+            results["runs"][engine] = {"error": str(e)[-2000:]}
+            print(f"{engine} failed: {str(e)[-600:]}")
+            continue
         if base_fmt is None:
             base_fmt = fmt
         else:
@@ -176,10 +191,13 @@ def main() -> None:
         f"{'resume |dL|':>11} {'export fmt':>10}"
     )
     for engine, e in results["runs"].items():
+        if "error" in e:
+            print(f"{engine:8} failed (see {engine}.log)")
+            continue
         gpus = 1 if engine == "1gpu" else 2
         print(
             f"{engine:8} {gpus:>4} {e['tokens_per_s']:>9.0f} {e['tokens_per_s'] / b:>7.2f} "
-            f"{e.get('match_max_rel_diff', 0.0):>19.4f} {e['resume_max_abs_diff']:>11.2e} "
+            f"{e.get('match_max_rel_diff', 0.0):>19.4f} {e.get('resume_max_abs_diff', float('nan')):>11.2e} "
             f"{str(e.get('export_same_format', True)):>10}"
         )
 

@@ -93,3 +93,37 @@ def test_two_gloo_processes_match_one_process_and_resume(train_env, tmp_path):
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_zero3_config_does_not_partition_the_target():
+    """With a ZeRO-3 config registered, transformers would build the frozen target inside
+    `deepspeed.zero.Init` (partitioned, through collectives); the trainer loads it whole."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DeepSpeedPlugin
+    from transformers.integrations import is_deepspeed_zero3_enabled, unset_hf_deepspeed_config
+
+    from drafttrain.distributed import replicated_loading
+
+    plugin = DeepSpeedPlugin(hf_ds_config=str(REPO / "configs" / "deepspeed" / "zero3.json"))
+    plugin.set_deepspeed_weakref()
+    try:
+        assert is_deepspeed_zero3_enabled()
+        with replicated_loading(SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin))):
+            assert not is_deepspeed_zero3_enabled()
+        assert is_deepspeed_zero3_enabled()
+    finally:
+        unset_hf_deepspeed_config()
+
+
+def test_deepspeed_on_cpu_is_a_one_line_error(train_env, tmp_path):
+    from drafttrain.errors import ConfigError
+
+    cfg = compose_preset(
+        "eagle3",
+        _overrides(train_env, tmp_path / "ds") + ["trainer.deepspeed=configs/deepspeed/zero2.json"],
+    )
+    with pytest.raises(ConfigError, match="needs CUDA GPUs") as e:
+        train(cfg)
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "ds").exists()
