@@ -14,7 +14,8 @@ Layout: `<output_dir>/checkpoints/step_000100/` holding
 
 Atomicity: everything is written into `step_N.tmp/` and renamed in one `os.replace`, then
 `latest` is replaced; a run killed at any instant leaves either the old or the new
-checkpoint, never half of one. Nothing is unpickled on load.
+checkpoint, never half of one. Nothing of ours is unpickled on load (an `engine/` folder is
+the engine's own format, read by `accelerator.load_state`).
 """
 
 from __future__ import annotations
