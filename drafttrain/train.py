@@ -115,15 +115,10 @@ def evaluate(
     cfg: TrainConfig, objective, target: FrozenTarget, tokenizer, device, pad_id: int
 ) -> dict[str, float]:
     """Mean objective metrics over `eval_batches` batches of the held-out split."""
-    from dataclasses import replace
+    from drafttrain.data import collate, held_out_batches
 
-    from drafttrain.data import collate, length_bucketed_batches, load_data, tokenize_dataset
-
-    dcfg = replace(cfg.data, split=cfg.data.eval_split, max_samples=None)
-    data = tokenize_dataset(load_data(dcfg), tokenizer, dcfg)
-    batches = length_bucketed_batches(
-        list(data["length"]), cfg.data.batch_size, cfg.seed, 0, shuffle=False
-    )[: cfg.data.eval_batches]
+    data, batches = held_out_batches(cfg.data, tokenizer, cfg.seed)
+    target = target.for_split("eval")  # a feature cache reads its eval part
     objective.drafter.eval()
     sums: dict[str, float] = {}
     weight = 0.0
@@ -180,6 +175,10 @@ def _setup(cfg: TrainConfig, run_dir: Path, device):
     data = prepare_data(cfg, tokenizer)
     cache_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else run_dir / "cache"
     drafter = spec.init_drafter(cfg.drafter, InitContext(target, tokenizer, data, cache_dir))
+    if cfg.data.cache:  # read features from an offline cache; the target is never run
+        from drafttrain.cache import CachedTarget
+
+        target = CachedTarget.open(cfg, target, tokenizer, data, drafter.config.features)
     return spec, tokenizer, target, data, drafter
 
 
