@@ -6,8 +6,10 @@ bounded; bytes per token are exact.
 
 Tolerances: a float32 cache of the (fp32, on CPU) target stores the live target's features
 exactly, so per-step losses differ only by the batch-shape dependence of the target's own
-matmuls (writer batches vs training batches): 1e-4 relative. A bfloat16 cache rounds every
-feature and the head input once (2^-9 relative): 2e-2 relative on each step's loss.
+matmuls (writer batches vs training batches): 1e-4 relative (measured: 2e-7 eagle3 and
+ptd, 0 mtp). A bfloat16 cache rounds every feature and the head input once (2^-9 relative):
+1e-3 relative on each step's loss (measured 4e-5). A float8 cache's features are checked
+against the fp8 rounding bound (training from it: 1.2e-3 relative, measured, not asserted).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ def cfg_for(kind: str, out: Path, *extra: str):
     return compose_preset(KIND_PRESET[kind], overrides(kind, out, *extra))
 
 
+EVAL = ("data.eval_split=test", "data.eval_batches=2")
 _CACHES: dict[tuple, Path] = {}
 
 
@@ -78,6 +81,22 @@ def cache_of(tmp_path_factory):
 
     yield get
     _CACHES.clear()
+
+
+@pytest.fixture(scope="module")
+def online(tmp_path_factory):
+    """`online(kind)` -> the summary of online training (eagle3 also evaluates): run once per
+    module. Held-out evaluation runs after the last step, and `cache.*` does not enter online
+    training, so every test of a kind compares against the same per-step losses."""
+    runs: dict[str, dict] = {}
+
+    def get(kind: str) -> dict:
+        if kind not in runs:
+            extra = EVAL if kind == "eagle3" else ()
+            runs[kind] = train(cfg_for(kind, tmp_path_factory.mktemp(f"online_{kind}"), *extra))
+        return runs[kind]
+
+    return get
 
 
 def forbid_target_forward(monkeypatch) -> None:
@@ -100,11 +119,17 @@ def _rel_diff(a: list[float], b: list[float]) -> float:
 
 
 # ---- (1) + (2): same losses as online training, and the target never runs -------------------
-@pytest.mark.parametrize("kind", ["eagle3", "ptd", "mtp"])
-def test_float32_cache_matches_online_training(kind, cache_of, tmp_path, monkeypatch):
-    extra = ["data.eval_split=test", "data.eval_batches=2"] if kind == "eagle3" else []
-    root = cache_of(kind, "float32", *extra)
-    online = train(cfg_for(kind, tmp_path / "online", "cache.dtype=float32", *extra))
+@pytest.mark.parametrize(
+    "kind, cache_kind, extra",
+    [("eagle3", "eagle3", EVAL), ("ptd", "eagle3", ()), ("mtp", "mtp", ())],
+    ids=["eagle3", "ptd-from-eagle3-cache", "mtp"],
+)
+def test_float32_cache_matches_online_training(
+    kind, cache_kind, extra, cache_of, online, tmp_path, monkeypatch
+):
+    """ptd consumes the same taps as eagle3, so it trains from the eagle3 cache."""
+    root = cache_of(cache_kind, "float32", *EVAL)
+    online = online(kind)
     forbid_target_forward(monkeypatch)
     cached = train(
         cfg_for(kind, tmp_path / "cached", "cache.dtype=float32", f"data.cache={root}", *extra)
@@ -120,13 +145,13 @@ def test_float32_cache_matches_online_training(kind, cache_of, tmp_path, monkeyp
         assert cached[k] == pytest.approx(online[k], rel=1e-4, abs=1e-6), k
 
 
-def test_bfloat16_cache_losses_close_to_online(cache_of, tmp_path, monkeypatch):
+def test_bfloat16_cache_losses_close_to_online(cache_of, online, tmp_path, monkeypatch):
     root = cache_of("eagle3", "bfloat16")
-    online = train(cfg_for("eagle3", tmp_path / "online"))
+    online = online("eagle3")
     forbid_target_forward(monkeypatch)
     cached = train(cfg_for("eagle3", tmp_path / "cached", f"data.cache={root}"))
     diff = _rel_diff(online["losses"], cached["losses"])
-    assert 0 < diff < 2e-2, (online["losses"], cached["losses"])
+    assert 0 < diff < 1e-3, (online["losses"], cached["losses"])
 
 
 # ---- (3) resume after an interrupted write ---------------------------------------------------
@@ -272,26 +297,40 @@ def test_fp8_round_trip_error_is_bounded():
     assert (y1[:, 0] == 0).float().mean() > 0.5
 
 
-def test_fp8_cache_reads_close_to_float32_cache(cache_of):
-    exact, fp8 = cache_of("mtp", "float32"), cache_of("mtp", "float8")
-    sizes = {}
-    for root in (exact, fp8):
-        m = read_manifest(root)
-        s = m["splits"]["train"]
-        sizes[m["layout"]["dtype"]] = sum(e["bytes"] for e in s["shards"]) / s["num_tokens"]
-    H = 256  # zoo:llama-tiny; mtp stores its post-norm final hidden only (S = 1)
-    assert bytes_per_token(H, 1, "float32")["total"] == 4 * H + 4
-    assert bytes_per_token(H, 1, "float8")["total"] == H + 4 + 4
-    for dtype, per in sizes.items():  # measured = per-token tensors + per-sample overhead
-        assert 0 < per - bytes_per_token(H, 1, dtype)["total"] < 8, (dtype, per)
-    from safetensors.torch import load_file
+def test_fp8_cache_reads_close_to_float32_cache(cache_of, tmp_path):
+    """What training gets from a float8 cache, against a float32 cache of the same data:
+    features within the fp8 bound (per segment scales, also for segments asked for out of
+    order), the same positions and padding, and nearly the same target distribution."""
+    from draftinfer.target import FeatureSpec
+    from drafttrain.train import BatchStream, _setup
 
-    a = load_file(str(exact / "train" / "shard_00000.safetensors"))
-    b = load_file(str(fp8 / "train" / "shard_00000.safetensors"))
-    assert torch.equal(a["offsets"], b["offsets"]) and torch.equal(a["rope_pos"], b["rope_pos"])
-    y = decode(b["hidden"], b["scale"], 1, torch.float32)
-    bound = torch.maximum(a["hidden"].abs() * 2**-4, b["scale"] * 2**-10)
-    assert ((y - a["hidden"]).abs() <= bound * (1 + 1e-6)).all()
+    exact, fp8 = cache_of("eagle3", "float32", *EVAL), cache_of("eagle3", "float8")
+    H, S = 256, 4  # zoo:llama-tiny; eagle3 stores 3 taps + the pre-norm final hidden
+    for root, dtype in ((exact, "float32"), (fp8, "float8")):
+        s = read_manifest(root)["splits"]["train"]
+        per = sum(e["bytes"] for e in s["shards"]) / s["num_tokens"]
+        # measured = the per-token tensors + per-sample tensors and headers
+        assert 0 < per - bytes_per_token(H, S, dtype)["total"] < 16, (dtype, per)
+    assert bytes_per_token(H, S, "float8")["total"] == S * H + 4 * S + 4
+    out = {}
+    for name, root, dtype in (("exact", exact, "float32"), ("fp8", fp8, "float8")):
+        cfg = cfg_for("eagle3", tmp_path / name, f"data.cache={root}", f"cache.dtype={dtype}")
+        _, _, target, data, _ = _setup(cfg, tmp_path / name, torch.device("cpu"))
+        batch = BatchStream(data, 4, 0, seed=0).next()
+        out[name] = target.batch_output(batch, FeatureSpec(layer_inputs=(5, 2)))
+    a, b = out["exact"], out["fp8"]
+    real = batch["attention_mask"].bool()
+    assert not real.all()  # the batch has padding
+    assert torch.equal(a.rope_pos, b.rope_pos) and a.features.shape == b.features.shape
+    assert not b.features[~real].any()
+    x, y = a.features[real].unflatten(-1, (2, H)), b.features[real].unflatten(-1, (2, H))
+    scale = x.abs().amax(-1, keepdim=True) / 448
+    bound = torch.maximum(x.abs() * 2**-4, scale * 2**-10)
+    assert ((y - x).abs() <= bound * (1 + 1e-4)).all()
+    p, q = torch.softmax(a.logits[real], -1), torch.softmax(b.logits[real], -1)
+    tv = 0.5 * (p - q).abs().sum(-1)  # total variation per token
+    assert tv.mean() < 0.02 and tv.max() < 0.1, (tv.mean(), tv.max())  # measured 0.006, 0.021
+    assert b.inputs_embeds.shape == (*real.shape, 0)
 
 
 def test_bytes_per_token_llama3_8b():
@@ -327,26 +366,34 @@ def test_cache_cli_writes_and_reports(tmp_path):
     assert "bytes/token (stored tensors): hidden 256, scale 4, rope_pos 4 = 264" in r.stdout
     m = json.loads((root / MANIFEST).read_text())
     assert m["complete"] and m["layout"]["segments"] == ["final_hidden.post_norm"]
-    bad = subprocess.run(
-        [sys.executable, "-m", "drafttrain.cache", "conf=mtp3", *args, "cache.dtype=int4"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=300,
-    )
-    assert bad.returncode == 2
-    assert [ln for ln in bad.stderr.splitlines() if ln.startswith("error:")] == [
-        "error: cache.dtype must be one of ['bfloat16', 'float32', 'float8'], got 'int4'"
-    ]
+    with pytest.raises(ConfigError) as e:  # the CLI prints this one line and exits 2
+        write_cache(cfg_for("mtp", tmp_path / "w", "cache.dtype=int4"))
+    _one_line(e, "cache.dtype must be one of ['bfloat16', 'float32', 'float8'], got 'int4'")
+    assert not (tmp_path / "w" / "feature_cache").exists()
 
 
-def test_cached_target_is_the_training_target(cache_of, tmp_path):
-    """`_setup` swaps in the cache, and only the target's head modules are kept."""
+@pytest.mark.parametrize("kind", ["eagle3", "mtp"])
+def test_cached_target_frees_the_target_body(kind, cache_of, tmp_path, monkeypatch):
+    """`_setup` swaps in the cache after the drafter's initialisation, and keeps only the
+    target's final norm and output embedding: its decoder layers are freed."""
+    import gc
+    import weakref
+
     from drafttrain.train import _setup
 
-    root = cache_of("eagle3", "bfloat16")
-    cfg = cfg_for("eagle3", tmp_path / "run", f"data.cache={root}")
-    _, _, target, _, drafter = _setup(cfg, tmp_path / "run", torch.device("cpu"))
+    refs = []
+    init = FrozenTarget.__init__
+
+    def spy(self, *a, **k):
+        init(self, *a, **k)
+        refs.append((weakref.ref(self), [weakref.ref(layer) for layer in self.layers]))
+
+    monkeypatch.setattr(FrozenTarget, "__init__", spy)
+    root = cache_of(kind, "float32", *EVAL)
+    cfg = cfg_for(kind, tmp_path / "run", f"data.cache={root}", "cache.dtype=float32")
+    _, _, target, _, _ = _setup(cfg, tmp_path / "run", torch.device("cpu"))
+    gc.collect()
     assert isinstance(target, CachedTarget)
-    assert not hasattr(target, "model")
-    assert drafter.config.features.layer_inputs == (2, 4, 5)
+    [(frozen, layers)] = refs
+    assert frozen() is None and all(r() is None for r in layers)
+    assert target.head.lm_head.weight.shape == (4096, 256)

@@ -33,6 +33,7 @@ from drafttrain.cache.format import (
     read_manifest,
     sha256_file,
     shard_name,
+    storage_dtype,
     write_atomic,
     write_manifest,
 )
@@ -76,16 +77,18 @@ def _encode_shard(
         out = target.forward(batch["input_ids"], batch_slots(batch), ask)
         if check_head and lo == 0:
             _check_head(head, out, batch["attention_mask"].bool(), layout)
-        enc = encode(out.features.flatten(0, 1), S, layout.dtype)  # [B*T, S*H]
+        # Encoded on the target's device, copied to the host once per batch.
+        enc = {k: v.cpu() for k, v in encode(out.features.flatten(0, 1), S, layout.dtype).items()}
         T = batch["input_ids"].shape[1]
         pos = out.rope_pos if layout.rope_axes > 1 else out.rope_pos[None]  # [A, B, T]
+        pos = pos.cpu().to(torch.int32)
         for b, i in enumerate(idx):
             a, n = int(offsets[i]), lengths[i]
-            for name, t in enc.items():
+            for name, t in enc.items():  # hidden [B*T, S*H], scale [B*T, S]
                 if name not in parts:
                     parts[name] = torch.zeros(N, t.shape[-1], dtype=t.dtype)
-                parts[name][a : a + n] = t[b * T : b * T + n].cpu()
-            rope[:, a : a + n] = pos[:, b, :n].cpu().to(torch.int32)
+                parts[name][a : a + n] = t[b * T : b * T + n]
+            rope[:, a : a + n] = pos[:, b, :n]
         bar.update(len(idx))
     return {
         **{k: v.contiguous() for k, v in parts.items()},
@@ -133,6 +136,7 @@ def write_cache(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)
     spec = train_spec(getattr(cfg.drafter, "kind", None) or "")
+    storage_dtype(cfg.cache.dtype)
     root = cache_root(cfg)
     if cfg.data.cache:
         raise ConfigError("data.cache is what training reads; the cache writer writes cache.dir")
@@ -181,6 +185,7 @@ def write_cache(cfg: TrainConfig) -> dict[str, Any]:
             cfg.cache.shard_tokens,
             old.get("shard_tokens"),
         )
+        want["splits"], have["splits"] = sorted(splits), sorted(old["splits"])
         for split in splits:
             want.update(manifest["splits"][split]["fingerprint"])
             have.update(old["splits"].get(split, {}).get("fingerprint", {}))
