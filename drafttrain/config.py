@@ -72,8 +72,14 @@ class DataConfig:
     eval_split: str | None = None
     eval_batches: int = 16
     # Where tokenized data and the draft vocabulary are cached (null: `<output_dir>/cache`).
+    # Not to be confused with `cache` below.
     cache_dir: str | None = None
     num_proc: int = 1
+    # An offline feature cache (a directory written by `python -m drafttrain.cache`) to read
+    # the target's features and distribution from instead of running the target (null: run
+    # the target). It must have been written with this config's target, drafter features,
+    # data and `cache.dtype` (checked at setup). See `CacheConfig` and docs/training.md.
+    cache: str | None = None
 
 
 @dataclass
@@ -137,6 +143,25 @@ class ExportConfig:
 
 
 @dataclass
+class CacheConfig:
+    """The offline feature cache (`drafttrain.cache`): what `python -m drafttrain.cache`
+    writes, and how training checks it when it reads one (`data.cache=DIR`)."""
+
+    # Where the writer puts the cache (null: `<output_dir>/feature_cache`).
+    dir: str | None = None
+    # Storage dtype of the hidden states: "bfloat16", "float8" (float8_e4m3fn with one fp32
+    # scale per token per H-wide feature) or "float32" (exact; for tests and debugging).
+    dtype: str = "bfloat16"
+    # Tokens per shard (whole samples; a sample longer than this is a shard of its own).
+    shard_tokens: int = 32768
+    # Sequences per target forward while writing (null: `data.batch_size`).
+    batch_size: int | None = None
+    # Training checks every shard's sha256 at setup, before it writes anything (false: only
+    # sizes and headers, which skips reading a very large cache once per run).
+    verify: bool = True
+
+
+@dataclass
 class TrainConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     drafter: Any = None  # a DrafterTrainConfig subclass, chosen by the `drafter/` group
@@ -144,6 +169,7 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
     output_dir: str = "outputs/run"
     seed: int = 0
     resume: bool = False

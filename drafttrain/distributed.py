@@ -114,10 +114,15 @@ class ObjectiveModule(nn.Module):
     def __init__(self, objective, target):
         super().__init__()
         self.drafter = objective.drafter
-        self._run = (objective, target)  # a tuple: not registered as submodules
+        self._run = (objective, target, target)  # a tuple: not registered as submodules
+
+    def use_split(self, split: str) -> None:
+        """Batches come from `split` ("train" / "eval"): a feature cache reads that part."""
+        objective, base, _ = self._run
+        self._run = (objective, base, base.for_split(split))
 
     def forward(self, batch: dict[str, torch.Tensor]):
-        objective, target = self._run
+        objective, _, target = self._run
         return objective(batch, target.batch_output(batch, objective.drafter.config.features))
 
 

@@ -7,6 +7,8 @@ A spec answers what `train(cfg)` needs and nothing in `train.py` names a kind:
   with Hydra as `drafter/<kind>_schema`;
 - `init_drafter(cfg, ctx)`: the drafter module, its architecture derived from the target
   (`ctx.target.info`, its config) and initialised (shared embeddings, draft vocabulary, ...);
+- `features(cfg, ctx)`: the drafter's `FeatureSpec` (what it consumes from the target), which
+  the offline feature cache (`drafttrain.cache`) writes without building the drafter;
 - `objective(drafter, cfg, backend)`: the training objective, a callable
   `(batch, TargetOutput) -> (loss, metrics)` with `checkpoint_meta()` (what the export
   records, incl. `serving_k`, the draft length it advertises) and
@@ -21,6 +23,7 @@ from typing import Any, ClassVar
 
 from draftinfer.errors import ConfigError
 from draftinfer.registry import KindRegistry
+from draftinfer.target import FeatureSpec
 
 
 @dataclass
@@ -38,6 +41,11 @@ class TrainSpec:
 
     def init_drafter(self, cfg: Any, ctx: InitContext):
         raise NotImplementedError
+
+    def features(self, cfg: Any, ctx: InitContext) -> FeatureSpec:
+        """What the drafter consumes from the target. A kind that can derive its
+        architecture without building the drafter (vocabulary, weights) overrides this."""
+        return self.init_drafter(cfg, ctx).config.features
 
     def objective(self, drafter, cfg: Any, backend: str):
         return self.objective_class(drafter, cfg, backend)

@@ -190,6 +190,11 @@ class FrozenTarget:
         `position_ids`; `index` = dataset rows, which only a feature cache reads)."""
         return self.forward(batch["input_ids"], batch_slots(batch), features)
 
+    def for_split(self, split: str) -> FrozenTarget:
+        """The target for the rows of a dataset split: the live target answers any batch (a
+        feature cache, `drafttrain.cache.CachedTarget`, answers only the splits it stored)."""
+        return self
+
     def rope_positions(self, cache_pos: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         pos = cache_pos.clamp(min=0)
         return pos if self.info.rope_axes == 1 else pos[None].expand(3, *pos.shape)

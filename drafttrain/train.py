@@ -124,16 +124,12 @@ def evaluate(
 ) -> dict[str, float]:
     """Mean objective metrics over `eval_batches` batches of the held-out split (every rank
     scores its rows of each batch; the metrics are over the whole batch)."""
-    from dataclasses import replace
-
-    from drafttrain.data import collate, length_bucketed_batches, load_data, tokenize_dataset
+    from drafttrain.data import collate, held_out_batches
 
     rank, world = accelerator.process_index, accelerator.num_processes
-    dcfg = replace(cfg.data, split=cfg.data.eval_split, max_samples=None)
-    data = tokenize_dataset(load_data(dcfg), tokenizer, dcfg)
-    batches = length_bucketed_batches(
-        list(data["length"]), cfg.data.batch_size, cfg.seed, 0, shuffle=False
-    )[: cfg.data.eval_batches]
+    data, batches = held_out_batches(cfg.data, tokenizer, cfg.seed)
+    module = accelerator.unwrap_model(wrapped)
+    module.use_split("eval")  # a feature cache reads its eval part
     wrapped.eval()
     sums: dict[str, float] = {}
     weight = 0.0
@@ -147,6 +143,7 @@ def evaluate(
         weight += w
         for k, v in m.items():
             sums[k] = sums.get(k, 0.0) + v * w
+    module.use_split("train")
     return {f"eval_{k}": v / max(weight, 1.0) for k, v in sums.items()}
 
 
@@ -191,6 +188,10 @@ def _setup(cfg: TrainConfig, run_dir: Path, device):
     data = prepare_data(cfg, tokenizer)
     cache_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else run_dir / "cache"
     drafter = spec.init_drafter(cfg.drafter, InitContext(target, tokenizer, data, cache_dir))
+    if cfg.data.cache:  # read features from an offline cache; the target is never run
+        from drafttrain.cache import CachedTarget
+
+        target = CachedTarget.open(cfg, target, tokenizer, data, drafter.config.features)
     return spec, tokenizer, target, data, drafter
 
 

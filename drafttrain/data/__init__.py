@@ -5,7 +5,7 @@ padding collation) and `vocab` (d2t / t2d). `datasets` is imported lazily, so im
 package (e.g. for `draft_to_target_ids`) stays cheap.
 """
 
-from drafttrain.data.batching import collate, length_bucketed_batches
+from drafttrain.data.batching import collate, held_out_batches, length_bucketed_batches
 from drafttrain.data.chat import (
     assistant_spans,
     end_of_turn_marker,
@@ -32,6 +32,7 @@ __all__ = [
     "draft_to_target_ids",
     "draft_vocab_from_counts",
     "end_of_turn_marker",
+    "held_out_batches",
     "length_bucketed_batches",
     "load_chat_dataset",
     "load_data",

@@ -52,6 +52,22 @@ def length_bucketed_batches(
     return batches
 
 
+def held_out_batches(cfg, tokenizer, seed: int):
+    """The held-out split `cfg.eval_split` (all of it, `max_samples` ignored), tokenized, and
+    the first `cfg.eval_batches` length-bucketed batches, in order (what evaluation runs and
+    what the offline feature cache stores for it). `cfg` is a `DataConfig`."""
+    from dataclasses import replace
+
+    from drafttrain.data.chat import load_data, tokenize_dataset
+
+    dcfg = replace(cfg, split=cfg.eval_split, max_samples=None)
+    data = tokenize_dataset(load_data(dcfg), tokenizer, dcfg)
+    batches = length_bucketed_batches(list(data["length"]), cfg.batch_size, seed, 0, shuffle=False)[
+        : cfg.eval_batches
+    ]
+    return data, batches
+
+
 def collate(examples: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad `examples` to the longest one (`T = max_i T_i`).
 

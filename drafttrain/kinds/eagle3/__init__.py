@@ -23,6 +23,9 @@ class Eagle3TrainSpec(TrainSpec):
         """The drafter architecture for `ctx.target` (the kind's config class)."""
         return drafter_config_from_target(cfg, ctx.target, drafter_spec(self.name).config_class)
 
+    def features(self, cfg, ctx: InitContext):
+        return self.arch(cfg, ctx).features
+
     def init_drafter(self, cfg, ctx: InitContext):
         arch = self.arch(cfg, ctx)
         d2t, t2d = load_or_build_draft_vocab(

@@ -56,6 +56,9 @@ class MTPTrainSpec(TrainSpec):
             block="native" if info.family in TARGET_MODELS else "hf",
         )
 
+    def features(self, cfg: MTPTrainConfig, ctx: InitContext):
+        return self.arch(cfg, ctx).features
+
     @torch.no_grad()
     def init_drafter(self, cfg: MTPTrainConfig, ctx: InitContext):
         spec = drafter_spec(self.name)

@@ -1,0 +1,62 @@
+"""`python -m drafttrain.cache conf=<preset> key=value ...`: write the offline feature cache
+of a training config (the same presets and overrides as `python -m drafttrain`) into
+`cache.dir` (default `<output_dir>/feature_cache`), then print where it is and its bytes per
+token: the exact per-token size of the stored tensors, and the measured shard bytes / tokens.
+Train from it with `python -m drafttrain conf=<preset> ... data.cache=<dir>`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from drafttrain.__main__ import (
+    CONF_DIR,
+    DEFAULT_PRESET,
+    register_configs,
+    rewrite_argv,
+    to_train_config,
+)
+from drafttrain.errors import DraftError
+
+
+def format_summary(summary: dict) -> str:
+    lay, bpt = summary["layout"], summary["bytes_per_token"]
+    lines = [
+        f"feature cache: {summary['dir']}",
+        f"  segments ({lay['dtype']}, H={lay['hidden_size']}): {', '.join(lay['segments'])}",
+        "  bytes/token (stored tensors): "
+        + ", ".join(f"{k} {v}" for k, v in bpt.items() if k != "total")
+        + f" = {bpt['total']}",
+    ]
+    for split, s in summary["splits"].items():
+        per = s["bytes"] / max(s["tokens"], 1)
+        lines.append(
+            f"  {split}: {s['samples']} samples, {s['tokens']} tokens, {s['shards']} shards, "
+            f"{s['bytes']} bytes = {per:.1f} bytes/token measured"
+        )
+    return "\n".join(lines)
+
+
+@hydra.main(config_path=CONF_DIR, config_name=DEFAULT_PRESET, version_base="1.3")
+def _hydra_main(cfg: DictConfig) -> None:
+    from drafttrain.cache.writer import write_cache
+
+    try:
+        summary = write_cache(to_train_config(cfg))
+    except DraftError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(format_summary(summary))
+
+
+def main() -> None:
+    register_configs()
+    sys.argv = [sys.argv[0], *rewrite_argv(sys.argv[1:])]
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()
