@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from draftinfer.models import TARGET_MODELS, load_native_target
-from draftinfer.models.qwen3_vl import Qwen3VLForConditionalGeneration
+from draftinfer.models.qwen3_vl import Qwen3VLForConditionalGeneration, encode_images, rope_index
 from draftinfer.slots import Slots
 from draftinfer.target import FeatureSpec, TargetInputs
 from tests.utils import assert_close
@@ -178,6 +178,8 @@ def test_rope_index_is_transformers_table(vl_dir):
         ids, (ids == IMG).int(), grid, attention_mask=mask
     )
     assert torch.equal(rope_pos, ref_pos) and delta.tolist() == ref_delta[:, 0].tolist()
+    pos2, delta2 = rope_index(model.config.hf_config, ids, (ids == IMG).int(), grid, mask)
+    assert torch.equal(pos2, rope_pos) and torch.equal(delta2, delta)
     # Hand-checked: the [1,4,6] image of request 1 starts at 4 (after 3 text + vision start);
     # its 2x3 merged grid spans H 4..5, W 4..6; the text after it resumes at 4 + max(4,6)//2.
     r1 = rope_pos[:, 1, 4:10]
@@ -185,6 +187,22 @@ def test_rope_index_is_transformers_table(vl_dir):
     assert rope_pos[:, 1, 10:12].tolist() == [[7, 8]] * 3  # vision end at 7, then text
     # delta = max position + 1 - length: 12 - 15 (request 1), 16 - 21 (request 2).
     assert delta.tolist() == [0, -3, -5]
+
+
+def test_encode_images_is_transformers_tower(vl_dir):
+    """The rows `extra` carries: HF's merged image embeddings and DeepStack features (all
+    three images in one call, rows in image order), from the native target's own copy of the
+    tower or from HF's."""
+    model, hf = native(vl_dir), hf_model(str(vl_dir))
+    grid = torch.tensor([g for grids in GRIDS for g in grids])
+    pix = torch.cat([p for p in pixels() if p is not None])
+    ref = hf.model.get_image_features(pix, grid)
+    ref_embeds = torch.cat(ref.pooler_output)
+    ref_ds = torch.stack([torch.cat(level) for level in ref.deepstack_features])
+    for embeds, ds in [model.encode_images(pix, grid), encode_images(hf.model.visual, pix, grid)]:
+        assert embeds.shape == (4 + 6 + 6, H) and ds.shape == (N_DS, 16, H)
+        assert_close(embeds, ref_embeds)
+        assert_close(ds, ref_ds)
 
 
 def test_prefill_and_greedy_decode_equal_hf(vl_dir):
