@@ -15,7 +15,7 @@ import functools
 import pytest
 import torch
 
-from draftinfer.models import TARGET_MODELS, load_native_target
+from draftinfer.models import TARGET_MODELS, greedy_generate, load_native_target
 from draftinfer.models.qwen3_vl import Qwen3VLForConditionalGeneration, encode_images, rope_index
 from draftinfer.slots import Slots
 from draftinfer.target import FeatureSpec, TargetInputs
@@ -167,6 +167,22 @@ def test_registered_and_config_facts(vl_dir):
     hf = hf_model(str(vl_dir))
     assert torch.equal(model.embed_tokens.weight, hf.get_input_embeddings().weight)
     assert not any(p.requires_grad for p in model.parameters())
+    # A text-only request through the plain greedy loop (RoPE from `rope_positions`, delta 0).
+    hf.model.rope_deltas = None
+    ref = hf.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=8, do_sample=False)
+    assert greedy_generate(model, [PROMPTS[0]], 8) == [ref[0, len(PROMPTS[0]) :].tolist()]
+    # bf16: the vision tower and the decoder both cast; an image forward stays finite.
+    bf = load_native_target(vl_dir, "cpu", torch.bfloat16, 1, 32)
+    grid = torch.tensor(GRIDS[1])
+    embeds, ds = bf.encode_images(pixels()[1], grid)
+    assert embeds.dtype == ds.dtype == torch.bfloat16
+    ids = torch.tensor([PROMPTS[1]])
+    pos, _ = bf.rope_index(ids, image_grid_thw=grid)
+    extra = {"image_embeds": embeds, "deepstack": ds, "visual_mask": ids == IMG}
+    out = bf(
+        TargetInputs(ids, extra), Slots(torch.tensor([0]), torch.arange(ids.shape[1])[None], pos)
+    )
+    assert out.logits.dtype == torch.float32 and torch.isfinite(out.logits).all()
 
 
 def test_rope_index_is_transformers_table(vl_dir):
