@@ -27,6 +27,7 @@ from draftinfer.models.llama import (
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
 )
+from draftinfer.models.qwen3_vl import Qwen3VLForConditionalGeneration
 from draftinfer.paths import resolve_path
 from draftinfer.slots import Slots, attn_bucket
 
@@ -35,6 +36,7 @@ TARGET_MODELS: dict[str, type[NativeCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,
 }
 
 SAFE_SINGLE = "model.safetensors"
