@@ -119,7 +119,12 @@ def evaluate(
 
     from drafttrain.data import collate, length_bucketed_batches, load_data, tokenize_dataset
 
-    dcfg = replace(cfg.data, split=cfg.data.eval_split, max_samples=None)
+    dcfg = replace(
+        cfg.data,
+        path=cfg.data.eval_path or cfg.data.path,
+        split=cfg.data.eval_split,
+        max_samples=None,
+    )
     data = tokenize_dataset(load_data(dcfg), tokenizer, dcfg)
     batches = length_bucketed_batches(
         list(data["length"]), cfg.data.batch_size, cfg.seed, 0, shuffle=False
