@@ -2,7 +2,8 @@
 native greedy == transformers' greedy `generate`; the turn logic (multi-turn conditioning,
 `turns=last`, skips); SIGKILL mid-run + rerun == an uninterrupted run, row for row; one-line
 errors that write nothing (no chat template, missing data, another config against an existing
-output, a misspelled key); the output loads with `datasets` and with `load_data`."""
+output, a misspelled key); the output loads with `datasets` and with `load_data`;
+`data.eval_path` keeps verification on the original held-out split."""
 
 from __future__ import annotations
 
@@ -392,3 +393,25 @@ def test_output_loads_with_datasets_and_load_data(reference_run, tokenizer):
         assert [m for m in a if m["role"] != "assistant"] == [
             m for m in b if m["role"] != "assistant"
         ]
+
+
+def test_eval_path_points_verification_at_the_original_data(monkeypatch, tmp_path):
+    """`data.eval_path` moves the job's verification prompts (and held-out evaluation) off
+    `data.path`, so a run on a regenerated train split verifies on the original test split."""
+    import draftinfer.run as runner
+    from drafttrain.job import verify
+    from tests.test_config import compose_preset
+
+    seen = {}
+
+    def fake_run_eval(icfg):
+        seen.update(prompts=icfg.prompts, split=icfg.prompts_split)
+        Path(icfg.report).with_suffix(".png").write_bytes(b"")
+        return {}
+
+    monkeypatch.setattr(runner, "run_eval", fake_run_eval)
+    monkeypatch.setattr(runner, "format_report", lambda report: "")
+    verify(compose_preset("eagle3", ["data.path=/data/regen", "data.eval_path=zoo:chat"]), tmp_path)
+    assert seen == {"prompts": "zoo:chat", "split": "test"}
+    verify(compose_preset("eagle3", ["data.path=/data/regen"]), tmp_path)
+    assert seen == {"prompts": "/data/regen", "split": "test"}

@@ -38,7 +38,7 @@ import torch
 from draftinfer.chat import normalize_messages
 from draftinfer.sampling import SamplingParams
 from drafttrain.data.chat import end_of_turn_marker, load_data
-from drafttrain.errors import DataError
+from drafttrain.errors import DataError, TargetError
 from drafttrain.regenerate.backends import (
     HFBackend,
     NativeBackend,
@@ -237,9 +237,17 @@ def _regenerate(cfg: RegenConfig) -> dict[str, Any]:
     backend_name = pick_backend(
         r.backend, target_path, cfg.target.trust_remote_code, cfg.target.revision
     )
-    hf_cfg = AutoConfig.from_pretrained(
-        target_path, revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code
-    )
+    try:
+        hf_cfg = AutoConfig.from_pretrained(
+            target_path,
+            revision=cfg.target.revision,
+            trust_remote_code=cfg.target.trust_remote_code,
+        )
+    except (OSError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise TargetError(
+            f"cannot load the config of {cfg.target.name_or_path!r}: {first}"
+        ) from None
     text_cfg = getattr(hf_cfg, "text_config", None) or hf_cfg
     limit = getattr(text_cfg, "max_position_embeddings", None)
     max_model_len = min(r.max_model_len, limit) if limit else r.max_model_len
