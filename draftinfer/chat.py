@@ -21,6 +21,11 @@ if TYPE_CHECKING:
 # Local file types and the `datasets` builder that reads each.
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
+# The manifest of a `python -m drafttrain.regenerate` output directory: loading such a
+# directory before every shard is written would silently train on part of the data.
+REGEN_MANIFEST = "manifest.json"
+REGEN_FORMAT = "drafttrain.regenerate/1"
+
 # ShareGPT speaker names -> chat roles.
 _SHAREGPT_ROLES = {
     "human": "user",
@@ -88,8 +93,29 @@ def _looks_local(path: str) -> bool:
     )
 
 
+def _check_regeneration(path: str) -> None:
+    """A regeneration output directory loads only once it is complete (one-line error)."""
+    import json
+
+    manifest = os.path.join(path, REGEN_MANIFEST)
+    if not os.path.isfile(manifest):
+        return
+    try:
+        m = json.loads(open(manifest, encoding="utf-8").read())
+    except (OSError, ValueError):
+        return  # not ours: an unrelated manifest.json
+    if isinstance(m, dict) and m.get("format") == REGEN_FORMAT and not m.get("complete"):
+        raise DataError(
+            f"{path!r} is an unfinished regeneration ({len(m.get('shards', []))} of "
+            f"{m.get('num_shards')} shards written); rerun python -m drafttrain.regenerate "
+            "with the same settings to finish it"
+        )
+
+
 def _local_load_args(path: str, split: str) -> dict[str, Any]:
     """`load_dataset` arguments for a local file or directory."""
+    if os.path.isdir(path):
+        _check_regeneration(path)
     if os.path.isfile(path):
         ext = os.path.splitext(path)[1].lower()
         if ext not in _BUILDERS:
@@ -115,7 +141,9 @@ def load_chat_dataset(
     """Load conversations as a `datasets.Dataset` with column `messages_field`.
 
     `name_or_path` is a hub id (with `name`, `split`), a local `.json`/`.jsonl`/`.parquet`
-    file, a local directory holding `{split}.jsonl` (or `.json`/`.parquet`), or `zoo:<name>`.
+    file, a local directory holding `{split}.jsonl` (or `.json`/`.parquet`) or files `datasets`
+    assigns to splits by name (e.g. `data/{split}-00000-of-00004.jsonl`, the layout of
+    `python -m drafttrain.regenerate`, which must be complete), or `zoo:<name>`.
     ShareGPT rows are normalized to role/content messages. `max_samples` keeps the first rows.
     """
     import datasets

@@ -112,7 +112,9 @@ def card_text(
                 key=lambda k: int(k.rsplit("_", 1)[1]),
             )
             lines += [
-                f"Held-out split `{cfg['data'].get('eval_split')}`: per-step top-1 accuracy "
+                f"Held-out split `{cfg['data'].get('eval_split')}`"
+                + (f" of `{cfg['data']['eval_path']}`" if cfg["data"].get("eval_path") else "")
+                + ": per-step top-1 accuracy "
                 + ", ".join(f"{evaluation[a]:.3f}" for a in accs)
                 + f"; simulated acceptance length {evaluation['eval_sim_al']:.3f}.",
                 "",

@@ -70,6 +70,9 @@ class DataConfig:
     batch_size: int = 8
     # Held-out split evaluated after training (null: none), and how many batches of it.
     eval_split: str | None = None
+    # Where `eval_split` lives (null: `path`); e.g. the original dataset when `path` is a
+    # regeneration of its train split. Also the source of the verification prompts.
+    eval_path: str | None = None
     eval_batches: int = 16
     # Where tokenized data and the draft vocabulary are cached (null: `<output_dir>/cache`).
     # Not to be confused with `cache` below.

@@ -23,9 +23,10 @@ from drafttrain.train import train
 
 
 def verify(cfg: TrainConfig, export_dir: str | Path, k: int | None = None) -> dict[str, Any]:
-    """Run `draftinfer` on the exported files (read back from disk) over held-out prompts at
-    `k` drafts per round (default `export.verify_k`): `runner_report.json` and `acceptance.png`
-    for `verify_k`, `runner_report_k{K}.json` for other K."""
+    """Run `draftinfer` on the exported files (read back from disk) over held-out prompts
+    (`data.eval_split` of `data.eval_path`, default `data.path`) at `k` drafts per round
+    (default `export.verify_k`): `runner_report.json` and `acceptance.png` for `verify_k`,
+    `runner_report_k{K}.json` for other K."""
     from draftinfer.config import InferConfig
     from draftinfer.run import format_report, run_eval
 
@@ -36,7 +37,7 @@ def verify(cfg: TrainConfig, export_dir: str | Path, k: int | None = None) -> di
     icfg = InferConfig(
         drafter=str(export_dir),
         target=cfg.target.name_or_path,
-        prompts=cfg.data.path,
+        prompts=cfg.data.eval_path or cfg.data.path,
         prompts_split=cfg.data.eval_split or cfg.data.split,
         num_prompts=e.verify_prompts,
         k=k,

@@ -4,6 +4,7 @@ greedy decode loop (the baseline speculative decoding must reproduce token for t
     model = load_native_target("path/to/llama", "cuda", torch.bfloat16, max_batch=8, max_seq_len=4096)
     out = model(input_ids, Slots(rows, cache_pos), FeatureSpec(layer_inputs=(2, 16, 29)))
     outs = greedy_generate(model, [[1, 2, 3], [1, 5]], max_new_tokens=64, eos_ids=model.config.eos_token_ids)
+    outs = sample_generate(model, prompts, 64, eos_ids, [SamplingParams(0.7, top_p=0.9, seed=1)] * 2)
 
 Checkpoints are read with safetensors only (`model.safetensors`, or shards listed by
 `model.safetensors.index.json`); pickled `.bin` weights are refused.
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,15 @@ from draftinfer.models.llama import (
 )
 from draftinfer.models.qwen3_vl import Qwen3VLForConditionalGeneration
 from draftinfer.paths import resolve_path
+from draftinfer.sampling import (
+    RoundKeys,
+    SamplingParams,
+    exponential_noise,
+    logits_to_probs,
+    sample_from_probs,
+    sampling_tensors,
+    with_seed,
+)
 from draftinfer.slots import Slots, attn_bucket
 
 # HF `architectures[0]` -> native class (STYLE rule 5: variants are selected by name).
@@ -231,6 +241,8 @@ def load_native_target(
 
 # step_fn(input_ids [B, 1], cache_pos [B, 1], cache_rows [B]) -> logits [B, 1, V]
 StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# pick(logits [B, V], positions [B]) -> next token [B]; positions: where the token will sit
+PickFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @torch.no_grad()
@@ -262,12 +274,63 @@ def greedy_generate(
     return out
 
 
+@torch.no_grad()
+def sample_generate(
+    model: NativeCausalLM,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos_ids: Iterable[int],
+    params: Sequence[SamplingParams],
+) -> list[list[int]]:
+    """`greedy_generate` with per-request sampling (temperature, top-k, top-p, seed).
+
+    The token that will sit at position `p` of a request is drawn with the noise keyed by
+    `(request seed, p, STREAM_SAMPLE)` (`draftinfer.sampling`, DESIGN 3.12), so a request's
+    output does not depend on the rest of the batch. Greedy requests (temperature 0) get
+    exactly `greedy_generate`'s tokens. Unseeded params get a fresh seed (`with_seed`).
+    """
+    if len(params) != len(prompts):
+        raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    eos = list(dict.fromkeys(int(e) for e in eos_ids))
+    device = model.embed_tokens.weight.device
+    out: list[list[int]] = []
+    for start in range(0, len(prompts), model.max_batch):
+        group = prompts[start : start + model.max_batch]
+        pick = _sampling_pick(params[start : start + model.max_batch], device)
+        out.extend(_greedy_group(model, group, max_new_tokens, eos, None, pick))
+    return out
+
+
+def _sampling_pick(params: Sequence[SamplingParams], device: torch.device) -> PickFn:
+    """A `PickFn` sampling row b with `params[b]` (seed resolved once, here)."""
+    resolved = [with_seed(p) for p in params]
+    t = sampling_tensors(resolved, device)
+    seeds = torch.tensor([p.seed for p in resolved], dtype=torch.long, device=device)
+
+    def pick(logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        probs = logits_to_probs(logits, t["temperature"], t["top_k"], t["top_p"])  # [B, V]
+        pos, stream = RoundKeys.sample(positions)
+        noise = exponential_noise(seeds, pos, probs.shape[-1], device, stream=stream)
+        return sample_from_probs(probs, noise)
+
+    return pick
+
+
+def _argmax_pick(logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(-1)
+
+
 def _greedy_group(
     model: NativeCausalLM,
     prompts: list[list[int]],
     max_new_tokens: int,
     eos: list[int],
     step_fn: StepFn | None,
+    pick: PickFn = _argmax_pick,
 ) -> list[list[int]]:
     device = model.embed_tokens.weight.device
     B = len(prompts)
@@ -292,7 +355,7 @@ def _greedy_group(
     budget_t = torch.tensor(budget, device=device)
     last = (lens_t - 1)[:, None]  # [B, 1] slot of each prompt's last token
     logits = model(ids.to(device), Slots(rows, pos.to(device)), logit_index=last).logits
-    tok = logits[:, -1].argmax(-1)  # [B]
+    tok = pick(logits[:, -1], lens_t)  # [B]: the token at position len(prompt)
     eos_t = torch.tensor(eos, device=device, dtype=torch.long)
     done = torch.isin(tok, eos_t) | (budget_t <= 1)
     generated = [tok]
@@ -307,7 +370,7 @@ def _greedy_group(
             logits = model(tok[:, None], Slots(rows, feed_pos, attn_len=attn_len)).logits
         else:
             logits = step_fn(tok[:, None], feed_pos, rows)
-        tok = logits[:, -1].argmax(-1)
+        tok = pick(logits[:, -1], lens_t + s)
         generated.append(tok)
         done = done | torch.isin(tok, eos_t) | (budget_t <= s + 1)
         if eos and bool(done.all()):  # one sync per step, only when stopping on eos
@@ -335,4 +398,5 @@ __all__ = [
     "load_native_config",
     "load_native_target",
     "load_weights",
+    "sample_generate",
 ]

@@ -53,14 +53,15 @@ def length_bucketed_batches(
 
 
 def held_out_batches(cfg, tokenizer, seed: int):
-    """The held-out split `cfg.eval_split` (all of it, `max_samples` ignored), tokenized, and
+    """The held-out split `cfg.eval_split` of `cfg.eval_path` (default `cfg.path`; all of it,
+    `max_samples` ignored), tokenized, and
     the first `cfg.eval_batches` length-bucketed batches, in order (what evaluation runs and
     what the offline feature cache stores for it). `cfg` is a `DataConfig`."""
     from dataclasses import replace
 
     from drafttrain.data.chat import load_data, tokenize_dataset
 
-    dcfg = replace(cfg, split=cfg.eval_split, max_samples=None)
+    dcfg = replace(cfg, path=cfg.eval_path or cfg.path, split=cfg.eval_split, max_samples=None)
     data = tokenize_dataset(load_data(dcfg), tokenizer, dcfg)
     batches = length_bucketed_batches(list(data["length"]), cfg.batch_size, seed, 0, shuffle=False)[
         : cfg.eval_batches
