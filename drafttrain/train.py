@@ -52,6 +52,7 @@ from drafttrain.loggers import MetricLogger, NullLogger, read_metrics
 from drafttrain.losses import data_parallel
 from drafttrain.registry import InitContext, train_spec
 from drafttrain.target import FrozenTarget, load_tokenizer
+from drafttrain.threads import torch_threads
 from drafttrain.ttt import pick_backend
 
 
@@ -205,11 +206,14 @@ def train(cfg: TrainConfig, keep_logger: bool = False) -> dict[str, Any]:
 
     Bad input (config, data, target) fails with a one-line `DraftError` before anything is
     written; a fresh run directory is removed again if setup fails."""
+    with torch_threads(cfg.trainer.num_threads):
+        return _train(cfg, keep_logger)
+
+
+def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
     tc = cfg.trainer
-    if tc.num_threads:
-        torch.set_num_threads(tc.num_threads)
     run_dir = Path(cfg.output_dir)
     fresh = not run_dir.exists()
     ckpt_root = run_dir / "checkpoints"

@@ -126,6 +126,13 @@ def _verified(root: Path, entry: dict[str, Any] | None, plan: tuple[int, int]) -
 def write_cache(cfg: TrainConfig) -> dict[str, Any]:
     """Write (or finish) the feature cache of `cfg` into `cache.dir`. Returns a summary:
     `dir`, `bytes_per_token` (from the layout) and per split `samples`, `tokens`, `bytes`."""
+    from drafttrain.threads import torch_threads
+
+    with torch_threads(cfg.trainer.num_threads):
+        return _write_cache(cfg)
+
+
+def _write_cache(cfg: TrainConfig) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
     from drafttrain.data.batching import held_out_batches
@@ -133,8 +140,6 @@ def write_cache(cfg: TrainConfig) -> dict[str, Any]:
     from drafttrain.target import load_tokenizer
     from drafttrain.train import prepare_data
 
-    if cfg.trainer.num_threads:
-        torch.set_num_threads(cfg.trainer.num_threads)
     spec = train_spec(getattr(cfg.drafter, "kind", None) or "")
     storage_dtype(cfg.cache.dtype)
     root = cache_root(cfg)

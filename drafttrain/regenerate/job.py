@@ -210,14 +210,11 @@ def regenerate(cfg: RegenConfig) -> dict[str, Any]:
     Bad input (config, target, tokenizer without a chat template, data, a different config
     against an existing output) fails with a one-line `DraftError` before anything is written.
     """
+    from drafttrain.threads import torch_threads
+
     check_regen_config(cfg)
-    threads = torch.get_num_threads()
-    if cfg.regenerate.num_threads:
-        torch.set_num_threads(cfg.regenerate.num_threads)
-    try:
+    with torch_threads(cfg.regenerate.num_threads):
         return _regenerate(cfg)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _regenerate(cfg: RegenConfig) -> dict[str, Any]:
