@@ -15,7 +15,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from draftinfer.config import InferConfig
-from draftinfer.errors import DraftError
+from draftinfer.errors import run_or_exit
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf" / "infer")
 
@@ -28,11 +28,7 @@ def register_configs() -> None:
 def _hydra_main(cfg: DictConfig) -> None:
     from draftinfer.run import format_report, run_eval
 
-    try:
-        report = run_eval(OmegaConf.to_object(cfg))
-    except DraftError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    report = run_or_exit(run_eval, OmegaConf.to_object(cfg))
     print(format_report(report))
     if not report["lossless"]:
         sys.exit(3)

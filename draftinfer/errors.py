@@ -16,3 +16,15 @@ class CheckpointError(DraftError):
 
 class DataError(DraftError):
     """The dataset or tokenizer cannot give what training (or the runner's prompts) need."""
+
+
+def run_or_exit(job, *args):
+    """A command line's call of its job: the result, or a bad-input `DraftError` printed as one
+    `error: ...` line on stderr and exit status 2 (no traceback)."""
+    import sys
+
+    try:
+        return job(*args)
+    except DraftError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -16,8 +16,8 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from draftinfer.errors import DraftError, run_or_exit
 from drafttrain.config import TrainConfig
-from drafttrain.errors import DraftError
 from drafttrain.registry import load_train_kinds
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
@@ -62,11 +62,7 @@ def to_train_config(cfg: DictConfig) -> TrainConfig:
 def _hydra_main(cfg: DictConfig) -> None:
     from drafttrain.job import run_job
 
-    try:
-        summary = run_job(to_train_config(cfg))
-    except DraftError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    summary = run_or_exit(run_job, to_train_config(cfg))
     if summary.get("main_process", True):
         print(summary.get("export_dir") or summary["run_dir"])
 

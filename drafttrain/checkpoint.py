@@ -113,18 +113,6 @@ def finish_checkpoint(
     return final
 
 
-def save_checkpoint(
-    ckpt_root: Path,
-    step: int,
-    drafter_tensors: dict[str, torch.Tensor],
-    optimizer: torch.optim.Optimizer | None,
-    state: dict[str, Any],
-    keep_last: int = 2,
-) -> Path:
-    begin_checkpoint(ckpt_root, step)
-    return finish_checkpoint(ckpt_root, step, drafter_tensors, optimizer, state, keep_last)
-
-
 def save_rank_rng(tmp: Path, rank: int) -> None:
     """Ranks other than 0 keep their own RNG state beside rank 0's `rng.safetensors`."""
     save_file(rng_tensors(), str(tmp / f"rng_rank{rank}.safetensors"))

@@ -12,6 +12,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
+from draftinfer.errors import run_or_exit
 from drafttrain.__main__ import (
     CONF_DIR,
     DEFAULT_PRESET,
@@ -19,7 +20,6 @@ from drafttrain.__main__ import (
     rewrite_argv,
     to_train_config,
 )
-from drafttrain.errors import DraftError
 
 
 def format_summary(summary: dict) -> str:
@@ -44,11 +44,7 @@ def format_summary(summary: dict) -> str:
 def _hydra_main(cfg: DictConfig) -> None:
     from drafttrain.cache.writer import write_cache
 
-    try:
-        summary = write_cache(to_train_config(cfg))
-    except DraftError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    summary = run_or_exit(write_cache, to_train_config(cfg))
     print(format_summary(summary))
 
 

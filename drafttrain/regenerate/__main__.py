@@ -15,7 +15,7 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from drafttrain.errors import DraftError
+from draftinfer.errors import DraftError, run_or_exit
 from drafttrain.regenerate.config import RegenConfig
 
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
@@ -38,11 +38,7 @@ def to_regen_config(cfg: DictConfig) -> RegenConfig:
 def _hydra_main(cfg: DictConfig) -> None:
     from drafttrain.regenerate.job import format_summary, regenerate
 
-    try:
-        summary = regenerate(to_regen_config(cfg))
-    except DraftError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    summary = run_or_exit(regenerate, to_regen_config(cfg))
     print(format_summary(summary))
 
 
