@@ -313,13 +313,26 @@ class NativeCausalLM(nn.Module):
             if j in wanted:
                 taps[j] = x
             x = layer(x, cos, sin, slots.rows, write_pos, mask, attn_len)
+        return self.head_output(x, taps, features, logit_index, rope_pos, embeds)
+
+    def head_output(
+        self,
+        x: torch.Tensor,
+        taps: dict[int, torch.Tensor],
+        features: FeatureSpec | None,
+        logit_index: torch.Tensor | None,
+        rope_pos: torch.Tensor,
+        embeds: torch.Tensor,
+    ) -> TargetOutput:
+        """After the last layer: final norm, the requested features (layer-input `taps`, the
+        final hidden), logits (at `logit_index` rows if given)."""
         normed = self.model.norm(x)
         feats = None
         if features is not None:
             parts = [taps[j] for j in features.layer_inputs]
             if features.final_hidden is not None:
                 parts.append(x if features.final_hidden == "pre_norm" else normed)
-            feats = torch.cat(parts, dim=-1) if parts else x.new_zeros(B, T, 0)
+            feats = torch.cat(parts, dim=-1) if parts else x.new_zeros(*x.shape[:2], 0)
         if logit_index is not None:
             normed = torch.gather(
                 normed, 1, logit_index[..., None].expand(-1, -1, normed.shape[-1])

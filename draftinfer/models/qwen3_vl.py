@@ -305,16 +305,4 @@ class Qwen3VLForConditionalGeneration(NativeCausalLM):
             x = layer(x, cos, sin, slots.rows, write_pos, mask, attn_len)
             if j < len(deepstack):
                 x = torch.where(vmask, x + deepstack[j], x)
-        normed = self.model.norm(x)
-        feats = None
-        if features is not None:
-            parts = [taps[j] for j in features.layer_inputs]
-            if features.final_hidden is not None:
-                parts.append(x if features.final_hidden == "pre_norm" else normed)
-            feats = torch.cat(parts, dim=-1) if parts else x.new_zeros(B, T, 0)
-        if logit_index is not None:
-            normed = torch.gather(
-                normed, 1, logit_index[..., None].expand(-1, -1, normed.shape[-1])
-            )
-        logits = self.lm_head(normed).float()
-        return TargetOutput(logits, feats, rope_pos, embeds)
+        return self.head_output(x, taps, features, logit_index, rope_pos, embeds)
