@@ -17,6 +17,7 @@ import torch
 from draftinfer.kv_cache import bind_cache
 from draftinfer.slots import Slots
 from draftinfer.target import FeatureSpec
+from draftinfer.window import TokenEmbeds
 
 _COMPILED: dict[tuple, Callable] = {}
 
@@ -56,7 +57,8 @@ def cached_drafter_forward(
     rows: torch.Tensor,  # [B]
     cache_pos: torch.Tensor,  # [B, T]
     attn_len: int | None,
+    mm: TokenEmbeds | None = None,  # multimodal rows' input embeddings (prefill only)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One drafter forward through its KV cache -> (normed, pre-norm) `[B, T, H]`."""
     slots = Slots(rows, cache_pos, rope_pos, attn_len)
-    return drafter(ids, feature, rope_pos, bind_cache(k_cache, v_cache, slots))
+    return drafter(ids, feature, rope_pos, bind_cache(k_cache, v_cache, slots), mm)

@@ -35,6 +35,7 @@ import torch
 
 from draftinfer.errors import CheckpointError
 from draftinfer.layers import causal_attention
+from draftinfer.window import TokenEmbeds
 
 # choose(draft_logits [B, Dd], step) -> (draft ids in the draft vocabulary [B],
 #                                        q over the draft vocabulary [B, Dd] or None)
@@ -57,6 +58,9 @@ class FirstPass:
     features: torch.Tensor  # [B, T, F]
     cache_pos: torch.Tensor  # [B, T], -1 = padding
     rope_pos: torch.Tensor  # [B, T] or [3, B, T]
+    # Rows consuming a multimodal placeholder: the target's input embedding of that token
+    # (prompt rows of a multimodal target only; drafts and committed tokens are text).
+    mm: TokenEmbeds | None = None
 
     @property
     def width(self) -> int:
@@ -71,6 +75,7 @@ class FirstPass:
             self.features[:, s],
             self.cache_pos[:, s],
             self.rope_pos[..., s],
+            None if self.mm is None else self.mm.rows(s),
         )
 
 

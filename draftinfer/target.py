@@ -77,6 +77,9 @@ class TargetOutput:
     features: torch.Tensor | None  # [B, T, FeatureSpec.width(H)] in the target dtype
     rope_pos: torch.Tensor  # [B, T] or [3, B, T]: the RoPE positions the target used
     inputs_embeds: torch.Tensor  # [B, T, H]: what entered decoder layer 0
+    # [B, T] bool: slots whose input embedding is not the token's own (multimodal placeholders
+    # filled by an encoder); None when there are none. Drafters read it (`draftinfer.window`).
+    mm_mask: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -123,7 +123,9 @@ def test_s1_first_pass_pairing(kind_env, kind, monkeypatch):
         return orig_admit(fp, *a, **kw)
 
     def spy_propose(fp, *a, **kw):
-        proposed.append(FirstPass(*(x.clone() for x in vars(fp).values())))
+        proposed.append(
+            FirstPass(*(x.clone() if torch.is_tensor(x) else x for x in vars(fp).values()))
+        )
         return orig_propose(fp, *a, **kw)
 
     monkeypatch.setattr(dec.proposer, "admit", spy_admit)

@@ -25,6 +25,7 @@ from draftinfer.kinds.eagle3.config import Eagle3Config
 from draftinfer.layers import Attention, AttnFn, RMSNorm, SwiGLU
 from draftinfer.rope import RotaryEmbedding
 from draftinfer.vocab import draft_to_target_ids, identity_maps
+from draftinfer.window import TokenEmbeds, token_embeddings
 
 
 def _attention(c: Eagle3Config, in_features: int) -> Attention:
@@ -109,15 +110,17 @@ class Eagle3Drafter(nn.Module):
         feature: torch.Tensor,
         rope_pos: torch.Tensor,
         attn_fn: AttnFn,
+        mm: TokenEmbeds | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft step over rows.
 
         input_ids `[B, T]` (token each row consumes), feature `[B, T, H]` (carried feature),
-        rope_pos `[B, T]` or `[3, B, T]` -> (normed `[B, T, H]` for `logits`, pre-norm
-        `[B, T, H]` = the next step's carried feature).
+        rope_pos `[B, T]` or `[3, B, T]`, mm: the target's input embeddings of the rows whose
+        token is a multimodal placeholder (`draftinfer.window`) -> (normed `[B, T, H]` for
+        `logits`, pre-norm `[B, T, H]` = the next step's carried feature).
         """
         cos, sin = self.rotary(rope_pos)
-        embeds = self.embed_tokens(input_ids).to(feature.dtype)
+        embeds = token_embeddings(self.embed_tokens, input_ids, mm).to(feature.dtype)
         x = self.layers[0](embeds, feature, cos, sin, attn_fn, 0)
         for i, layer in enumerate(self.layers[1:], start=1):
             x = layer(x, cos, sin, attn_fn, i)

@@ -28,6 +28,7 @@ from draftinfer.kinds.eagle3 import Eagle3Config, Eagle3Drafter
 from draftinfer.positions import draft_step_positions
 from draftinfer.rope import rope_from_hf
 from draftinfer.target import TargetOutput
+from draftinfer.window import TokenEmbeds, shift_left
 from drafttrain.errors import ConfigError
 from drafttrain.kinds.eagle3.config import Eagle3TrainConfig
 from drafttrain.losses import DraftLoss, soft_cross_entropy, top1_agrees
@@ -37,14 +38,6 @@ from drafttrain.ttt import TTTAttention
 def default_aux_layer_ids(num_layers: int) -> list[int]:
     """EAGLE-3's default taps: low, middle and high layers (2, L//2, L-3)."""
     return [2, num_layers // 2, num_layers - 3]
-
-
-def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
-    """Row i of the result is row i+n of x (dim 1); the last n rows are `fill`."""
-    if n == 0:
-        return x
-    pad = torch.full_like(x[:, :n], fill)
-    return torch.cat([x[:, n:], pad], dim=1) if n < x.shape[1] else torch.full_like(x, fill)
 
 
 def drafter_config_from_target(
@@ -125,25 +118,41 @@ class Eagle3Objective:
         self.drafter, self.cfg, self.backend = drafter, cfg, backend
 
     def unroll(
-        self, input_ids: torch.Tensor, features: torch.Tensor, rope_pos: torch.Tensor, steps: int
+        self,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        rope_pos: torch.Tensor,
+        steps: int,
+        mm: TokenEmbeds | None = None,
     ) -> list[torch.Tensor]:
         """TTT forward: draft-vocabulary logits `[B, T, Dd]` for each step 0..steps-1.
-        input_ids `[B, T]`, target features `[B, T, 3H]`, rope_pos `[B, T]` / `[3, B, T]`."""
+        input_ids `[B, T]`, target features `[B, T, 3H]`, rope_pos `[B, T]` / `[3, B, T]`,
+        mm: the target's multimodal input embeddings, unshifted (`TokenEmbeds.of`)."""
         attn = TTTAttention(self.backend)
         feature = self.drafter.project_features(features)  # [B, T, H]
         out = []
         for k in range(steps):
+            # Token side shifted (row i consumes t_{i+1+k}, with its vision embedding), the
+            # position not: pos_i + k (conventions 1, 3, 4).
             tokens = shift_left(input_ids, 1 + k)
-            normed, feature = self.drafter(tokens, feature, draft_step_positions(rope_pos, k), attn)
+            mm_k = None if mm is None else mm.shifted(1 + k)
+            pos = draft_step_positions(rope_pos, k)
+            normed, feature = self.drafter(tokens, feature, pos, attn, mm_k)
             out.append(self.drafter.logits(normed))
         return out
 
     def anchor_logits(
-        self, ids: torch.Tensor, features: torch.Tensor, rope_pos: torch.Tensor, anchor: int, k: int
+        self,
+        ids: torch.Tensor,
+        features: torch.Tensor,
+        rope_pos: torch.Tensor,
+        anchor: int,
+        k: int,
+        mm: TokenEmbeds | None = None,
     ) -> torch.Tensor:
         """The logits training gives for the k drafts after committed row `anchor`
         `[k, Dd]` (S9: the runner's k chained draft steps must give the same)."""
-        return torch.stack([lg[0, anchor] for lg in self.unroll(ids, features, rope_pos, k)])
+        return torch.stack([lg[0, anchor] for lg in self.unroll(ids, features, rope_pos, k, mm)])
 
     def __call__(
         self, batch: dict[str, torch.Tensor], tgt: TargetOutput
@@ -157,7 +166,7 @@ class Eagle3Objective:
         loss_mask = batch["loss_mask"].bool() & batch["attention_mask"].bool()
         # RoPE positions: the ones the target used (for Qwen3-VL its own [3, B, T] table).
         logits_per_step = self.unroll(
-            batch["input_ids"], tgt.features, tgt.rope_pos, self.cfg.ttt_steps
+            batch["input_ids"], tgt.features, tgt.rope_pos, self.cfg.ttt_steps, TokenEmbeds.of(tgt)
         )
         out = DraftLoss(tlog.device)
         for k, logits in enumerate(logits_per_step):

@@ -21,7 +21,7 @@ from draftinfer.kinds.mtp import MTPDrafter
 from draftinfer.positions import draft_step_positions
 from draftinfer.proposer import causal_attn
 from draftinfer.target import TargetOutput
-from drafttrain.kinds.eagle3.objective import shift_left
+from draftinfer.window import shift_left
 from drafttrain.kinds.mtp.config import MTPTrainConfig
 from drafttrain.losses import DraftLoss, soft_cross_entropy, top1_agrees
 

@@ -29,7 +29,7 @@ import torch
 from draftinfer.kinds.ptd import PTDDrafter
 from draftinfer.layers import causal_attention
 from draftinfer.target import TargetOutput
-from drafttrain.kinds.eagle3.objective import shift_left
+from draftinfer.window import TokenEmbeds, shift_left
 from drafttrain.kinds.ptd.config import PTDTrainConfig
 from drafttrain.losses import DraftLoss, soft_cross_entropy, top1_agrees
 
@@ -128,13 +128,15 @@ class PTDObjective:
         rope_pos: torch.Tensor,
         slot_anchor: list[torch.Tensor],
         slot_depth: list[torch.Tensor],
+        mm: TokenEmbeds | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One forward over `[T depth-0 rows | S slots]` per sequence.
 
         input_ids `[B, T]`, rope_pos `[B, T]` / `[3, B, T]`, target features `[B, T, 3H]`,
-        slot lists per sequence -> (logits `[B, T + S, Dd]`, anchor `[B, T + S]`, depth
-        `[B, T + S]`). A depth-d slot of anchor i sits at `rope_pos[..., i] + d` on every
-        axis (convention 3)."""
+        slot lists per sequence, mm: the target's multimodal input embeddings, unshifted ->
+        (logits `[B, T + S, Dd]`, anchor `[B, T + S]`, depth `[B, T + S]`). A depth-d slot of
+        anchor i sits at `rope_pos[..., i] + d` on every axis (convention 3); depth-0 row i
+        consumes t_{i+1} with its vision embedding, mask slots the mask token."""
         d = self.drafter
         B, T = input_ids.shape
         dev = input_ids.device
@@ -157,17 +159,32 @@ class PTDObjective:
         feature[:, :T] = d.project_features(features)
         is_slot = depth[:, T:] < PAD_ANCHOR
         feature[:, T:] = torch.where(is_slot[..., None], d.mask_feature(), feature[:, T:])
-        normed, _ = d(ids, feature, pos, make_attention(anchor, depth, self.backend))
+        mm_rows = None
+        if mm is not None:
+            shifted = mm.shifted(1)
+            mask = torch.zeros(B, N, dtype=torch.bool, device=dev)
+            mask[:, :T] = shifted.mask
+            embeds = shifted.embeds.new_zeros(B, N, shifted.embeds.shape[-1])
+            embeds[:, :T] = shifted.embeds
+            mm_rows = TokenEmbeds(mask, embeds)
+        attn = make_attention(anchor, depth, self.backend)
+        normed, _ = d(ids, feature, pos, attn, mm_rows)
         return d.logits(normed), anchor, depth
 
     def anchor_logits(
-        self, ids: torch.Tensor, features: torch.Tensor, rope_pos: torch.Tensor, anchor: int, k: int
+        self,
+        ids: torch.Tensor,
+        features: torch.Tensor,
+        rope_pos: torch.Tensor,
+        anchor: int,
+        k: int,
+        mm: TokenEmbeds | None = None,
     ) -> torch.Tensor:
         """The logits training gives for the k drafts after committed row `anchor`: the row
         itself and its k-1 mask slots, `[k, Dd]` (S9)."""
         T = ids.shape[1]
         slots = [torch.full((k - 1,), anchor)], [torch.arange(1, k)]
-        logits, _, _ = self.forward_slots(ids, features, rope_pos, *slots)
+        logits, _, _ = self.forward_slots(ids, features, rope_pos, *slots, mm)
         return torch.cat([logits[0, anchor : anchor + 1], logits[0, T : T + k - 1]])
 
     def __call__(
@@ -196,7 +213,7 @@ class PTDObjective:
             depths.append(dp)
         # RoPE positions: the ones the target used (for Qwen3-VL its own [3, B, T] table).
         logits, anchor, depth = self.forward_slots(
-            input_ids, tgt.features, tgt.rope_pos, anchors, depths
+            input_ids, tgt.features, tgt.rope_pos, anchors, depths, TokenEmbeds.of(tgt)
         )
         # Row/slot with anchor i at depth dd predicts the target distribution at row i+1+dd.
         real = depth < PAD_ANCHOR
