@@ -52,6 +52,23 @@ def test_drop_token_sampling_is_conditional_and_bounded():
     assert a2.numel() == 150
 
 
+def test_slot_budget_trains_every_depth_at_long_sequences():
+    """The 8B preset's budget (4096 slots, K=8) at seq 8192: a binding budget is spread over
+    the depths (every depth keeps slots, fewer the deeper), nested and never over budget;
+    uniform over anchors, not the sequence's first rows."""
+    torch.manual_seed(0)
+    cand = torch.arange(0, 8192, 2)  # half the rows are assistant tokens
+    for k in (4, 8):
+        a, d = sample_slots(cand, k=k, keep_ratio=0.8, keep_floor=0.05, max_slots=4096)
+        counts = [int((d == j).sum()) for j in range(1, k)]
+        assert a.numel() <= 4096 and min(counts) > 0, counts
+        assert counts == sorted(counts, reverse=True)
+        kept = {(int(x), int(y)) for x, y in zip(a, d)}
+        assert all((x, y - 1) in kept for x, y in kept if y > 1)
+        deepest = a[d == k - 1].float()
+        assert deepest.mean() > 2048  # spread over the sequence, not a prefix of it
+
+
 def test_parallel_export_fields(tmp_path):
     """The mask token under every name vLLM and speculators read, the trained K, and
     `mask_hidden` at the pre-fc aux width; a parallel checkpoint missing its K is refused."""

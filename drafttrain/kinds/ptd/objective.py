@@ -16,7 +16,9 @@ Conditional drop-token sampling bounds memory: an anchor keeps its depth-d slot 
 probability `keep_ratio` *given* it kept depth d-1 (so a kept slot always has its whole
 lower rollout, as in the runner), with at least `keep_floor` of the anchors kept at every
 depth and at most `max_slots_per_seq` slots per sequence. The number of slots is
-`~ T * sum_d keep_ratio^d`: linear in K at a fixed budget. Sampling uses the global CPU RNG,
+`~ T * sum_d keep_ratio^d`: linear in K at a fixed budget. A budget that binds (long
+sequences) is spread over the depths (`depth_reserves`), never spent on depth 1 alone, and
+the per-depth slot counts are logged (`slots_d`). Sampling uses the global CPU RNG,
 which checkpoints save, so resumes stay exact.
 """
 
@@ -87,15 +89,35 @@ def make_attention(anchor: torch.Tensor, depth: torch.Tensor, backend: str):
     return attn_eager
 
 
+def depth_reserves(n: int, k: int, keep_ratio: float, need: int, max_slots: int) -> list[int]:
+    """`reserve[d]` (d = 1..k-1, index 0 unused): slots held back for depths deeper than d
+    when depth d is sampled, so a binding `max_slots` is spread over every depth instead of
+    being spent on depth 1. Depth e may claim `min(its share, what it would keep unbounded)`,
+    its share being `max_slots * keep_ratio^(e-1) / sum_e keep_ratio^(e-1)` (at least 1)."""
+    weights = [keep_ratio ** (e - 1) for e in range(1, k)]
+    total_w = sum(weights) or 1.0
+    claim = [0] * (k + 1)
+    for e in range(1, k):
+        share = max(1, int(max_slots * weights[e - 1] / total_w))
+        expected = max(math.ceil(n * keep_ratio**e), min(need, n))
+        claim[e] = min(share, expected)
+    return [sum(claim[e + 1 : k]) for e in range(k)]
+
+
 def sample_slots(
     candidates: torch.Tensor, k: int, keep_ratio: float, keep_floor: float, max_slots: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Conditional drop-token sampling for one sequence.
 
-    candidates `[n]` anchor rows -> (anchors `[S]`, depths `[S]`), depth-major order."""
+    candidates `[n]` anchor rows -> (anchors `[S]`, depths `[S]`), depth-major order, `S <=
+    max_slots`. When the budget binds, each depth keeps at most what is left after the
+    deeper depths' reserves (`depth_reserves`), chosen uniformly among its eligible anchors,
+    so every depth trains at every sequence length (when the budget does not bind, nothing
+    is trimmed and the draws are those of unbounded sampling)."""
     anchors, depths = [], []
     prev = candidates
     need = math.ceil(keep_floor * candidates.numel())
+    reserve = depth_reserves(candidates.numel(), k, keep_ratio, need, max_slots)
     total = 0
     for d in range(1, k):
         if prev.numel() == 0 or total >= max_slots:
@@ -105,7 +127,11 @@ def sample_slots(
         if short > 0:  # the floor: top up from this depth's eligible anchors
             dropped = (~keep).nonzero().flatten()
             keep[dropped[torch.randperm(dropped.numel())[:short]]] = True
-        prev = prev[keep.to(prev.device)][: max_slots - total]
+        prev = prev[keep.to(prev.device)]
+        quota = max(max_slots - total - reserve[d], 0)
+        if prev.numel() > quota:  # the budget binds: a uniform subset, kept in row order
+            pick = torch.randperm(prev.numel())[:quota].sort().values
+            prev = prev[pick.to(prev.device)]
         anchors.append(prev)
         depths.append(torch.full_like(prev, d))
         total += prev.numel()
