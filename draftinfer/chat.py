@@ -4,12 +4,17 @@ from a hub dataset, a local `.json`/`.jsonl`/`.parquet` file or directory, or `z
 A *conversation* is a list of messages `{"role": "system" | "user" | "assistant" | ...,
 "content": str}` (plus optional keys a template may read, e.g. `reasoning_content`).
 ShareGPT rows (`{"from": "human" | "gpt" | "system", "value": str}`) are normalized into this
-form. `datasets` is imported lazily.
+form. Multimodal rows (vision-language targets) have list `content`: parts
+`{"type": "text", "text": str}` and `{"type": "image", "image": REF}` (a path relative to the
+data file's folder, `data_base_dir`, or a `datasets` Image), or TRL's layout with the images in
+an `images` column (`row_messages` puts them inline); `draftinfer.vision_inputs` turns them
+into a VL target's inputs. `datasets` is imported lazily.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from draftinfer.errors import DataError
@@ -53,7 +58,10 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Return `messages` as `{"role", "content", ...}` dicts; ShareGPT `{"from", "value"}` is mapped.
 
     Keys whose value is None are dropped (Arrow fills keys absent from a row with None, and
-    templates test `is defined`), except `content`.
+    templates test `is defined`), except `content`; the same holds inside a list `content`
+    (multimodal parts `{"type": "image", "image": ...}` / `{"type": "text", "text": ...}`:
+    Arrow gives text parts `image: None`, which a template testing `'image' in part` would
+    render as an image). String content is returned as is.
     """
     out = []
     for msg in messages:
@@ -69,11 +77,60 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             out.append({"role": _SHAREGPT_ROLES[speaker], "content": msg.get("value"), **rest})
         elif "role" in msg and msg["role"] is not None:
             out.append({k: v for k, v in msg.items() if v is not None or k == "content"})
+            if isinstance(msg.get("content"), list):
+                out[-1]["content"] = [_drop_none(p) for p in msg["content"]]
         else:
             raise DataError(
                 f"a conversation message has no 'role' (or 'from'); keys: {sorted(msg)}"
             )
     return out
+
+
+def _drop_none(part: Any) -> Any:
+    """A content part without its None-valued keys (non-dict parts unchanged)."""
+    return {k: v for k, v in part.items() if v is not None} if isinstance(part, dict) else part
+
+
+def row_messages(row: dict[str, Any], field: str = "messages") -> list[dict[str, Any]]:
+    """The normalized conversation of a dataset row, its images inline.
+
+    Rows in TRL's vision format keep the images in a separate `images` column and mark their
+    places with image parts that carry no image (`{"type": "image", "index": k}` or just
+    `{"type": "image"}`): each such part gets `images[index]` (or the row's next image in
+    order) as its `image`. A row without an `images` column is normalized only."""
+    messages = normalize_messages(row[field])
+    images = row.get("images")
+    if not images:
+        return messages
+    order = iter(range(len(images)))
+    out = []
+    for msg in messages:
+        content = msg.get("content")
+        if isinstance(content, list):
+            parts = []
+            for p in content:
+                if isinstance(p, dict) and p.get("type") == "image" and p.get("image") is None:
+                    k = p.get("index")
+                    k = next(order, None) if k is None else int(k)
+                    if k is None or not 0 <= k < len(images):
+                        raise DataError(
+                            f"an image part points at image {k} of a row with {len(images)}"
+                        )
+                    p = {**p, "image": images[k]}
+                parts.append(p)
+            msg = {**msg, "content": parts}
+        out.append(msg)
+    return out
+
+
+def data_base_dir(name_or_path: str) -> Path | None:
+    """The folder relative image paths of `name_or_path`'s rows are relative to: the folder of
+    a local data file, or a local data directory itself (holding `{split}.jsonl` etc.);
+    None for hub datasets (their images are embedded)."""
+    path = Path(os.path.expanduser(resolve_path(name_or_path)))
+    if path.is_file():
+        return path.parent
+    return path if path.is_dir() else None
 
 
 def _is_sharegpt(feature: Any) -> bool:
