@@ -110,13 +110,16 @@ def read_input_embedding(name_or_path: str) -> torch.Tensor:
     )
 
 
-def load_target_model(cfg: TargetConfig, device: torch.device) -> nn.Module:
-    """`from_pretrained` in eval mode with grads off; a one-line `TargetError` on failure."""
-    from transformers import AutoModelForCausalLM
+def load_target_model(
+    cfg: TargetConfig, device: torch.device, auto_class: str = "AutoModelForCausalLM"
+) -> nn.Module:
+    """`from_pretrained` of transformers' `auto_class` in eval mode with grads off; a one-line
+    `TargetError` on failure."""
+    import transformers
 
     path = resolve_target_path(cfg.name_or_path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model = getattr(transformers, auto_class).from_pretrained(
             path,
             dtype=resolve_dtype(cfg.dtype, device),
             trust_remote_code=cfg.trust_remote_code,
@@ -148,13 +151,23 @@ def batch_slots(batch: dict[str, torch.Tensor]) -> Slots:
 
 
 class FrozenTarget:
-    """Frozen HF target + feature capture. Call it on a padded batch of slots."""
+    """Frozen HF target + feature capture. Call it on a padded batch of slots.
+
+    A target family (`drafttrain.families`) subclasses it for what differs: the transformers
+    auto class that loads it, where its text decoder and text config live, the extra batch
+    inputs it takes (`input_keys`), the RoPE positions it uses and which slots hold encoder
+    embeddings (`model_positions`, `multimodal_mask`). `config` is the *text* config (sizes,
+    rope) a drafter is derived from."""
+
+    auto_class = "AutoModelForCausalLM"
+    # Batch keys passed to the model besides `input_ids` (`TargetInputs.extra`).
+    input_keys: tuple[str, ...] = ()
 
     def __init__(self, cfg: TargetConfig, device: torch.device):
         self.cfg = cfg
         self.device = device
-        self.model = load_target_model(cfg, device)
-        self.config = self.model.config
+        self.model = load_target_model(cfg, device, self.auto_class)
+        self.config = self.text_config()
         self.layers = decoder_layers(self.model)
         self.final_norm = getattr(self.model.get_decoder(), "norm", None)
         # RoPE axes only (the HF model applies its own rotary, whatever its type): a drafter
@@ -171,8 +184,14 @@ class FrozenTarget:
             num_layers=len(self.layers),
             max_position_embeddings=int(max_pos),
             rope_axes=3 if mrope else 1,
-            family=(getattr(self.config, "architectures", None) or [type(self.model).__name__])[0],
+            family=(
+                getattr(self.model.config, "architectures", None) or [type(self.model).__name__]
+            )[0],
         )
+
+    def text_config(self):
+        """The config of the text decoder (the whole model's config for a causal LM)."""
+        return self.model.config
 
     # -- shared weights -------------------------------------------------------------------
     def shared_weights(self) -> dict[str, torch.Tensor]:
@@ -187,8 +206,10 @@ class FrozenTarget:
     # -- the target interface ---------------------------------------------------------------
     def batch_output(self, batch: dict[str, torch.Tensor], features: FeatureSpec) -> TargetOutput:
         """The output for a collated training batch (`input_ids`, `attention_mask`,
-        `position_ids`; `index` = dataset rows, which only a feature cache reads)."""
-        return self.forward(batch["input_ids"], batch_slots(batch), features)
+        `position_ids`, plus the family's `input_keys`; `index` = dataset rows, which only a
+        feature cache reads)."""
+        extra = {k: batch[k] for k in self.input_keys if k in batch}
+        return self.forward(TargetInputs(batch["input_ids"], extra), batch_slots(batch), features)
 
     def for_split(self, split: str) -> FrozenTarget:
         """The target for the rows of a dataset split: the live target answers any batch (a
@@ -198,6 +219,16 @@ class FrozenTarget:
     def rope_positions(self, cache_pos: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         pos = cache_pos.clamp(min=0)
         return pos if self.info.rope_axes == 1 else pos[None].expand(3, *pos.shape)
+
+    def model_positions(self, inputs: TargetInputs, slots: Slots) -> torch.Tensor:
+        """The RoPE positions the model runs at when the slots carry none: `[B, T]` (or
+        `[3, B, T]`), handed to the model as `position_ids` and returned as used."""
+        return self.rope_positions(slots.cache_pos, slots.rows)
+
+    def multimodal_mask(self, inputs: TargetInputs, slots: Slots) -> torch.Tensor | None:
+        """`[B, T]` bool: slots whose input embedding an encoder wrote (`TargetOutput.mm_mask`);
+        None for a text target."""
+        return None
 
     @torch.no_grad()
     def forward(
@@ -215,7 +246,7 @@ class FrozenTarget:
                 raise TargetError(f"target {type(self.model).__name__} has no final `norm`")
         rope_pos = slots.rope_pos
         if rope_pos is None:
-            rope_pos = self.rope_positions(slots.cache_pos, slots.rows)
+            rope_pos = self.model_positions(inp, slots)
         captured: dict[object, torch.Tensor] = {}
 
         def pre_hook(key):
@@ -254,6 +285,12 @@ class FrozenTarget:
         if features is not None:
             parts = [captured[j] for j in wanted] + ([captured[final]] if final else [])
             feats = torch.cat(parts, dim=-1)
-        return TargetOutput(out.logits.float(), feats, rope_pos, captured["embeds"])
+        return TargetOutput(
+            out.logits.float(),
+            feats,
+            rope_pos,
+            captured["embeds"],
+            self.multimodal_mask(inp, slots),
+        )
 
     __call__ = forward

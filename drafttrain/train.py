@@ -48,10 +48,11 @@ from drafttrain.distributed import (
     shards_state,
 )
 from drafttrain.errors import ConfigError, DataError
+from drafttrain.families import target_family
 from drafttrain.loggers import MetricLogger, NullLogger, read_metrics
 from drafttrain.losses import data_parallel
 from drafttrain.registry import InitContext, train_spec
-from drafttrain.target import FrozenTarget, load_tokenizer
+from drafttrain.target import load_tokenizer
 from drafttrain.threads import torch_threads
 from drafttrain.ttt import pick_backend
 
@@ -79,16 +80,24 @@ def lr_lambda(warmup: int, total: int, min_ratio: float):
 
 
 class BatchStream:
-    """Deterministic micro-batch stream; its cursor (epoch, index) is checkpointed."""
+    """Deterministic micro-batch stream; its cursor (epoch, index) is checkpointed.
+    `collate(rows, pad_id)`: the batch of dataset rows (a `TokenizedSplit`'s; default: the
+    text `drafttrain.data.collate` of `dataset`'s rows)."""
 
-    def __init__(self, dataset, batch_size: int, pad_id: int, seed: int):
+    def __init__(self, dataset, batch_size: int, pad_id: int, seed: int, collate=None):
         from drafttrain.data import length_bucketed_batches
 
         self.dataset, self.pad_id, self.seed, self.batch_size = dataset, pad_id, seed, batch_size
+        self.collate = collate or self._text_collate
         self.lengths = list(dataset["length"])
         self._plan = length_bucketed_batches
         self.epoch, self.index = 0, 0
         self._batches = self._plan(self.lengths, batch_size, seed, 0)
+
+    def _text_collate(self, rows: list[int], pad_id: int) -> dict[str, torch.Tensor]:
+        from drafttrain.data import collate
+
+        return collate([self.dataset[i] for i in rows], pad_id)
 
     def state(self) -> dict[str, int]:
         return {"epoch": self.epoch, "index": self.index}
@@ -98,44 +107,40 @@ class BatchStream:
         self._batches = self._plan(self.lengths, self.batch_size, self.seed, self.epoch)
 
     def next(self) -> dict[str, torch.Tensor]:
-        from drafttrain.data import collate
-
         if self.index >= len(self._batches):
             self.epoch, self.index = self.epoch + 1, 0
             self._batches = self._plan(self.lengths, self.batch_size, self.seed, self.epoch)
         ids = self._batches[self.index]
         self.index += 1
-        batch = collate([self.dataset[i] for i in ids], self.pad_id)
+        batch = self.collate(ids, self.pad_id)
         batch["index"] = torch.tensor(ids, dtype=torch.long)  # rows of the dataset (caches)
         return batch
 
 
-def prepare_data(cfg: TrainConfig, tokenizer):
-    from drafttrain.data import load_data, tokenize_dataset
-
-    data = tokenize_dataset(load_data(cfg.data), tokenizer, cfg.data)
-    if len(data) == 0:
+def prepare_data(cfg: TrainConfig, adapter):
+    """The tokenized training split (a `drafttrain.data.TokenizedSplit`) of a data adapter
+    (`TargetFamily.data`: text chat, image+text chat)."""
+    split = adapter.tokenize(cfg.data)
+    if len(split.data) == 0:
         raise DataError(f"dataset {cfg.data.path!r} has no usable conversations")
-    return data
+    return split
 
 
 @torch.no_grad()
 def evaluate(
-    cfg: TrainConfig, wrapped, tokenizer, device, pad_id: int, accelerator
+    cfg: TrainConfig, wrapped, data_adapter, device, pad_id: int, accelerator
 ) -> dict[str, float]:
     """Mean objective metrics over `eval_batches` batches of the held-out split (every rank
     scores its rows of each batch; the metrics are over the whole batch)."""
-    from drafttrain.data import collate, held_out_batches
-
     rank, world = accelerator.process_index, accelerator.num_processes
-    data, batches = held_out_batches(cfg.data, tokenizer, cfg.seed)
+    split, batches = data_adapter.held_out(cfg.data, cfg.seed)
     module = accelerator.unwrap_model(wrapped)
     module.use_split("eval")  # a feature cache reads its eval part
     wrapped.eval()
     sums: dict[str, float] = {}
     weight = 0.0
     for ids in batches:
-        batch = collate([data[i] for i in ids], pad_id)
+        batch = split.collate(ids, pad_id)
         batch["index"] = torch.tensor(ids, dtype=torch.long)
         batch = {k: v.to(device) for k, v in shard_batch(batch, rank, world).items()}
         with accelerator.autocast(), data_parallel(reduce_sum(accelerator), world):
@@ -181,19 +186,27 @@ def save_training_plot(run_dir: Path) -> Path | None:
 
 def _setup(cfg: TrainConfig, run_dir: Path, device):
     """Tokenizer, target, data and the initialised drafter: everything that can fail on bad
-    input, before the run writes anything of its own."""
+    input, before the run writes anything of its own. The target's family
+    (`drafttrain.families`, by its architecture) supplies the target and the data adapter."""
     spec = train_spec(getattr(cfg.drafter, "kind", None) or "")
     pick_backend(cfg.drafter.attention_backend, device)  # validated before any work
+    family = target_family(cfg.target.name_or_path)
+    if cfg.data.cache:
+        from drafttrain.cache import check_family
+
+        check_family(family, cfg.target.name_or_path)
     tokenizer = load_tokenizer(cfg.target.name_or_path)
-    target = FrozenTarget(cfg.target, device)
-    data = prepare_data(cfg, tokenizer)
+    target = family.target(cfg.target, device)
+    adapter = family.data(cfg.target.name_or_path, tokenizer)
+    split = prepare_data(cfg, adapter)
+    data = split.data
     cache_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else run_dir / "cache"
     drafter = spec.init_drafter(cfg.drafter, InitContext(target, tokenizer, data, cache_dir))
     if cfg.data.cache:  # read features from an offline cache; the target is never run
         from drafttrain.cache import CachedTarget
 
         target = CachedTarget.open(cfg, target, tokenizer, data, drafter.config.features)
-    return spec, tokenizer, target, data, drafter
+    return spec, tokenizer, target, split, drafter, adapter
 
 
 def train(cfg: TrainConfig, keep_logger: bool = False) -> dict[str, Any]:
@@ -226,7 +239,7 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
     try:
         # Rank 0 builds the data caches, then the rest; the target is whole on every rank.
         with accelerator.main_process_first(), replicated_loading(accelerator):
-            spec, tokenizer, target, data, drafter = _setup(cfg, run_dir, device)
+            spec, tokenizer, target, split, drafter, adapter = _setup(cfg, run_dir, device)
     except BaseException:
         if main and fresh and run_dir.exists():
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -245,7 +258,7 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
         optimizer, lr_lambda(tc.warmup_steps, tc.max_steps, tc.min_lr_ratio)
     )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    stream = BatchStream(data, cfg.data.batch_size, pad_id, cfg.seed)
+    stream = BatchStream(split.data, cfg.data.batch_size, pad_id, cfg.seed, split.collate)
 
     start_step, ck = 0, None
     if resume_from is not None:
@@ -383,7 +396,7 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
         "main_process": main,
     }
     if cfg.data.eval_split:
-        ev = evaluate(cfg, wrapped, tokenizer, device, pad_id, accelerator)
+        ev = evaluate(cfg, wrapped, adapter, device, pad_id, accelerator)
         logger.log(ev, tc.max_steps)
         if main:
             (run_dir / "eval.json").write_text(json.dumps(ev, indent=2) + "\n")

@@ -16,12 +16,27 @@ different things; docs/training.md, "Offline feature cache", has the whole story
 from drafttrain.cache.format import Layout, bytes_per_token, decode, encode
 from drafttrain.cache.reader import CachedTarget, TargetHead
 from drafttrain.cache.writer import write_cache
+from drafttrain.errors import ConfigError
+
+
+def check_family(family, target_name: str) -> None:
+    """One-line `ConfigError` for a target family the cache cannot stand in for: it stores
+    per-token text features, not what a multimodal target's drafter also consumes (the vision
+    embeddings scattered into the input, the `[3, T]` M-RoPE positions)."""
+    if not family.feature_cache:
+        raise ConfigError(
+            f"the offline feature cache does not support {family.name} targets "
+            f"({target_name!r}): it stores no vision embeddings or M-RoPE positions; "
+            "train with the live target (data.cache=null)"
+        )
+
 
 __all__ = [
     "CachedTarget",
     "Layout",
     "TargetHead",
     "bytes_per_token",
+    "check_family",
     "decode",
     "encode",
     "write_cache",

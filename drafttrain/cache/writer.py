@@ -135,7 +135,9 @@ def write_cache(cfg: TrainConfig) -> dict[str, Any]:
 def _write_cache(cfg: TrainConfig) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
+    from drafttrain.cache import check_family
     from drafttrain.data.batching import held_out_batches
+    from drafttrain.families import target_family
     from drafttrain.registry import InitContext, train_spec
     from drafttrain.target import load_tokenizer
     from drafttrain.train import prepare_data
@@ -145,10 +147,12 @@ def _write_cache(cfg: TrainConfig) -> dict[str, Any]:
     root = cache_root(cfg)
     if cfg.data.cache:
         raise ConfigError("data.cache is what training reads; the cache writer writes cache.dir")
+    family = target_family(cfg.target.name_or_path)
+    check_family(family, cfg.target.name_or_path)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = load_tokenizer(cfg.target.name_or_path)
-    target = FrozenTarget(cfg.target, device)
-    data = prepare_data(cfg, tokenizer)
+    target = family.target(cfg.target, device)
+    data = prepare_data(cfg, family.data(cfg.target.name_or_path, tokenizer)).data
     ctx_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.output_dir) / "cache"
     features = spec.features(cfg.drafter, InitContext(target, tokenizer, data, ctx_dir))
     layout, ask = Layout.for_features(

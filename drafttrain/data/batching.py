@@ -13,7 +13,8 @@ Terms:
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -52,21 +53,64 @@ def length_bucketed_batches(
     return batches
 
 
-def held_out_batches(cfg, tokenizer, seed: int):
-    """The held-out split `cfg.eval_split` of `cfg.eval_path` (default `cfg.path`; all of it,
-    `max_samples` ignored), tokenized, and
-    the first `cfg.eval_batches` length-bucketed batches, in order (what evaluation runs and
-    what the offline feature cache stores for it). `cfg` is a `DataConfig`."""
+def held_out_config(cfg):
+    """The `DataConfig` of the held-out split: `cfg.eval_split` of `cfg.eval_path` (default
+    `cfg.path`), all of it (`max_samples` ignored)."""
     from dataclasses import replace
 
-    from drafttrain.data.chat import load_data, tokenize_dataset
+    return replace(cfg, path=cfg.eval_path or cfg.path, split=cfg.eval_split, max_samples=None)
 
-    dcfg = replace(cfg, path=cfg.eval_path or cfg.path, split=cfg.eval_split, max_samples=None)
-    data = tokenize_dataset(load_data(dcfg), tokenizer, dcfg)
-    batches = length_bucketed_batches(list(data["length"]), cfg.batch_size, seed, 0, shuffle=False)[
+
+def eval_batches(data, cfg, seed: int) -> list[list[int]]:
+    """The first `cfg.eval_batches` length-bucketed batches of a tokenized held-out split, in
+    order (what evaluation runs and what the offline feature cache stores for it)."""
+    lengths = list(data["length"])
+    return length_bucketed_batches(lengths, cfg.batch_size, seed, 0, shuffle=False)[
         : cfg.eval_batches
     ]
-    return data, batches
+
+
+def held_out_batches(cfg, tokenizer, seed: int):
+    """The held-out split (`held_out_config`) tokenized as text chat, and its evaluation
+    batches (`eval_batches`). `cfg` is a `DataConfig`."""
+    from drafttrain.data.chat import load_data, tokenize_dataset
+
+    dcfg = held_out_config(cfg)
+    data = tokenize_dataset(load_data(dcfg), tokenizer, dcfg)
+    return data, eval_batches(data, cfg, seed)
+
+
+@dataclass
+class TokenizedSplit:
+    """A tokenized split and the collate function of its rows.
+
+    data: a `datasets.Dataset` with at least `input_ids`, `loss_mask` and `length` (a family
+    may add columns); collate(rows, pad_id): the padded batch of dataset rows `rows`
+    (`collate` below, plus the family's inputs)."""
+
+    data: Any
+    collate: Callable[[list[int], int], dict[str, torch.Tensor]]
+
+
+class ChatData:
+    """The text family's data adapter: chat conversations through the tokenizer's template
+    (`drafttrain.data.chat`), batches by `collate`. A family with other inputs (images)
+    provides its own adapter with the same two calls."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def tokenize(self, cfg) -> TokenizedSplit:
+        """The split `cfg` (a `DataConfig`) names, tokenized."""
+        from drafttrain.data.chat import load_data, tokenize_dataset
+
+        data = tokenize_dataset(load_data(cfg), self.tokenizer, cfg)
+        return TokenizedSplit(data, lambda rows, pad_id: collate([data[i] for i in rows], pad_id))
+
+    def held_out(self, cfg, seed: int) -> tuple[TokenizedSplit, list[list[int]]]:
+        """The held-out split and its evaluation batches."""
+        split = self.tokenize(held_out_config(cfg))
+        return split, eval_batches(split.data, cfg, seed)
 
 
 def collate(examples: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:

@@ -32,6 +32,7 @@ generates the (empty) think block itself.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from draftinfer.chat import load_chat_dataset, normalize_messages
@@ -100,23 +101,43 @@ def end_of_turn_marker(tokenizer: Any) -> str:
     return text[at + len(_PROBE_ASSISTANT) :].rstrip()
 
 
+def _text_of(content: Any) -> Any:
+    """A message's content as the text a template prints: a string as is; a list of parts
+    (multimodal messages) as its text parts joined."""
+    if isinstance(content, list):
+        return "".join(
+            p.get("text") or "" for p in content if isinstance(p, dict) and p.get("type") == "text"
+        )
+    return content
+
+
 def assistant_spans(
-    tokenizer: Any, messages: list[dict[str, Any]], end_marker: str | None = None
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    end_marker: str | None = None,
+    render: Callable[[list[dict[str, Any]], bool], str] | None = None,
 ) -> tuple[str, list[tuple[int, int]]]:
     """Render `messages` and return `(text, spans)`: `[start, end)` character spans of `text`
     that the model generates at each assistant turn (rule in the module docstring).
 
     `end_marker` is `end_of_turn_marker(tokenizer)`; pass it to avoid re-probing per row.
+    `render(messages, add_generation_prompt)`: how to render (default: the tokenizer's chat
+    template; a processor's for image+text chat, `drafttrain.data.vl`).
     """
     messages = normalize_messages(messages)
-    text = _render(tokenizer, messages, add_generation_prompt=False)
+    if render is None:
+
+        def render(msgs, add_generation_prompt):
+            return _render(tokenizer, msgs, add_generation_prompt=add_generation_prompt)
+
+    text = render(messages, False)
     if end_marker is None:
         end_marker = end_of_turn_marker(tokenizer)
     spans: list[tuple[int, int]] = []
     for m, msg in enumerate(messages):
         if msg["role"] != "assistant":
             continue
-        prompt = _render(tokenizer, messages[:m], add_generation_prompt=True)
+        prompt = render(messages[:m], True)
         if not text.startswith(prompt):
             raise DataError(
                 f"chat template is not prefix-stable at assistant turn {m}: rendering the "
@@ -124,7 +145,7 @@ def assistant_spans(
                 "full rendering"
             )
         start = len(prompt)
-        content = msg.get("content")
+        content = _text_of(msg.get("content"))
         content_end = start
         if isinstance(content, str) and content:
             # Templates may trim the content (Llama-3 does); look for it as rendered.
