@@ -5,7 +5,9 @@ Front matter (huggingface_hub's `ModelCardData`): `base_model` (the target's hub
 `export.hub_base_model` when the target is a local directory), `library_name: vllm` (the
 export is vLLM's layout), `pipeline_tag` (`text-generation`, or `image-text-to-text` for a
 target with a vision tower), `tags` (`speculative-decoding`, the drafter kind, `drafttrain`).
-Body: the exact launch commands (the kind's `DrafterSpec.serving_hint`), the training metrics,
+Body: the exact launch commands (the kind's `DrafterSpec.serving_hint`) and the target family's
+serving facts (`TargetFamily.card_notes`, e.g. what vLLM reads for a Qwen3-VL drafter), the
+training metrics,
 the runner's acceptance-length table by K and its per-position acceptance plot when the export
 has them, and the training config.
 """
@@ -21,6 +23,7 @@ import yaml
 from draftinfer.checkpoint import atomic_write_text, read_drafter_config
 from draftinfer.paths import resolve_path
 from drafttrain.config import load_train_config
+from drafttrain.families import family_for
 from drafttrain.loggers import read_metrics
 from drafttrain.target import is_hub_id, load_target_config
 
@@ -72,8 +75,10 @@ def card_text(
     evaluation: dict[str, float] | None = None,
     reports: list[dict[str, Any]] | None = None,
     has_acceptance_plot: bool = False,
+    notes: list[str] | None = None,
 ) -> str:
-    """The card's markdown: `front` (card data) as YAML front matter, then the body."""
+    """The card's markdown: `front` (card data) as YAML front matter, then the body.
+    `notes`: the target family's serving facts (`TargetFamily.card_notes`), one bullet each."""
     from huggingface_hub import ModelCardData
 
     target = cfg["target"]["name_or_path"]
@@ -92,6 +97,8 @@ def card_text(
         serving,
         "",
     ]
+    if notes:
+        lines += [*(f"- {n}" for n in notes), ""]
     if metrics:
         last = metrics[-1]
         accs = sorted((k for k in last if k.startswith("acc_")), key=lambda k: int(k[4:]))
@@ -162,7 +169,9 @@ def write_model_card(
     target = cfg.target.name_or_path
     base = base_model or cfg.export.hub_base_model or target
     target_ref = base if is_hub_id(base) else resolve_path(target)
-    vision = getattr(load_target_config(target), "vision_config", None) is not None
+    target_config = load_target_config(target)
+    vision = getattr(target_config, "vision_config", None) is not None
+    family = family_for(list(getattr(target_config, "architectures", None) or []))
     front = {
         "base_model": base,
         "library_name": "vllm",
@@ -183,6 +192,7 @@ def write_model_card(
         json.loads(ev_path.read_text()) if ev_path.is_file() else None,
         runner_reports(out),
         (out / RUNNER_PLOT).is_file(),
+        family.card_notes(spec.name),
     )
     dest = Path(dest) if dest is not None else out
     atomic_write_text(dest / "README.md", text)

@@ -4,7 +4,8 @@
         [--push-to-hub ORG/NAME [--private] [--base-model ORG/NAME] [--dry-run [DIR]]]
 
 Writes `config.json` (the kind's serving layout, e.g. vLLM/SGLang `LlamaForCausalLMEagle3`;
-our conventions under `"drafttrain"`), `model.safetensors`, `speculators/` (the same drafter in
+our conventions under `"drafttrain"`; the target family's top-level fields, e.g.
+`target_model_type` for Qwen3-VL), `model.safetensors`, `speculators/` (the same drafter in
 vllm-project/speculators' layout, when the kind has one), the target's tokenizer files,
 `training_args.yaml` and a `README.md` model card. The run's config is read back through the
 typed schema and the tensors come from the run's checkpoint on disk, so the export is exactly
@@ -15,6 +16,7 @@ the upload (repository id, the card's `base_model`, the token) runs before anyth
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -23,6 +25,7 @@ import torch
 
 from draftinfer.checkfields import require
 from draftinfer.checkpoint import (
+    atomic_write_text,
     write_drafter,
     write_speculators,
 )
@@ -31,6 +34,7 @@ from drafttrain.card import write_model_card
 from drafttrain.checkpoint import latest_checkpoint, load_checkpoint
 from drafttrain.config import load_train_config
 from drafttrain.errors import CheckpointError, DraftError
+from drafttrain.families import family_for
 from drafttrain.target import load_target_config, load_tokenizer, read_input_embedding
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -75,8 +79,14 @@ def export_run(
         **objective_meta,
     }
     write_drafter(out, drafter, meta, _DTYPES[dtype_name])
+    target_config = load_target_config(target_name)
+    archs = list(getattr(target_config, "architectures", None) or [])
+    extra = family_for(archs).export_fields(target_config)
+    if extra:  # the target family's top-level fields (e.g. `target_model_type` for Qwen3-VL)
+        path = out / "config.json"
+        written = json.loads(path.read_text())
+        atomic_write_text(path, json.dumps({**written, **extra}, indent=2, sort_keys=True) + "\n")
     if cfg.export.speculators_config:
-        archs = list(load_target_config(target_name).architectures or [])
         write_speculators(
             out,
             drafter,

@@ -64,7 +64,7 @@ class Eagle3Config:
     def to_hf(self) -> dict[str, Any]:
         """The engine-facing config.json fields (our own fields go under `drafttrain`)."""
         aux = list(self.aux_layer_ids)
-        return {
+        d = {
             "architectures": [self.architecture],
             "model_type": "llama",
             "hidden_act": "silu",
@@ -87,6 +87,14 @@ class Eagle3Config:
             "eagle_aux_hidden_state_layer_ids": aux,
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux, "use_aux_hidden_state": True},
         }
+        if self.rope_scaling and "mrope_section" in self.rope_scaling:
+            # A drafter of an M-RoPE target (Qwen3-VL). vLLM gives the drafter 3-D positions only
+            # if *its* config declares M-RoPE (`uses_mrope` reads `rope_parameters`, which
+            # vLLM builds from `rope_scaling` + `rope_theta` for older configs), and its M-RoPE
+            # rotary is interleaved only with `mrope_interleaved: true` (the default is the
+            # Qwen2-VL chunked layout); both keys are written (docs/training.md).
+            d["rope_parameters"] = {"rope_theta": self.rope_theta, **self.rope_scaling}
+        return d
 
     @classmethod
     def hf_fields(cls, d: dict[str, Any], where: str) -> dict[str, Any]:
