@@ -81,14 +81,16 @@ def lr_lambda(warmup: int, total: int, min_ratio: float):
 
 class BatchStream:
     """Deterministic micro-batch stream; its cursor (epoch, index) is checkpointed.
-    `collate(rows, pad_id)`: the batch of dataset rows (a `TokenizedSplit`'s; default: the
-    text `drafttrain.data.collate` of `dataset`'s rows)."""
+    `data`: a `drafttrain.data.TokenizedSplit` (batches by its collate) or a tokenized text
+    dataset (batches by `drafttrain.data.collate`)."""
 
-    def __init__(self, dataset, batch_size: int, pad_id: int, seed: int, collate=None):
+    def __init__(self, data, batch_size: int, pad_id: int, seed: int):
         from drafttrain.data import length_bucketed_batches
 
+        split = data if hasattr(data, "collate") else None
+        dataset = split.data if split is not None else data
         self.dataset, self.pad_id, self.seed, self.batch_size = dataset, pad_id, seed, batch_size
-        self.collate = collate or self._text_collate
+        self.collate = split.collate if split is not None else self._text_collate
         self.lengths = list(dataset["length"])
         self._plan = length_bucketed_batches
         self.epoch, self.index = 0, 0
@@ -128,12 +130,13 @@ def prepare_data(cfg: TrainConfig, adapter):
 
 @torch.no_grad()
 def evaluate(
-    cfg: TrainConfig, wrapped, data_adapter, device, pad_id: int, accelerator
+    cfg: TrainConfig, wrapped, train_split, device, pad_id: int, accelerator
 ) -> dict[str, float]:
-    """Mean objective metrics over `eval_batches` batches of the held-out split (every rank
-    scores its rows of each batch; the metrics are over the whole batch)."""
+    """Mean objective metrics over `eval_batches` batches of the held-out split (of the
+    training split's data adapter; every rank scores its rows of each batch; the metrics are
+    over the whole batch)."""
     rank, world = accelerator.process_index, accelerator.num_processes
-    split, batches = data_adapter.held_out(cfg.data, cfg.seed)
+    split, batches = train_split.held_out(cfg.data, cfg.seed)
     module = accelerator.unwrap_model(wrapped)
     module.use_split("eval")  # a feature cache reads its eval part
     wrapped.eval()
@@ -197,16 +200,14 @@ def _setup(cfg: TrainConfig, run_dir: Path, device):
         check_family(family, cfg.target.name_or_path)
     tokenizer = load_tokenizer(cfg.target.name_or_path)
     target = family.target(cfg.target, device)
-    adapter = family.data(cfg.target.name_or_path, tokenizer)
-    split = prepare_data(cfg, adapter)
-    data = split.data
+    split = prepare_data(cfg, family.data(cfg.target.name_or_path, tokenizer))
     cache_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else run_dir / "cache"
-    drafter = spec.init_drafter(cfg.drafter, InitContext(target, tokenizer, data, cache_dir))
+    drafter = spec.init_drafter(cfg.drafter, InitContext(target, tokenizer, split.data, cache_dir))
     if cfg.data.cache:  # read features from an offline cache; the target is never run
         from drafttrain.cache import CachedTarget
 
-        target = CachedTarget.open(cfg, target, tokenizer, data, drafter.config.features)
-    return spec, tokenizer, target, split, drafter, adapter
+        target = CachedTarget.open(cfg, target, tokenizer, split.data, drafter.config.features)
+    return spec, tokenizer, target, split, drafter
 
 
 def train(cfg: TrainConfig, keep_logger: bool = False) -> dict[str, Any]:
@@ -239,7 +240,7 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
     try:
         # Rank 0 builds the data caches, then the rest; the target is whole on every rank.
         with accelerator.main_process_first(), replicated_loading(accelerator):
-            spec, tokenizer, target, split, drafter, adapter = _setup(cfg, run_dir, device)
+            spec, tokenizer, target, split, drafter = _setup(cfg, run_dir, device)
     except BaseException:
         if main and fresh and run_dir.exists():
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -258,7 +259,7 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
         optimizer, lr_lambda(tc.warmup_steps, tc.max_steps, tc.min_lr_ratio)
     )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    stream = BatchStream(split.data, cfg.data.batch_size, pad_id, cfg.seed, split.collate)
+    stream = BatchStream(split, cfg.data.batch_size, pad_id, cfg.seed)
 
     start_step, ck = 0, None
     if resume_from is not None:
@@ -396,7 +397,7 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
         "main_process": main,
     }
     if cfg.data.eval_split:
-        ev = evaluate(cfg, wrapped, adapter, device, pad_id, accelerator)
+        ev = evaluate(cfg, wrapped, split, device, pad_id, accelerator)
         logger.log(ev, tc.max_steps)
         if main:
             (run_dir / "eval.json").write_text(json.dumps(ev, indent=2) + "\n")

@@ -86,10 +86,12 @@ class TokenizedSplit:
 
     data: a `datasets.Dataset` with at least `input_ids`, `loss_mask` and `length` (a family
     may add columns); collate(rows, pad_id): the padded batch of dataset rows `rows`
-    (`collate` below, plus the family's inputs)."""
+    (`collate` below, plus the family's inputs); held_out(cfg, seed): the same adapter's
+    held-out split and its evaluation batches."""
 
     data: Any
     collate: Callable[[list[int], int], dict[str, torch.Tensor]]
+    held_out: Callable[[Any, int], tuple[TokenizedSplit, list[list[int]]]]
 
 
 class ChatData:
@@ -105,7 +107,9 @@ class ChatData:
         from drafttrain.data.chat import load_data, tokenize_dataset
 
         data = tokenize_dataset(load_data(cfg), self.tokenizer, cfg)
-        return TokenizedSplit(data, lambda rows, pad_id: collate([data[i] for i in rows], pad_id))
+        return TokenizedSplit(
+            data, lambda rows, pad_id: collate([data[i] for i in rows], pad_id), self.held_out
+        )
 
     def held_out(self, cfg, seed: int) -> tuple[TokenizedSplit, list[list[int]]]:
         """The held-out split and its evaluation batches."""

@@ -246,7 +246,8 @@ class VLChatData:
         kept = tokenized.filter(
             lambda n: n > 0, input_columns="num_loss_tokens", desc="dropping rows without loss"
         ).remove_columns(["num_assistant_turns", "num_loss_tokens"])
-        return TokenizedSplit(kept, Collator(self.processor, kept, source, field, base_dir, where))
+        collate = Collator(self.processor, kept, source, field, base_dir, where)
+        return TokenizedSplit(kept, collate, self.held_out)
 
     def held_out(self, cfg: DataConfig, seed: int) -> tuple[TokenizedSplit, list[list[int]]]:
         split = self.tokenize(held_out_config(cfg))
