@@ -20,10 +20,8 @@ from draftinfer.models.qwen3_vl import Qwen3VLForConditionalGeneration, encode_i
 from draftinfer.slots import Slots
 from draftinfer.target import FeatureSpec, TargetInputs
 from tests.utils import assert_close
+from tests.vl_fixtures import IMG, N_DS, N_LAYERS, PATCH_DIM, H, image_tokens, save_tiny_vl
 
-IMG, VID, V_START, V_END = 250, 251, 252, 253
-PATCH_DIM = 3 * 2 * 4 * 4  # channels * temporal_patch * patch**2
-N_LAYERS, N_DS, H = 5, 3, 64
 DECODE_STEPS = 32
 
 
@@ -37,46 +35,7 @@ def _one_thread():
 
 @pytest.fixture(scope="module")
 def vl_dir(tmp_path_factory):
-    from transformers import Qwen3VLConfig
-    from transformers import Qwen3VLForConditionalGeneration as HFQwen3VL
-
-    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]}
-    cfg = Qwen3VLConfig(
-        text_config=dict(
-            vocab_size=256,
-            hidden_size=H,
-            intermediate_size=96,
-            num_hidden_layers=N_LAYERS,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            max_position_embeddings=512,
-            rope_parameters={**rope, "mrope_interleaved": True},
-            tie_word_embeddings=False,  # the top-level flag is the one HF ties by
-        ),
-        vision_config=dict(
-            depth=3,
-            hidden_size=32,
-            num_heads=4,
-            intermediate_size=48,
-            out_hidden_size=H,
-            patch_size=4,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            num_position_embeddings=16,
-            deepstack_visual_indexes=[0, 1, 2],
-        ),
-        image_token_id=IMG,
-        video_token_id=VID,
-        vision_start_token_id=V_START,
-        vision_end_token_id=V_END,
-        tie_word_embeddings=True,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("qwen3_vl")
-    HFQwen3VL(cfg).save_pretrained(str(path))
-    return path
+    return save_tiny_vl(tmp_path_factory.mktemp("qwen3_vl"))
 
 
 @functools.lru_cache(maxsize=2)
@@ -85,11 +44,6 @@ def hf_model(path: str):
 
     model = HFQwen3VL.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     return model.eval().requires_grad_(False)
-
-
-def image_tokens(grid: list[int]) -> list[int]:
-    t, h, w = grid
-    return [V_START] + [IMG] * (t * h * w // 4) + [V_END]
 
 
 # Three requests: text only; one image; two images (grids [1,4,6]: 6 tokens at positions
