@@ -70,6 +70,7 @@ def _image_only_class() -> type:
             )
 
     ImageOnlyQwen3VLProcessor.__module__ = __name__
+    ImageOnlyQwen3VLProcessor.__qualname__ = "ImageOnlyQwen3VLProcessor"
     return ImageOnlyQwen3VLProcessor
 
 
