@@ -5,9 +5,10 @@ the training-side Qwen3-VL tests (tests/test_qwen3_vl_train.py).
 through transformers: a byte-level BPE tokenizer with Qwen3-VL's special tokens,
 `chat_template.jinja` (`QWEN3_VL_TEMPLATE`, which renders like the released Qwen3-VL Instruct
 template: no `{% generation %}` markers), `preprocessor_config.json` (Qwen2-VL image
-processor, patch 4, merge 2) and a random `Qwen3VLForConditionalGeneration` (DESIGN 5:
-vision `out_hidden_size` = text hidden 64, 3 DeepStack levels over a 3-block tower, interleaved
-`mrope_section [4, 2, 2]` at head_dim 16, 5 text layers).
+processor, patch 4, merge 2) and a random `Qwen3VLForConditionalGeneration` of the shared
+tiny architecture (`tests/vl_fixtures.py`: DESIGN 5, vision `out_hidden_size` = text hidden 64,
+3 DeepStack levels, interleaved `mrope_section [4, 2, 2]` at head_dim 16, 5 text layers) with
+this tokenizer's vocabulary and special ids.
 
 `write_vl_chat(dir, ...)` writes `{train,test}.jsonl` + `images/*.png` in the `messages` format
 (content lists of `{"type": "image", "image": "images/x.png"}` / `{"type": "text", ...}`), rows
@@ -24,14 +25,13 @@ from pathlib import Path
 import torch
 
 from tests.tiny_tokenizers import _save_and_load, _train_bpe
+from tests.vl_fixtures import N_DS, N_LAYERS, PATCH_DIM, H  # noqa: F401  (re-exported)
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
 IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
 SPECIALS = [ENDOFTEXT, IM_START, IM_END, VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD]
-N_LAYERS, N_DS, H = 5, 3, 64
-PATCH, MERGE, TEMPORAL = 4, 2, 2
-PATCH_DIM = 3 * TEMPORAL * PATCH * PATCH
+PATCH, MERGE, TEMPORAL = 4, 2, 2  # the image processor's, as the tower's config says
 
 # Renders as the released Qwen3-VL Instruct chat template does (its tool branches left out):
 # an optional first system message, then per message `<|im_start|>{role}\n...<|im_end|>\n`;
@@ -74,44 +74,20 @@ QWEN3_VL_TEMPLATE = (
 
 
 def vl_config(tok):
-    from transformers import Qwen3VLConfig
+    """`tests.vl_fixtures.tiny_vl_config()` (the shared tiny architecture) with this
+    tokenizer's vocabulary and special token ids."""
+    from tests.vl_fixtures import tiny_vl_config
 
     ids = tok.convert_tokens_to_ids
-    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]}
-    return Qwen3VLConfig(
-        text_config=dict(
-            vocab_size=512,
-            hidden_size=H,
-            intermediate_size=96,
-            num_hidden_layers=N_LAYERS,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            max_position_embeddings=512,
-            rope_parameters={**rope, "mrope_interleaved": True},
-            pad_token_id=ids(ENDOFTEXT),
-            eos_token_id=ids(IM_END),
-            tie_word_embeddings=False,
-        ),
-        vision_config=dict(
-            depth=3,
-            hidden_size=32,
-            num_heads=4,
-            intermediate_size=48,
-            out_hidden_size=H,
-            patch_size=PATCH,
-            spatial_merge_size=MERGE,
-            temporal_patch_size=TEMPORAL,
-            num_position_embeddings=16,
-            deepstack_visual_indexes=[0, 1, 2],
-        ),
-        image_token_id=ids(IMAGE_PAD),
-        video_token_id=ids(VIDEO_PAD),
-        vision_start_token_id=ids(VISION_START),
-        vision_end_token_id=ids(VISION_END),
-        tie_word_embeddings=False,
-        eos_token_id=ids(IM_END),
-    )
+    cfg = tiny_vl_config()
+    cfg.text_config.vocab_size = 512
+    cfg.text_config.pad_token_id = ids(ENDOFTEXT)
+    cfg.text_config.eos_token_id = ids(IM_END)
+    cfg.image_token_id, cfg.video_token_id = ids(IMAGE_PAD), ids(VIDEO_PAD)
+    cfg.vision_start_token_id, cfg.vision_end_token_id = ids(VISION_START), ids(VISION_END)
+    cfg.eos_token_id = ids(IM_END)
+    cfg.tie_word_embeddings = False
+    return cfg
 
 
 def write_processor_files(out: Path, template: str = QWEN3_VL_TEMPLATE):
