@@ -36,7 +36,16 @@ import time
 from pathlib import Path
 
 import torch
-from benchlib import DRAFT_VOCAB, LLAMA31_8B, TINY, drafter_arch, import_kernel
+from benchlib import (
+    DRAFT_VOCAB,
+    LLAMA31_8B,
+    QWEN3_VL_8B,
+    TINY,
+    TINY_VL,
+    drafter_arch,
+    import_kernel,
+    vl_native_shape,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -60,6 +69,30 @@ def build_target(shape: dict, device, dtype, max_batch: int, max_len: int):
     return model
 
 
+def build_vl_target(hf_kwargs: dict, device, dtype, max_batch: int, max_len: int):
+    """The native Qwen3-VL target (our decoder + transformers' vision tower), random weights."""
+    from transformers import Qwen3VLConfig
+
+    from draftinfer.models.qwen3_vl import Qwen3VLForConditionalGeneration as VL
+
+    cfg = VL.config_from_hf(Qwen3VLConfig(**hf_kwargs), [])
+    with torch.device("meta"):
+        model = VL(cfg)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.tie_weights()
+    model.init_rope(device)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # norms 1, biases 0, the rest N(0, 0.02)
+            if p.dim() == 1:
+                p.zero_() if name.endswith("bias") else p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    model.requires_grad_(False).eval()
+    model.setup_caches(max_batch, max_len)
+    return model
+
+
 def build_drafter(kind: str, target, shape: dict, draft_vocab: int, k_max: int, device, dtype):
     from draftinfer.registry import drafter_spec
 
@@ -78,7 +111,7 @@ def build_drafter(kind: str, target, shape: dict, draft_vocab: int, k_max: int, 
 
 
 def plain_step_ms(
-    target, batch: int, context: int, steps: int, device, mode: str | None = None
+    target, batch: int, context: int, steps: int, device, mode: str | None = None, reqs=None
 ) -> tuple[float, list]:
     """Median ms of one compiled greedy decode step at advancing positions, and its tokens.
     `mode="reduce-overhead"`: the step replayed as a CUDA graph (the best plain decode)."""
@@ -86,16 +119,20 @@ def plain_step_ms(
     from draftinfer.slots import Slots, attn_bucket
 
     rows = torch.arange(batch, device=device)
-    g = torch.Generator(device="cpu").manual_seed(5)
-    ids = torch.randint(5, target.config.vocab_size, (batch, context), generator=g).to(device)
-    # Eager prefill, per request in 512-token chunks: exactly the engine's prefill, so both
-    # paths start from the same bf16 numerics.
+    if reqs is None:
+        reqs = [(p, None) for p in prompts(batch, context, target.config.vocab_size)]
+    ids = torch.tensor([r[0] for r in reqs], device=device)
+    # Eager prefill, per request in 512-token chunks through the target's prefill seam (with
+    # each request's image): exactly the engine's prefill, so both paths start from the same
+    # bf16 numerics.
     last = []
     for b in range(batch):
+        pos = torch.arange(context, device=device)[None]
+        plan = target.prefill_plan(ids[b : b + 1], pos, rows[b : b + 1], [reqs[b][1]])
         for s in range(0, context, 512):
-            e = min(s + 512, context)
-            pos = torch.arange(s, e, device=device)[None]
-            logits = target(ids[b : b + 1, s:e], Slots(rows[b : b + 1], pos)).logits
+            cols = slice(s, min(s + 512, context))
+            inputs, rope = plan.chunk(cols)
+            logits = target(inputs, Slots(rows[b : b + 1], pos[:, cols], rope)).logits
         last.append(logits[0, -1])
     last = torch.stack(last).float()
     tok = last.argmax(-1)
@@ -111,11 +148,12 @@ def plain_step_ms(
     times, toks, margins = [], [tok], [(top2[:, 0] - top2[:, 1]).tolist()]
     for s in range(steps):
         cache = torch.full((batch, 1), context + s, device=device)
+        rope = target.rope_positions(cache, rows)  # M-RoPE: cache + mrope_delta, 3 axes
         if device.type == "cuda":
             start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
             start.record()
         t0 = time.perf_counter()
-        logits, _ = step(target, tok[:, None], rows, cache, cache, attn_len, (), None)
+        logits, _ = step(target, tok[:, None], rows, cache, rope, attn_len, (), None)
         logits = logits.clone()  # a graph replay overwrites its output buffer
         if device.type == "cuda":
             end.record()
@@ -136,7 +174,36 @@ def prompts(batch: int, context: int, vocab: int) -> list[list[int]]:
     return torch.randint(5, vocab, (batch, context), generator=g).tolist()
 
 
-def run_spec(target, drafter, k, batch, context, rounds, device, compile_mode, sync_check=False):
+def image_prompts(target, batch: int, context: int, grid=(1, 32, 32)):
+    """`context`-token prompts with one image each (`grid` patches, `t*h*w / merge^2` image
+    tokens between vision start/end, 16 text tokens after it) -> (ids, mm_inputs) per request,
+    pixel values random (time does not depend on them). None for a text target."""
+    hf = getattr(target.config, "hf_config", None)
+    if hf is None:
+        return None
+    v = hf.vision_config
+    t, h, w = grid
+    n_img = t * h * w // v.spatial_merge_size**2
+    g = torch.Generator().manual_seed(6)
+    special = min(hf.image_token_id, hf.video_token_id, hf.vision_start_token_id)
+    out = []
+    for ids in prompts(batch, context, special):
+        head = context - n_img - 2 - 16
+        ids = ids[:head] + [hf.vision_start_token_id] + [hf.image_token_id] * n_img
+        ids = ids + [hf.vision_end_token_id] + prompts(1, 16, special)[0]
+        dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
+        mm = {
+            "pixel_values": torch.randn(t * h * w, dim, generator=g),
+            "image_grid_thw": torch.tensor([list(grid)]),
+            "mm_token_type_ids": torch.tensor([int(i == hf.image_token_id) for i in ids]),
+        }
+        out.append((ids, mm))
+    return out
+
+
+def run_spec(
+    target, drafter, k, batch, context, rounds, device, compile_mode, sync_check=False, reqs=None
+):
     from draftinfer.engine import Request, SpecDecoder
 
     dec = SpecDecoder(
@@ -147,58 +214,41 @@ def run_spec(target, drafter, k, batch, context, rounds, device, compile_mode, s
         max_model_len=target.max_seq_len,
         compile=compile_mode,
     )
-    ps = prompts(batch, context, target.config.vocab_size)
+    if reqs is None:
+        reqs = [(p, None) for p in prompts(batch, context, target.config.vocab_size)]
     dec.sync_check = False  # warm-up: compile, autotune, allocate (these may sync)
-    dec.generate([Request(p, max_tokens=6) for p in ps])
+    dec.generate([Request(p, max_tokens=6, mm_inputs=mm) for p, mm in reqs])
     dec.sync_check = sync_check
-    outs, stats = dec.generate([Request(p, max_tokens=rounds + 1) for p in ps])
+    outs, stats = dec.generate([Request(p, max_tokens=rounds + 1, mm_inputs=mm) for p, mm in reqs])
     return outs, stats
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--ks", default="", help="override both K lists, e.g. 2,3")
-    ap.add_argument("--kinds", default="eagle3,ptd")
-    ap.add_argument("--context", type=int, default=600)
-    ap.add_argument("--rounds", type=int, default=24)
-    ap.add_argument("--compile", default="all", choices=["none", "target", "all"])
-    ap.add_argument("--out", default="")
-    a = ap.parse_args()
-    if a.device == "cuda" and not torch.cuda.is_available():
-        print("bench_round: CUDA is not available; nothing timed (use --device cpu --tiny)")
-        return 0
-    import_kernel("runtime")  # `draftkernels` importable from a plain checkout
-    from torch._dynamo import config as dynamo_config
+TARGETS = {  # name -> (builder, shape, draft vocabulary key)
+    "llama3.1-8b": ("llama", LLAMA31_8B),
+    "qwen3-vl-8b": ("vl", QWEN3_VL_8B),
+    "tiny": ("llama", TINY),
+    "tiny-vl": ("vl", TINY_VL),
+}
 
-    dynamo_config.cache_size_limit = 64
-    device = torch.device(a.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    shape = TINY if a.tiny else LLAMA31_8B
-    batches = [int(x) for x in a.batches.split(",")]
-    ks = {"eagle3": list(range(1, 8)), "ptd": list(range(2, 9))}
-    if a.ks:
-        ks = {kind: [int(x) for x in a.ks.split(",")] for kind in ks}
-    kinds = a.kinds.split(",")
+
+def bench_target(name: str, a, device, dtype, batches, ks, kinds) -> dict:
+    """Every row of the table for one target (built here, freed by the caller)."""
+    builder, shape = TARGETS[name]
     max_len = 1024 if a.context + a.rounds + 32 <= 1024 else 2048
     t0 = time.perf_counter()
-    target = build_target(shape, device, dtype, max(batches), max_len)
+    if builder == "vl":
+        target = build_vl_target(shape, device, dtype, max(batches), max_len)
+        dshape = vl_native_shape(shape)
+    else:
+        target = build_target(shape, device, dtype, max(batches), max_len)
+        dshape = shape
     drafters = {
-        kind: build_drafter(
-            kind,
-            target,
-            shape,
-            DRAFT_VOCAB["tiny" if a.tiny else "llama3.1-8b"],
-            max(ks["ptd"]),
-            device,
-            dtype,
-        )
+        kind: build_drafter(kind, target, dshape, DRAFT_VOCAB[name], max(ks["ptd"]), device, dtype)
         for kind in kinds
     }
     res = {
-        "shape": "tiny" if a.tiny else "llama3.1-8b",
+        "shape": name,
+        "prompts": "one image each" if builder == "vl" else "text",
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "dtype": str(dtype),
@@ -211,13 +261,16 @@ def main() -> int:
         "rows": [],
     }
     for b in batches:
+        reqs = image_prompts(target, b, a.context)
         t1 = time.perf_counter()
-        ms, (plain_tokens, margins) = plain_step_ms(target, b, a.context, a.rounds + 8, device)
+        ms, (plain_tokens, margins) = plain_step_ms(
+            target, b, a.context, a.rounds + 8, device, reqs=reqs
+        )
         res["plain"][b] = {"ms": round(ms, 4), "first_call_s": round(time.perf_counter() - t1, 1)}
         graph_ms = float("nan")
-        if device.type == "cuda":
+        if device.type == "cuda" and not a.no_graph:
             graph_ms, (graph_tokens, _) = plain_step_ms(
-                target, b, a.context, a.rounds + 8, device, mode="reduce-overhead"
+                target, b, a.context, a.rounds + 8, device, mode="reduce-overhead", reqs=reqs
             )
             res["plain"][b]["cuda_graph_ms"] = round(graph_ms, 4)
             res["plain"][b]["cuda_graph_same_tokens"] = graph_tokens == plain_tokens
@@ -225,13 +278,15 @@ def main() -> int:
             k4 = 4 if 4 in ks[kind] else max(ks[kind])
             # Sync check: any host-device sync inside a round raises.
             try:
-                run_spec(target, d, k4, b, a.context, 4, device, a.compile, sync_check=True)
+                run_spec(target, d, k4, b, a.context, 4, device, a.compile, True, reqs)
                 res["sync_check"][f"{kind} K={k4} b={b}"] = "no sync"
             except RuntimeError as e:
                 res["sync_check"][f"{kind} K={k4} b={b}"] = f"SYNC: {str(e).splitlines()[0]}"
             for k in ks[kind]:
                 t2 = time.perf_counter()
-                outs, stats = run_spec(target, d, k, b, a.context, a.rounds, device, a.compile)
+                outs, stats = run_spec(
+                    target, d, k, b, a.context, a.rounds, device, a.compile, reqs=reqs
+                )
                 rt = stats["round_seconds"][2:]
                 t_round = statistics.median(rt) * 1e3
                 # Lossless up to the first low-margin position (bf16 batched-verify rounding):
@@ -256,6 +311,7 @@ def main() -> int:
                 acc = [x for o in outs for x in o.accepted]
                 res["rows"].append(
                     {
+                        "target": name,
                         "kind": kind,
                         "k": k,
                         "batch": b,
@@ -271,14 +327,15 @@ def main() -> int:
                     }
                 )
                 print(json.dumps(res["rows"][-1]), flush=True)
-    from torch._dynamo.utils import counters
-
-    res["dynamo"] = {k: dict(v) for k, v in counters.items() if k in ("stats", "graph_break")}
     res["total_s"] = round(time.perf_counter() - t0, 1)
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
-    print(f"\nround / plain decode step, {res['shape']}, {res['device']}, compile={a.compile}")
+    return res
+
+
+def print_summary(res: dict, batches, kinds) -> None:
+    print(
+        f"\nround / plain decode step, {res['shape']} ({res['prompts']} prompts), "
+        f"{res['device']}, compile={res['compile']}"
+    )
     for b in batches:
         p = res["plain"][b]
         print(
@@ -295,6 +352,58 @@ def main() -> int:
     bad = {k: v for k, v in res["lossless"].items() if v is not True}
     print("lossless (margin-aware):", not bad, "" if not bad else json.dumps(bad)[:600])
     print(f"total {res['total_s']} s")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="same as --targets tiny")
+    ap.add_argument(
+        "--targets",
+        default="llama3.1-8b",
+        help=f"comma-separated, timed one after the other in this process: {', '.join(TARGETS)}",
+    )
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--ks", default="", help="override both K lists, e.g. 2,3")
+    ap.add_argument("--kinds", default="eagle3,ptd")
+    ap.add_argument("--context", type=int, default=600)
+    ap.add_argument("--rounds", type=int, default=24)
+    ap.add_argument("--compile", default="all", choices=["none", "target", "all"])
+    ap.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph plain step")
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print("bench_round: CUDA is not available; nothing timed (use --device cpu --tiny)")
+        return 0
+    import_kernel("runtime")  # `draftkernels` importable from a plain checkout
+    from torch._dynamo import config as dynamo_config
+
+    dynamo_config.cache_size_limit = 64
+    device = torch.device(a.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    names = ["tiny"] if a.tiny else a.targets.split(",")
+    unknown = [n for n in names if n not in TARGETS]
+    if unknown:
+        ap.error(f"unknown target {unknown[0]!r} (known: {', '.join(TARGETS)})")
+    batches = [int(x) for x in a.batches.split(",")]
+    ks = {"eagle3": list(range(1, 8)), "ptd": list(range(2, 9))}
+    if a.ks:
+        ks = {kind: [int(x) for x in a.ks.split(",")] for kind in ks}
+    kinds = a.kinds.split(",")
+    results = []
+    for name in names:
+        results.append(bench_target(name, a, device, dtype, batches, ks, kinds))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    from torch._dynamo.utils import counters
+
+    out = results[0] if len(results) == 1 else {"targets": results}
+    out["dynamo"] = {k: dict(v) for k, v in counters.items() if k in ("stats", "graph_break")}
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
+    for res in results:
+        print_summary(res, batches, kinds)
     return 0
 
 

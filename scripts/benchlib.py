@@ -40,7 +40,96 @@ TINY = dict(
     num_kv_heads=2,
     head_dim=16,
 )
-DRAFT_VOCAB = {"llama3.1-8b": 32000, "tiny": 256}
+DRAFT_VOCAB = {"llama3.1-8b": 32000, "tiny": 256, "qwen3-vl-8b": 32000, "tiny-vl": 256}
+
+# Qwen3-VL-8B-Instruct (text: a Qwen3-8B decoder with interleaved M-RoPE [24, 20, 20], rope
+# theta 5e6, untied head; vision: 27 blocks of width 1152, patch 16, merge 2, DeepStack after
+# blocks 8/16/24), as `Qwen3VLConfig` keyword arguments.
+QWEN3_VL_8B = dict(
+    text_config=dict(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=262144,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 5000000.0,
+            "mrope_section": [24, 20, 20],
+            "mrope_interleaved": True,
+        },
+    ),
+    vision_config=dict(
+        depth=27,
+        hidden_size=1152,
+        intermediate_size=4304,
+        num_heads=16,
+        out_hidden_size=4096,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_position_embeddings=2304,
+        deepstack_visual_indexes=[8, 16, 24],
+    ),
+    image_token_id=151655,
+    video_token_id=151656,
+    vision_start_token_id=151652,
+    vision_end_token_id=151653,
+    tie_word_embeddings=False,
+)
+TINY_VL = dict(
+    text_config=dict(
+        QWEN3_VL_8B["text_config"],
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_parameters=dict(
+            QWEN3_VL_8B["text_config"]["rope_parameters"], mrope_section=[4, 2, 2]
+        ),
+    ),
+    vision_config=dict(
+        QWEN3_VL_8B["vision_config"],
+        depth=3,
+        hidden_size=32,
+        intermediate_size=48,
+        num_heads=4,
+        out_hidden_size=64,
+        patch_size=4,
+        num_position_embeddings=64,
+        deepstack_visual_indexes=[0, 1, 2],
+    ),
+    image_token_id=500,
+    video_token_id=501,
+    vision_start_token_id=502,
+    vision_end_token_id=503,
+)
+
+
+def vl_native_shape(hf_kwargs: dict) -> dict:
+    """The text decoder of a `Qwen3VLConfig` as the NativeConfig fields `drafter_arch` reads."""
+    t = hf_kwargs["text_config"]
+    rope = dict(t["rope_parameters"])
+    return dict(
+        vocab_size=t["vocab_size"],
+        hidden_size=t["hidden_size"],
+        intermediate_size=t["intermediate_size"],
+        num_layers=t["num_hidden_layers"],
+        num_heads=t["num_attention_heads"],
+        num_kv_heads=t["num_key_value_heads"],
+        head_dim=t["head_dim"],
+        rms_norm_eps=t["rms_norm_eps"],
+        rope_theta=rope.pop("rope_theta"),
+        rope_scaling=rope,
+        max_position_embeddings=t["max_position_embeddings"],
+    )
 
 
 def hf_config_dict(target: dict) -> dict:
