@@ -19,6 +19,12 @@ asynchronous) and reads back once per round (the emitted tokens and accepted cou
 checks and scheduling); the round's tensor work in between makes no host-device sync
 (`sync_check=True` enforces it on CUDA with `torch.cuda.set_sync_debug_mode("error")`).
 
+Prefill inputs come from the target (`target.prefill_plan`, per chunk): text targets feed
+the ids; a multimodal target (Qwen3-VL) feeds each chunk its vision rows and its own `[3, N]`
+position table from the request's `mm_inputs` and records the request's `mrope_delta`, after
+which every decode, verify and draft slot sits at `target.rope_positions(cache_pos, rows)`.
+The engine names no family.
+
 Rejected drafts leave stale KV past the committed length in both caches; it is never read
 (see `draftinfer.kv_cache`). Randomness is keyed by (request seed, position), so a request's
 output does not depend on the rest of the batch (convention 12).
@@ -39,6 +45,7 @@ from draftinfer.registry import spec_of
 from draftinfer.sampling import SamplingParams, SamplingState, with_seed
 from draftinfer.slots import Slots, attn_bucket
 from draftinfer.verify import Verifier
+from draftinfer.window import TokenEmbeds
 
 
 @dataclass
@@ -48,6 +55,9 @@ class Request:
     max_tokens: int = 64
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
+    # The target family's inputs of the prompt beyond its ids (None: text). Qwen3-VL:
+    # {"pixel_values", "image_grid_thw", "mm_token_type_ids"} (`prefill_plan`).
+    mm_inputs: dict | None = None
 
 
 @dataclass
@@ -206,13 +216,15 @@ class SpecDecoder:
         for b, s in enumerate(slots):
             ids[b, P - len(s.tokens) :] = torch.tensor(s.tokens, device=dev)
         rows = torch.tensor([s.row for s in slots], device=dev)
-        feats, ropes, logits = [], [], None
+        # The target says what each chunk feeds (text: the ids; Qwen3-VL: vision rows of the
+        # chunk's image slots and its [3, n, P] table, the request's mrope_delta recorded).
+        plan = self.target.prefill_plan(ids, cache_pos, rows, [s.req.mm_inputs for s in slots])
+        outs = []
         for c in range(0, P, self.prefill_chunk):
-            chunk = slice(c, c + self.prefill_chunk)
-            out = self.target(ids[:, chunk], Slots(rows, cache_pos[:, chunk]), self.features)
-            feats.append(out.features)
-            ropes.append(out.rope_pos)
-            logits = out.logits
+            cols = slice(c, c + self.prefill_chunk)
+            inputs, rope = plan.chunk(cols)
+            outs.append(self.target(inputs, Slots(rows, cache_pos[:, cols], rope), self.features))
+        logits = outs[-1].logits
         self.sampling.set_rows([s.row for s in slots], [s.req.sampling for s in slots])
         t = {name: x[rows] for name, x in self.sampling.tensors.items()}
         first = self.verifier.sample_next(logits[:, -1], t, lens).tolist()
@@ -225,21 +237,27 @@ class SpecDecoder:
         if not keep:
             return
         # Row i consumes (t_{i+1}, f_i) at pos_i for i = 0..P_b-1 (convention 1): the ids
-        # shift left by one and the sampled token fills the last column.
+        # (and multimodal input embeddings) shift left by one, positions do not, and the
+        # sampled token fills the last column.
         k = torch.tensor(keep, device=dev)
         next_ids = torch.cat([ids[:, 1:], torch.tensor(first, device=dev)[:, None]], dim=1)
+        mm = TokenEmbeds.concat(outs)
         first_pass = FirstPass(
             rows[k],
             next_ids[k],
-            torch.cat(feats, dim=1)[k],
+            torch.cat([o.features for o in outs], dim=1)[k],
             cache_pos[k],
-            torch.cat(ropes, dim=-1)[..., k, :],
+            torch.cat([o.rope_pos for o in outs], dim=-1)[..., k, :],
+            None if mm is None else mm.shifted(1).batch(k),
         )
         pending = self.proposer.admit(first_pass, attn_bucket(P, self.max_model_len))
         w = pending.width
         if w > self.k + 1:
             raise RuntimeError(f"{type(self.proposer).__name__}.admit kept {w} rows > K + 1")
         r = rows[k]
+        # After a round the first pass holds the verify forward's own position tensor (for
+        # M-RoPE an expanded view of it): write into a copy, never into the target's buffer.
+        self.fp.rope_pos = self.fp.rope_pos.clone()
         self.fp.ids[r], self.fp.cache_pos[r] = 0, -1
         self.fp.ids[r, :w] = pending.ids
         self.fp.features[r, :w] = pending.features

@@ -19,6 +19,7 @@ from draftinfer.registry import spec_of
 from draftinfer.sampling import SamplingState, with_seed
 from draftinfer.slots import Slots
 from draftinfer.verify import Verifier
+from draftinfer.window import TokenEmbeds
 
 
 @torch.no_grad()
@@ -38,19 +39,22 @@ def reference_generate(
     dev = next(target.parameters()).device
     row0 = torch.zeros(1, dtype=torch.long, device=dev)
 
-    def full_target(tokens: list[int]):
-        """Target over tokens[0..n-1] from cache index 0: logits `[n, V]`, features
-        `[n, F]`, RoPE positions `[n]` / `[3, n]`."""
+    def full_target(tokens: list[int], mm_inputs: dict | None):
+        """Target over tokens[0..n-1] from cache index 0, fed by its `prefill_plan` (the
+        prompt's images, the rest text): logits `[n, V]`, features `[n, F]`, RoPE positions
+        `[n]` / `[3, n]`, multimodal input embeddings `[1, n]` (`TokenEmbeds` or None)."""
         ids = torch.tensor(tokens, device=dev)[None]
-        out = target(ids, Slots(row0, torch.arange(len(tokens), device=dev)[None]), features)
-        return out.logits[0], out.features[0], out.rope_pos[..., 0, :]
+        cache_pos = torch.arange(len(tokens), device=dev)[None]
+        inputs, rope = target.prefill_plan(ids, cache_pos, row0, [mm_inputs]).chunk(slice(None))
+        out = target(inputs, Slots(row0, cache_pos, rope), features)
+        return out.logits[0], out.features[0], out.rope_pos[..., 0, :], TokenEmbeds.of(out)
 
     outputs = []
     for req in requests:
         req = replace(req, sampling=with_seed(req.sampling))
         t = SamplingState.of([req.sampling], dev).tensors
         tokens = list(req.prompt_ids)
-        logits, _, _ = full_target(tokens)
+        logits, *_ = full_target(tokens, req.mm_inputs)
         P = len(tokens)
         first = int(verifier.sample_next(logits[-1:], t, torch.tensor([P], device=dev))[0])
         out, finish = apply_stops(req, [], [first], P, max_model_len, tokenizer)
@@ -60,12 +64,16 @@ def reference_generate(
             L = len(tokens)
             n = draft_cap(max_model_len, L, req.max_tokens - len(out), k)
             Lt = torch.tensor([L], device=dev)
-            _, feats, rope = full_target(tokens[:-1])  # features f_0..f_{L-2}
-            # Drafter rows 0..L-2: row i consumes (t_{i+1}, f_i) at position pos_i.
+            _, feats, rope, mm = full_target(tokens[:-1], req.mm_inputs)  # f_0..f_{L-2}
+            # Drafter rows 0..L-2: row i consumes (t_{i+1}, f_i) at position pos_i, with the
+            # input embedding of t_{i+1} where the target scattered a vision embedding in.
             ids = torch.tensor(tokens[1:], device=dev)
             choose = verifier.draft_chooser(t, Lt)
-            drafts, qs = reference_drafts(drafter, ids, feats, rope, n, choose)
-            v_logits, _, _ = full_target(tokens + drafts)
+            # Text requests call every kind's reference the same way; image rows need a kind
+            # that reads `mm` (eagle3, ptd).
+            kw = {} if mm is None else {"mm": mm.shifted(1).batch(0)}  # rows [L-1]
+            drafts, qs = reference_drafts(drafter, ids, feats, rope, n, choose, **kw)
+            v_logits, *_ = full_target(tokens + drafts, req.mm_inputs)
             v_logits = v_logits[L - 1 : L + n]  # [n+1, V]: scores for d_1..d_n and the bonus
             V = v_logits.shape[-1]
             pad = torch.zeros(k + 1, V, device=dev, dtype=v_logits.dtype)

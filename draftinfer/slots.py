@@ -8,8 +8,9 @@ A forward runs over a padded batch of query *slots* `[B, T]`:
   reads up to (it sees cache indices `0..cache_pos`); `-1` marks a *padding slot*: it writes
   into the scratch column, nobody reads it and its outputs are finite garbage;
 - `rope_pos [B, T]` or `[3, B, T]` (M-RoPE): what rotary embeddings read, nothing else;
-  None asks the target to derive it (text targets: `cache_pos`; Qwen3-VL prefill: its own
-  `get_rope_index` table);
+  None asks the target to derive it from the cache index (`target.rope_positions`: text
+  targets `cache_pos`, Qwen3-VL `cache_pos + mrope_delta[row]` on all three axes). A prefill
+  takes it from the target's `prefill_plan` (Qwen3-VL: its `get_rope_index` table; text: None);
 - `attn_len`: how many cache indices every row reads (`0..attn_len-1`). A fixed or bucketed
   value keeps attention shapes static, so a new sequence length is not a new kernel shape and
   the forward needs no host sync. None means "max(cache_pos) + 1", found with one host sync

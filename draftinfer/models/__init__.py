@@ -253,6 +253,7 @@ def greedy_generate(
     eos_ids: Iterable[int] = (),
     *,
     step_fn: StepFn | None = None,
+    mm_inputs: Sequence[dict | None] | None = None,
 ) -> list[list[int]]:
     """Greedy (argmax) continuation of each prompt: a padded, ragged batch through the cache.
 
@@ -260,18 +261,29 @@ def greedy_generate(
     one of `eos_ids` (kept, as HF `generate` keeps it), after `max_new_tokens`, or when its
     length reaches `model.max_seq_len`. Prompts beyond `model.max_batch` run in successive
     groups. `step_fn` replaces the one-token decode step (e.g. a `torch.compile`d
-    `model.forward` with a fixed `attn_len`); prefill always runs `model.forward`.
+    `model.forward` with a fixed `attn_len`); prefill always runs `model.forward`, fed by the
+    target's `prefill_plan` (`mm_inputs[b]`: request b's multimodal inputs or None, as
+    `draftinfer.engine.Request.mm_inputs`).
     """
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     eos = list(dict.fromkeys(int(e) for e in eos_ids))
+    mm = _check_mm(mm_inputs, prompts)
     out: list[list[int]] = []
     for start in range(0, len(prompts), model.max_batch):
-        group = prompts[start : start + model.max_batch]
-        out.extend(_greedy_group(model, group, max_new_tokens, eos, step_fn))
+        group = slice(start, start + model.max_batch)
+        out.extend(_greedy_group(model, prompts[group], max_new_tokens, eos, step_fn, mm[group]))
     return out
+
+
+def _check_mm(mm_inputs: Sequence[dict | None] | None, prompts: list) -> list[dict | None]:
+    if mm_inputs is None:
+        return [None] * len(prompts)
+    if len(mm_inputs) != len(prompts):
+        raise ValueError(f"{len(mm_inputs)} multimodal inputs for {len(prompts)} prompts")
+    return list(mm_inputs)
 
 
 @torch.no_grad()
@@ -281,6 +293,8 @@ def sample_generate(
     max_new_tokens: int,
     eos_ids: Iterable[int],
     params: Sequence[SamplingParams],
+    *,
+    mm_inputs: Sequence[dict | None] | None = None,
 ) -> list[list[int]]:
     """`greedy_generate` with per-request sampling (temperature, top-k, top-p, seed).
 
@@ -296,12 +310,13 @@ def sample_generate(
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     eos = list(dict.fromkeys(int(e) for e in eos_ids))
+    mm = _check_mm(mm_inputs, prompts)
     device = model.embed_tokens.weight.device
     out: list[list[int]] = []
     for start in range(0, len(prompts), model.max_batch):
-        group = prompts[start : start + model.max_batch]
-        pick = _sampling_pick(params[start : start + model.max_batch], device)
-        out.extend(_greedy_group(model, group, max_new_tokens, eos, None, pick))
+        group = slice(start, start + model.max_batch)
+        pick = _sampling_pick(params[group], device)
+        out.extend(_greedy_group(model, prompts[group], max_new_tokens, eos, None, mm[group], pick))
     return out
 
 
@@ -330,6 +345,7 @@ def _greedy_group(
     max_new_tokens: int,
     eos: list[int],
     step_fn: StepFn | None,
+    mm_inputs: list[dict | None],
     pick: PickFn = _argmax_pick,
 ) -> list[list[int]]:
     device = model.embed_tokens.weight.device
@@ -354,7 +370,9 @@ def _greedy_group(
     lens_t = torch.tensor(lens, device=device)
     budget_t = torch.tensor(budget, device=device)
     last = (lens_t - 1)[:, None]  # [B, 1] slot of each prompt's last token
-    logits = model(ids.to(device), Slots(rows, pos.to(device)), logit_index=last).logits
+    ids, pos = ids.to(device), pos.to(device)
+    inputs, rope = model.prefill_plan(ids, pos, rows, mm_inputs).chunk(slice(None))
+    logits = model(inputs, Slots(rows, pos, rope), logit_index=last).logits
     tok = pick(logits[:, -1], lens_t)  # [B]: the token at position len(prompt)
     eos_t = torch.tensor(eos, device=device, dtype=torch.long)
     done = torch.isin(tok, eos_t) | (budget_t <= 1)

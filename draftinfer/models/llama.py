@@ -13,8 +13,9 @@ in `draftinfer.slots` and `draftinfer.kv_cache`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -118,6 +119,20 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+class PrefillPlan:
+    """The target inputs of one prefill, chunk by chunk: what `NativeCausalLM.prefill_plan`
+    returns. Text targets feed the token ids and derive RoPE positions from the cache index;
+    a multimodal family subclasses it (per-chunk encoder rows, its own position table)."""
+
+    def __init__(self, ids: torch.Tensor):
+        self.ids = ids  # [n, P]
+
+    def chunk(self, cols: slice) -> tuple[TargetInputs, torch.Tensor | None]:
+        """(inputs, rope_pos) of slot columns `cols`: `TargetInputs` over `[n, len(cols)]` and
+        the RoPE positions to pass in `Slots.rope_pos` (None: the target's `rope_positions`)."""
+        return TargetInputs(self.ids[:, cols]), None
+
+
 class Backbone(nn.Module):
     """HF's `model.*` submodule: embeddings, decoder layers, final norm."""
 
@@ -136,6 +151,9 @@ class NativeCausalLM(nn.Module):
     """
 
     hf_model_types: tuple[str, ...] = ()
+    # Whether prompts go through the checkpoint's processor (chat messages with images ->
+    # ids + `mm_inputs`) rather than its tokenizer alone (`draftinfer.prompts`).
+    uses_processor: ClassVar[bool] = False
 
     def __init__(self, config: NativeConfig):
         super().__init__()
@@ -262,6 +280,24 @@ class NativeCausalLM(nn.Module):
         rope config). `[B, T]` or `[3, B, T]`; padding slots at 0."""
         pos = cache_pos.clamp(min=0)
         return pos if self.rotary.axes == 1 else pos[None].expand(3, *pos.shape)
+
+    def prefill_plan(
+        self,
+        ids: torch.Tensor,  # [n, P] prompt ids, padded (left or right)
+        cache_pos: torch.Tensor,  # [n, P]: 0..P_b-1 at request b's tokens, -1 at padding
+        rows: torch.Tensor,  # [n] cache rows
+        mm_inputs: Sequence[dict | None] | None = None,  # per request: family inputs or None
+    ) -> PrefillPlan:
+        """The prefill seam: what to feed each chunk of a prefill from cache index 0 (the
+        engine's chunked prefill, the plain greedy baseline and the reference loop all call
+        it). Text targets: the ids, positions from the cache index; a request that carries
+        multimodal inputs is a one-line `ValueError`."""
+        if mm_inputs is not None and any(m is not None for m in mm_inputs):
+            raise ValueError(
+                f"{self.config.architecture} is a text target: a request carries "
+                "multimodal inputs (images)"
+            )
+        return PrefillPlan(ids)
 
     def forward(
         self,

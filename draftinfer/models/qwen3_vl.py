@@ -2,6 +2,11 @@
 beside transformers' own vision tower, behind the text targets' interface.
 
     model = load_native_target("path/to/qwen3-vl", "cpu", torch.float32, max_batch=4)
+    # What the engine, the plain baseline and the reference loop do (the prefill seam):
+    plan = model.prefill_plan(ids, cache_pos, rows, [mm_inputs_0, None])  # per request
+    inputs, rope_pos = plan.chunk(slice(0, 64))  # [3, B, 64]; the chunk's vision rows
+    out = model(inputs, Slots(rows, cache_pos[:, :64], rope_pos), features)
+    # The pieces it is built from:
     image_embeds, deepstack = model.encode_images(pixel_values, image_grid_thw)
     pos, delta = model.rope_index(ids, image_grid_thw=image_grid_thw)  # [3, B, T], [B]
     extra = {"image_embeds": image_embeds, "deepstack": deepstack, "visual_mask": ids == image_id}
@@ -28,6 +33,13 @@ the target's own table (`rope_index`, transformers' `get_rope_index`); decode, v
 draft slots sit at `cache_pos + mrope_delta` on all three axes, which `rope_positions` gives
 for a cache row once `set_mrope_delta` recorded that row's delta (0 until then).
 
+Prefill seam: `prefill_plan(ids, cache_pos, rows, mm_inputs)` turns a batch of prompts and
+each request's processor outputs (`MM_INPUT_KEYS`: pixel values, image grids,
+`mm_token_type_ids`; None for text) into per-chunk inputs: per request and unpadded, the tower
+runs once over its images and `get_rope_index` gives its table, placed in the batch's padding
+layout; the request's `mrope_delta` is recorded for its cache row; `VisionPrefill.chunk` slices
+the table and passes each chunk the vision rows of its own visual slots.
+
 Feature taps: layer-input tap `j` is what decoder layer `j` receives, so for `1 <= j <= n_ds`
 it includes `deepstack[j-1]` at visual slots (HF `hidden_states[j]` does not, DESIGN 3.2).
 """
@@ -36,7 +48,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,11 +58,13 @@ from torch import nn
 
 from draftinfer.errors import ConfigError
 from draftinfer.kv_cache import resolve_attn_len, visibility_mask, write_index
-from draftinfer.models.llama import Backbone, NativeCausalLM, NativeConfig
+from draftinfer.models.llama import Backbone, NativeCausalLM, NativeConfig, PrefillPlan
 from draftinfer.slots import Slots
 from draftinfer.target import FeatureSpec, TargetInputs, TargetOutput, as_inputs
 
 EXTRA_KEYS = ("image_embeds", "deepstack", "visual_mask")
+# A request's multimodal inputs (`Request.mm_inputs`, the processor's output for its prompt).
+MM_INPUT_KEYS = ("pixel_values", "image_grid_thw", "mm_token_type_ids")
 
 
 @dataclass
@@ -142,10 +157,44 @@ def rope_index(
     return pos, delta.reshape(-1)
 
 
+class VisionPrefill(PrefillPlan):
+    """A Qwen3-VL prefill: the `[3, n, P]` position table and the vision rows of the whole
+    batch, sliced per chunk (an image may straddle a chunk boundary: each chunk passes the
+    rows of its own visual slots, in the row-major order `extra` expects)."""
+
+    def __init__(
+        self,
+        ids: torch.Tensor,  # [n, P]
+        rope_pos: torch.Tensor,  # [3, n, P]
+        visual_mask: torch.Tensor,  # [n, P] bool
+        image_embeds: torch.Tensor | None,  # [N_vis, H], rows in row-major slot order
+        deepstack: torch.Tensor | None,  # [n_ds, N_vis, H]
+    ):
+        super().__init__(ids)
+        self.rope_pos, self.visual_mask = rope_pos, visual_mask
+        self.image_embeds, self.deepstack = image_embeds, deepstack
+        # Row of image_embeds each visual slot reads (row-major over the batch).
+        flat = visual_mask.flatten().long()
+        self.embed_row = (flat.cumsum(0) - 1).view(visual_mask.shape)  # [n, P]
+
+    def chunk(self, cols: slice) -> tuple[TargetInputs, torch.Tensor]:
+        mask = self.visual_mask[:, cols]
+        extra: dict[str, torch.Tensor] = {}
+        if bool(mask.any()):  # one host sync per chunk (prefill)
+            index = self.embed_row[:, cols][mask]
+            extra = {
+                "visual_mask": mask,
+                "image_embeds": self.image_embeds[index],
+                "deepstack": self.deepstack[:, index],
+            }
+        return TargetInputs(self.ids[:, cols], extra), self.rope_pos[:, :, cols]
+
+
 class Qwen3VLForConditionalGeneration(NativeCausalLM):
     """Qwen3-VL (dense): a Qwen3 decoder (q/k norm) with interleaved M-RoPE and DeepStack."""
 
     hf_model_types = ("qwen3_vl",)
+    uses_processor = True
 
     def __init__(self, config: Qwen3VLNativeConfig):
         super().__init__(config)
@@ -226,6 +275,92 @@ class Qwen3VLForConditionalGeneration(NativeCausalLM):
             self._rope_index_fn = rope_index_fn(self.config.hf_config)
         return rope_index(self.config.hf_config, input_ids, fn=self._rope_index_fn, **kwargs)
 
+    def prefill_plan(
+        self,
+        ids: torch.Tensor,
+        cache_pos: torch.Tensor,
+        rows: torch.Tensor,
+        mm_inputs: Sequence[dict | None] | None = None,
+    ) -> VisionPrefill:
+        """The prefill seam (`NativeCausalLM.prefill_plan`) for Qwen3-VL.
+
+        ids `[n, P]` and cache_pos `[n, P]` in any padding layout (request b's tokens are the
+        slots with `cache_pos >= 0`, at cache indices 0..P_b-1 in order); `mm_inputs[b]`:
+        None (text) or `{"pixel_values" [sum(t*h*w), C*tp*p*p], "image_grid_thw" [n_img, 3],
+        "mm_token_type_ids" [P_b0] (1 at image placeholders, 0 elsewhere)}` for the request's
+        first `P_b0` tokens (tokens past them, e.g. a continuation the reference loop re-feeds,
+        are text). Per request, unpadded: the vision tower runs once over its images and
+        transformers' `get_rope_index` gives its `[3, P_b]` table, placed at its slots (padding
+        slots at 0); its `mrope_delta` is recorded for cache row `rows[b]` (0 for text), so
+        later slots sit at `cache_pos + mrope_delta` (`rope_positions`). One-line
+        `ValueError`s name the request whose inputs do not fit its placeholders."""
+        n, P = ids.shape
+        mm_inputs = list(mm_inputs) if mm_inputs is not None else [None] * n
+        if len(mm_inputs) != n:
+            raise ValueError(f"{len(mm_inputs)} multimodal inputs for {n} requests")
+        dev = ids.device
+        table = torch.zeros(3, n, P, dtype=torch.long, device=dev)
+        visual = torch.zeros(n, P, dtype=torch.bool, device=dev)
+        deltas, embeds, deepstack = [], [], []
+        for b, mm in enumerate(mm_inputs):
+            live = (cache_pos[b] >= 0).nonzero()[:, 0]  # [P_b] slots of request b, in order
+            if not torch.equal(cache_pos[b, live], torch.arange(len(live), device=dev)):
+                raise ValueError(f"request {b}: a prefill starts at cache index 0, in order")
+            tokens = ids[b, live]
+            types, grid, pixels = self._request_mm(b, mm, len(live), dev)
+            pos, delta = self.rope_index(
+                tokens[None], mm_token_type_ids=types[None], image_grid_thw=grid
+            )
+            table[:, b, live] = pos[:, 0].to(dev)
+            visual[b, live] = types == 1
+            deltas.append(delta)
+            if pixels is not None:
+                e, ds = self.encode_images(pixels, grid)
+                embeds.append(e)
+                deepstack.append(ds)
+        self.set_mrope_delta(rows, torch.cat(deltas))
+        return VisionPrefill(
+            ids,
+            table,
+            visual,
+            torch.cat(embeds) if embeds else None,
+            torch.cat(deepstack, dim=1) if deepstack else None,
+        )
+
+    def _request_mm(
+        self, b: int, mm: dict | None, length: int, dev: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(mm_token_type_ids `[length]`, image_grid_thw `[n_img, 3]` or None, pixel_values or
+        None) of request `b`, checked against each other (one-line `ValueError`s)."""
+        types = torch.zeros(length, dtype=torch.long, device=dev)
+        if mm is None:
+            return types, None, None
+        unknown = sorted(set(mm) - set(MM_INPUT_KEYS))
+        missing = [k for k in MM_INPUT_KEYS if mm.get(k) is None]
+        if unknown or missing:
+            what = f"unknown key {unknown[0]!r}" if unknown else f"{missing[0]!r} missing"
+            raise ValueError(f"request {b}: multimodal inputs need {MM_INPUT_KEYS}; {what}")
+        given = torch.as_tensor(mm["mm_token_type_ids"], device=dev).long().flatten()
+        if len(given) > length:
+            raise ValueError(
+                f"request {b}: mm_token_type_ids has {len(given)} entries for {length} tokens"
+            )
+        if bool((given == 2).any()):
+            raise ValueError(f"request {b}: video inputs are not supported")
+        types[: len(given)] = given
+        grid = torch.as_tensor(mm["image_grid_thw"], device=dev).long().reshape(-1, 3)
+        merge = self.config.hf_config.vision_config.spatial_merge_size
+        expected = (grid.prod(-1) // merge**2).tolist()
+        # Images are maximal runs of placeholders (the template brackets each with vision
+        # start / end tokens), matched to the grids in order (as `get_rope_index` reads them).
+        found = [len(list(g)) for t, g in itertools.groupby(types.tolist()) if t == 1]
+        if found != expected:
+            raise ValueError(
+                f"request {b}: image placeholder runs of {found} tokens, but image_grid_thw "
+                f"gives images of {expected} tokens"
+            )
+        return types, grid, torch.as_tensor(mm["pixel_values"]).to(dev)
+
     def _visual_inputs(
         self, extra: dict[str, torch.Tensor], B: int, T: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -305,4 +440,6 @@ class Qwen3VLForConditionalGeneration(NativeCausalLM):
             x = layer(x, cos, sin, slots.rows, write_pos, mask, attn_len)
             if j < len(deepstack):
                 x = torch.where(vmask, x + deepstack[j], x)
-        return self.head_output(x, taps, features, logit_index, rope_pos, embeds)
+        out = self.head_output(x, taps, features, logit_index, rope_pos, embeds)
+        out.mm_mask = None if visual is None else visual[0][..., 0]
+        return out

@@ -23,6 +23,7 @@ from draftinfer.proposer import (
     greedy_chooser,
     last_valid,
 )
+from draftinfer.window import TokenEmbeds
 
 
 class Eagle3ChainProposer(Proposer):
@@ -42,10 +43,12 @@ class Eagle3ChainProposer(Proposer):
         )
         self._fwd = cached_drafter_forward
 
-    def _run(self, ids, feature, rope_pos, rows, cache_pos, attn_len):
+    def _run(self, ids, feature, rope_pos, rows, cache_pos, attn_len, mm=None):
         """One cached drafter forward -> (normed, pre-norm), both `[B, T, H]`."""
         c = self.cache
-        return self._fwd(self.drafter, c.k, c.v, ids, feature, rope_pos, rows, cache_pos, attn_len)
+        return self._fwd(
+            self.drafter, c.k, c.v, ids, feature, rope_pos, rows, cache_pos, attn_len, mm
+        )
 
     def compile(self, **kwargs) -> None:
         self._fwd = compiled(cached_drafter_forward, **kwargs)
@@ -56,7 +59,8 @@ class Eagle3ChainProposer(Proposer):
     @torch.no_grad()
     def admit(self, first_pass: FirstPass, attn_len: int | None = None) -> FirstPass:
         """Write drafter KV for every prompt row but the last; the last row stays pending:
-        its output yields the first round's draft 1."""
+        its output yields the first round's draft 1. Prompt rows that consume an image
+        placeholder get the target's vision embedding (`first_pass.mm`, convention 3)."""
         if first_pass.width > 1:
             fp = first_pass.take(0, -1)
             d = self.drafter
@@ -67,6 +71,7 @@ class Eagle3ChainProposer(Proposer):
                 fp.rows,
                 fp.cache_pos,
                 attn_len,
+                fp.mm,
             )
         return first_pass.take(-1)
 
@@ -104,14 +109,17 @@ class Eagle3ChainProposer(Proposer):
 
     @staticmethod
     @torch.no_grad()
-    def reference_drafts(drafter, ids, features, rope_pos, n, choose):
+    def reference_drafts(drafter, ids, features, rope_pos, n, choose, mm=None):
+        """`Proposer.reference_drafts`; `mm`: the target's input embeddings of the rows that
+        consume a multimodal placeholder (`TokenEmbeds`, mask `[R]`, embeds `[R, H]`)."""
         d = drafter
         feats = d.project_features(features)  # [R, H]
         ids_t = d.draft_vocab_ids()
         drafts, qs = [], []
         base = rope_pos[..., -1:]
         for step in range(n):
-            normed, pre = d(ids[None], feats[None], rope_pos[..., None, :], causal_attn)
+            rows_mm = None if mm is None else pad_rows(mm, len(ids))
+            normed, pre = d(ids[None], feats[None], rope_pos[..., None, :], causal_attn, rows_mm)
             choice, q = choose(d.logits(normed[:, -1]), step)
             tok = int(ids_t[choice][0])
             drafts.append(tok)
@@ -121,3 +129,11 @@ class Eagle3ChainProposer(Proposer):
             feats = torch.cat([feats, pre[0, -1:]])
             rope_pos = torch.cat([rope_pos, draft_step_positions(base, step + 1)], dim=-1)
         return drafts, qs
+
+
+def pad_rows(mm: TokenEmbeds, n: int) -> TokenEmbeds:
+    """Unbatched rows `[R]` -> a batch of one `[1, n]`, rows past R text (drafts, mask slots)."""
+    R = mm.mask.shape[0]
+    mask = torch.cat([mm.mask, mm.mask.new_zeros(n - R)])
+    embeds = torch.cat([mm.embeds, mm.embeds.new_zeros(n - R, mm.embeds.shape[-1])])
+    return TokenEmbeds(mask[None], embeds[None])

@@ -15,7 +15,7 @@ import torch
 from draftkernels.parallel_layout import parallel_layout
 
 from draftinfer.errors import CheckpointError
-from draftinfer.kinds.eagle3.proposer import Eagle3ChainProposer
+from draftinfer.kinds.eagle3.proposer import Eagle3ChainProposer, pad_rows
 from draftinfer.proposer import DraftChooser, FirstPass, causal_attn, greedy_chooser, last_valid
 
 
@@ -73,10 +73,11 @@ class ParallelProposer(Eagle3ChainProposer):
 
     @staticmethod
     @torch.no_grad()
-    def reference_drafts(drafter, ids, features, rope_pos, n, choose):
+    def reference_drafts(drafter, ids, features, rope_pos, n, choose, mm=None):
         """No-cache reference: rows + n-1 mask slots at `p_last + m` in one causal forward
         (positions increase along the sequence, so plain causal attention is exactly the
-        parallel pattern: a mask slot sees every row and the lower mask slots)."""
+        parallel pattern: a mask slot sees every row and the lower mask slots). `mm`: as
+        `Eagle3ChainProposer.reference_drafts` (rows only; mask slots consume the mask token)."""
         d = drafter
         if n == 0:
             return [], []
@@ -85,7 +86,8 @@ class ParallelProposer(Eagle3ChainProposer):
         feats = d.project_features(features)
         feats = torch.cat([feats, d.mask_feature()[None].expand(n - 1, -1).to(feats.dtype)])
         rope_pos = torch.cat([rope_pos, rope_pos[..., -1:] + m], dim=-1)
-        normed, _ = d(ids[None], feats[None], rope_pos[..., None, :], causal_attn)
+        rows_mm = None if mm is None else pad_rows(mm, len(ids))
+        normed, _ = d(ids[None], feats[None], rope_pos[..., None, :], causal_attn, rows_mm)
         logits = d.logits(normed[0, -n:])  # last row, then the mask slots
         ids_t = d.draft_vocab_ids()
         drafts, qs = [], []
