@@ -1,7 +1,10 @@
 """`python -m draftinfer drafter=DIR [target=...] [prompts=...] [k=3] [temperature=0]
 [batch_size=8] [report=FILE.json] [eval=greedy|sampling] ...`
 
-Thin entry point: compose `conf/infer.yaml` (+ the `eval/` group) against
+`prompts` is chat data in the `messages` format (or a .txt file); for a target with a
+processor (Qwen3-VL) its messages may hold image parts (`draftinfer.prompts`).
+
+Thin entry point: compose `conf/infer/infer.yaml` (+ the `eval/` group) against
 `draftinfer.config.InferConfig`, convert once, run `run_eval`, print the table.
 """
 

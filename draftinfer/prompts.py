@@ -1,40 +1,62 @@
 """Prompts for the runner: the first user turn(s) of a chat dataset (the same loader training
 uses, `draftinfer.chat`), or a `.txt` file with one prompt per line, rendered with the
-target's chat template."""
+target's chat template.
+
+Text targets render with their tokenizer. A target that declares `uses_processor` (Qwen3-VL)
+renders through its processor (`draftinfer.vision_inputs`): the messages may hold image parts
+(paths relative to the data file's folder, or `datasets` images), and each prompt carries the
+processor's `pixel_values`, `image_grid_thw` and `mm_token_type_ids` as its `mm_inputs`
+(`draftinfer.engine.Request`).
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
-from draftinfer.chat import load_chat_dataset, normalize_messages
-from draftinfer.errors import ConfigError
+from draftinfer.chat import data_base_dir, load_chat_dataset, row_messages
+from draftinfer.errors import ConfigError, DataError
 from draftinfer.paths import resolve_path
 
 
-def load_conversations(source: str, split: str, limit: int) -> list[list[dict]]:
-    """Up to `limit` prompt conversations: each row's messages before its first assistant
-    turn (rows that open with an assistant turn are skipped)."""
+@dataclass
+class Prompt:
+    """A rendered prompt: token ids `[P]` and the target family's extra inputs (None: text)."""
+
+    ids: list[int]
+    mm_inputs: dict | None = None
+    name: str = ""  # how errors name it, e.g. "test row 3"
+
+
+def _conversations(source: str, split: str, limit: int) -> list[tuple[str, list[dict]]]:
+    """(name, prompt conversation) of up to `limit` rows: each row's messages before its first
+    assistant turn (rows that open with an assistant turn are skipped)."""
     path = resolve_path(source)
     if path.endswith(".txt"):
         if not Path(path).is_file():
             raise ConfigError(f"prompts file not found: {source}")
         lines = [ln for ln in Path(path).read_text().splitlines() if ln.strip()]
-        convs = [[{"role": "user", "content": ln}] for ln in lines]
+        convs = [(f"line {i + 1}", [{"role": "user", "content": ln}]) for i, ln in enumerate(lines)]
     else:
         convs = []
-        for row in load_chat_dataset(source, split):
-            msgs = normalize_messages(row["messages"])
+        for i, row in enumerate(load_chat_dataset(source, split)):
+            msgs = row_messages(row)
             first_asst = next(
-                (i for i, m in enumerate(msgs) if m["role"] == "assistant"), len(msgs)
+                (j for j, m in enumerate(msgs) if m["role"] == "assistant"), len(msgs)
             )
             if first_asst:
-                convs.append(msgs[:first_asst])
+                convs.append((f"{split} row {i}", msgs[:first_asst]))
             if len(convs) >= limit:
                 break
     convs = convs[:limit]
     if not convs:
         raise ConfigError(f"no prompts in {source!r}")
     return convs
+
+
+def load_conversations(source: str, split: str, limit: int) -> list[list[dict]]:
+    """Up to `limit` prompt conversations (see `_conversations`)."""
+    return [c for _, c in _conversations(source, split, limit)]
 
 
 def render_prompts(convs: list[list[dict]], tokenizer, max_len: int) -> list[list[int]]:
@@ -45,3 +67,45 @@ def render_prompts(convs: list[list[dict]], tokenizer, max_len: int) -> list[lis
         ids = enc["input_ids"] if hasattr(enc, "keys") else enc
         out.append([int(t) for t in ids][:max_len])
     return out
+
+
+def render_vision_prompts(
+    named: list[tuple[str, list[dict]]], processor, max_len: int, base_dir: Path | None
+) -> list[Prompt]:
+    """Each conversation through the processor with the generation prompt. A prompt longer
+    than `max_len` is a one-line `DataError` naming it (cutting it could split an image)."""
+    from draftinfer.vision_inputs import conversation_inputs
+
+    out = []
+    for name, conv in named:
+        enc = conversation_inputs(
+            processor, conv, add_generation_prompt=True, base_dir=base_dir, sample=name
+        )
+        ids = [int(t) for t in enc.pop("input_ids")]
+        if len(ids) > max_len:
+            raise DataError(
+                f"{name}: prompt of {len(ids)} tokens (image tokens included) does not fit "
+                f"max_model_len (at most {max_len})"
+            )
+        mm = enc if enc["pixel_values"] is not None else None
+        out.append(Prompt(ids, mm, name))
+    return out
+
+
+def load_prompts(
+    source: str, split: str, limit: int, target_path: str, uses_processor: bool, max_len: int
+) -> tuple[list[Prompt], object]:
+    """(prompts, tokenizer) for a target: through its processor when it `uses_processor`
+    (image parts allowed), else its tokenizer's chat template (text only, cut to `max_len`)."""
+    named = _conversations(source, split, limit)
+    if uses_processor:
+        from draftinfer.vision_inputs import load_processor
+
+        processor = load_processor(target_path)
+        base_dir = None if resolve_path(source).endswith(".txt") else data_base_dir(source)
+        return render_vision_prompts(named, processor, max_len, base_dir), processor.tokenizer
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target_path)
+    ids = render_prompts([c for _, c in named], tokenizer, max_len)
+    return [Prompt(p, None, name) for p, (name, _) in zip(ids, named)], tokenizer

@@ -6,6 +6,11 @@ acceptance length, per-position acceptance, whether the speculative output is lo
 tokens/s of both and the speedup. The report is JSON, with a PNG of per-position acceptance
 beside it.
 
+Prompts come from the same `messages` data training reads: a target with a processor
+(Qwen3-VL) takes image+text conversations (`draftinfer.prompts.load_prompts`), and the plain
+baseline, the speculative run and the reference loop all feed the images through the
+target's `prefill_plan`, so the lossless check covers image prompts.
+
 Lossless means: at temperature 0, every request's tokens equal plain greedy decoding
 token for token; at temperature > 0 (where equality with plain sampling is not the
 criterion), the fast path equals the reference loop on the same seeds and the sampler's
@@ -27,7 +32,7 @@ from draftinfer.engine import Request, SpecDecoder
 from draftinfer.errors import ConfigError
 from draftinfer.metrics import acceptance_length, per_position_acceptance
 from draftinfer.paths import resolve_path
-from draftinfer.prompts import load_conversations, render_prompts
+from draftinfer.prompts import load_prompts
 from draftinfer.sampling import SamplingParams
 
 
@@ -96,7 +101,6 @@ def check_infer_config(cfg: InferConfig) -> None:
 
 def run_eval(cfg: InferConfig) -> dict[str, Any]:
     from tqdm.auto import tqdm
-    from transformers import AutoTokenizer
 
     from draftinfer.models import greedy_generate, load_native_target
     from draftinfer.reference import reference_generate
@@ -115,18 +119,28 @@ def run_eval(cfg: InferConfig) -> dict[str, Any]:
     spec.check_fit(arch, target.info)
     spec.check_k(arch, cfg.k)
     drafter, _ = load_drafter(cfg.drafter, target.shared_weights(), device=device, dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(target_path)
-    convs = load_conversations(cfg.prompts, cfg.prompts_split, cfg.num_prompts)
-    prompts = render_prompts(convs, tokenizer, cfg.max_model_len - 2)
+    # Text targets: the tokenizer's chat template; a target with a processor (Qwen3-VL):
+    # image+text messages through it, each prompt carrying its pixels (`mm_inputs`).
+    loaded, tokenizer = load_prompts(
+        cfg.prompts,
+        cfg.prompts_split,
+        cfg.num_prompts,
+        target_path,
+        target.uses_processor,
+        cfg.max_model_len - 2,
+    )
+    prompts = [p.ids for p in loaded]
+    mm = [p.mm_inputs for p in loaded]
     eos = list(target.config.eos_token_ids)
     requests = [
         Request(
-            p,
+            p.ids,
             SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed + i),
             max_tokens=cfg.max_new_tokens,
             stop_token_ids=tuple(eos),
+            mm_inputs=p.mm_inputs,
         )
-        for i, p in enumerate(prompts)
+        for i, p in enumerate(loaded)
     ]
     bar = tqdm(
         total=2 * len(prompts),
@@ -137,10 +151,10 @@ def run_eval(cfg: InferConfig) -> dict[str, Any]:
     )
 
     # Plain greedy decoding of the target alone: the lossless reference and the speed baseline.
-    greedy_generate(target, prompts[:1], 2, eos)  # warm-up (allocations, kernels)
+    greedy_generate(target, prompts[:1], 2, eos, mm_inputs=mm[:1])  # warm-up (allocations)
     _sync(device)
     t0 = time.perf_counter()
-    plain = greedy_generate(target, prompts, cfg.max_new_tokens, eos)
+    plain = greedy_generate(target, prompts, cfg.max_new_tokens, eos, mm_inputs=mm)
     _sync(device)
     t_plain = time.perf_counter() - t0
     bar.update(len(prompts))
@@ -205,6 +219,7 @@ def run_eval(cfg: InferConfig) -> dict[str, Any]:
         "temperature": cfg.temperature,
         "verify": cfg.verify,
         "num_prompts": len(prompts),
+        "image_prompts": sum(m is not None for m in mm),
         "batch_size": cfg.batch_size,
         "max_new_tokens": cfg.max_new_tokens,
         "rounds": len(accepted),
@@ -235,11 +250,13 @@ def run_eval(cfg: InferConfig) -> dict[str, Any]:
 def format_report(r: dict[str, Any]) -> str:
     """The short table `python -m draftinfer` prints last."""
     pos = " ".join(f"{v:.2f}" for v in r["per_position_acceptance"])
+    n_img = r.get("image_prompts", 0)
+    images = f" ({n_img} with images)" if n_img else ""
     rows = [
         ("drafter", f"{r['drafter_kind']} {r['drafter']}"),
         ("target", f"{r['target']} ({r['device']}, {r['dtype']})"),
         ("k / temperature", f"{r['k']} / {r['temperature']}"),
-        ("prompts / rounds", f"{r['num_prompts']} / {r['rounds']}"),
+        ("prompts / rounds", f"{r['num_prompts']}{images} / {r['rounds']}"),
         ("acceptance length", f"{r['acceptance_length']:.3f}"),
         ("per-position acceptance", pos),
         ("lossless", f"{r['lossless']} ({r['lossless_check']})"),
