@@ -192,7 +192,7 @@ def write_model_card(
         json.loads(ev_path.read_text()) if ev_path.is_file() else None,
         runner_reports(out),
         (out / RUNNER_PLOT).is_file(),
-        family.card_notes(spec.name),
+        family.card_notes(spec.mode),
     )
     dest = Path(dest) if dest is not None else out
     atomic_write_text(dest / "README.md", text)

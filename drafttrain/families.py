@@ -9,7 +9,7 @@ A `TargetFamily` gives
 - `feature_cache`: whether the offline feature cache (`drafttrain.cache`) can stand in for
   the target (it stores text features only);
 - `export_fields(target_config)`: extra top-level `config.json` fields of an exported
-  drafter, and `card_notes(kind)`: serving facts the model card states.
+  drafter, and `card_notes(mode)` (`mode`: the kind's drafting mode, `DrafterSpec.mode`): serving facts the model card states.
 
 Families register themselves from their own modules (`FAMILY_MODULES`); a target whose
 architecture no family claims is a text causal LM (`TextFamily`).
@@ -53,7 +53,7 @@ class TargetFamily:
     def export_fields(self, target_config: Any) -> dict[str, Any]:
         return {}
 
-    def card_notes(self, kind: str) -> list[str]:
+    def card_notes(self, mode: str) -> list[str]:
         return []
 
 

@@ -30,11 +30,14 @@ from drafttrain.config import TargetConfig
 from drafttrain.families import TargetFamily, register_family
 from drafttrain.target import FrozenTarget
 
+# `DrafterSpec.mode` of the kinds that draft K tokens in one forward (vLLM refuses it on M-RoPE).
+PARALLEL_MODE = "parallel drafting"
+
 # Where vLLM's behaviour for these drafters was read (docs/training.md, "Exporting a drafter
 # of a Qwen3-VL target").
 VLLM_SOURCES = {
     "registry": "vllm/model_executor/models/registry.py",
-    "eagle3": "vllm/model_executor/models/llama_eagle3.py",
+    "eagle_model": "vllm/model_executor/models/llama_eagle3.py",
     "eagle_config": "vllm/transformers_utils/configs/eagle.py",
     "rope": "vllm/model_executor/layers/rotary_embedding/__init__.py",
     "uses_mrope": "vllm/transformers_utils/config.py",
@@ -94,7 +97,7 @@ class Qwen3VLFamily(TargetFamily):
         # SpecForge's VL drafter configs name the target family this way; engines ignore it.
         return {"target_model_type": target_config.model_type}
 
-    def card_notes(self, kind: str) -> list[str]:
+    def card_notes(self, mode: str) -> list[str]:
         notes = [
             "Target family Qwen3-VL: the drafter was trained on the target's own `[3, N]` "
             "interleaved M-RoPE positions, with DeepStack-inclusive aux taps (the input each "
@@ -108,7 +111,7 @@ class Qwen3VLFamily(TargetFamily):
             "vLLM loads `LlamaForCausalLMEagle3` and `Eagle3Qwen3vlForCausalLM` with the same "
             f"class, `Eagle3LlamaForCausalLM` (`{VLLM_SOURCES['registry']}`).",
         ]
-        if kind == "ptd":
+        if mode == PARALLEL_MODE:
             notes.append(
                 "vLLM refuses parallel drafting with an M-RoPE drafter (`_raise_if_mrope`: "
                 '"Speculative Decoding with draft models or parallel drafting does not support '

@@ -131,8 +131,8 @@ def test_s3_chain_carries_prenorm_output(env, monkeypatch):
     calls = []
     orig = type(d).forward
 
-    def spy(self, ids, feature, rope_pos, attn_fn):
-        normed, pre = orig(self, ids, feature, rope_pos, attn_fn)
+    def spy(self, ids, feature, rope_pos, attn_fn, mm=None):
+        normed, pre = orig(self, ids, feature, rope_pos, attn_fn, mm)
         calls.append((feature.clone(), pre.clone(), rope_pos.clone()))
         return normed, pre
 
