@@ -32,6 +32,8 @@ class InferConfig:
     device: str = "auto"
     # Compile the target's verify forward and the drafter forward(s) (useful on CUDA).
     compile: bool = False
+    # Replay each round from a CUDA graph (`draftinfer.graphs`; CUDA only, best with compile).
+    cuda_graphs: bool = False
     # "fast" (KV-cached loop) or "reference" (recompute everything each round).
     mode: str = "fast"
     # Also run the reference loop and require token equality with the fast path.

@@ -40,6 +40,7 @@ import torch
 from draftkernels.chain_inputs import prepare_chain_inputs
 
 from draftinfer.compiled import compiled, target_forward
+from draftinfer.graphs import GraphedFunction
 from draftinfer.proposer import FirstPass
 from draftinfer.registry import spec_of
 from draftinfer.sampling import SamplingParams, SamplingState, with_seed
@@ -138,7 +139,10 @@ class SpecDecoder:
 
     `compile="all"` (or True) wraps the target's verify forward and the proposer's drafter
     forward(s) in `torch.compile` from here (STYLE rule 3; `"target"`: the verify forward only);
-    `sync_check=True` makes any host sync inside a round an error (CUDA only).
+    `cuda_graphs=True` (CUDA only) replays each round's tensor work from a CUDA graph captured
+    per (attention-length bucket, all-greedy) on its second use (`draftinfer.graphs`); the
+    first use of a bucket runs as is and compiles. `sync_check=True` makes any host sync
+    inside a round an error (CUDA only).
     """
 
     def __init__(
@@ -153,6 +157,7 @@ class SpecDecoder:
         tokenizer=None,
         compile: bool | str = False,
         sync_check: bool = False,
+        cuda_graphs: bool = False,
     ):
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
@@ -197,6 +202,11 @@ class SpecDecoder:
             self._target_fwd = compiled(target_forward, dynamic=True)
         if mode == "all":
             self.proposer.compile(dynamic=True)
+        self._graphed = None
+        if cuda_graphs:
+            if self.device.type != "cuda":
+                raise ValueError(f"cuda_graphs=True needs a CUDA target, not {self.device}")
+            self._graphed = GraphedFunction(self._round_tensors)
 
     # -- target passes ------------------------------------------------------------------
     def _admit(self, slots: list[_Active]) -> None:
@@ -255,9 +265,6 @@ class SpecDecoder:
         if w > self.k + 1:
             raise RuntimeError(f"{type(self.proposer).__name__}.admit kept {w} rows > K + 1")
         r = rows[k]
-        # After a round the first pass holds the verify forward's own position tensor (for
-        # M-RoPE an expanded view of it): write into a copy, never into the target's buffer.
-        self.fp.rope_pos = self.fp.rope_pos.clone()
         self.fp.ids[r], self.fp.cache_pos[r] = 0, -1
         self.fp.ids[r, :w] = pending.ids
         self.fp.features[r, :w] = pending.features
@@ -282,7 +289,13 @@ class SpecDecoder:
         self._upload[2] = 0
         self._upload[2, [s.row for s in live]] = 1
         host = self._upload.to(self.device, non_blocking=True, copy=True)
-        packed = self._round_tensors(host, attn_len, all_greedy)
+        state = (*self.fp.tensors(), self.bonus, host)
+        if self._graphed is not None:
+            out = self._graphed(state, attn_len, all_greedy)
+        else:
+            out = self._round_tensors(*state, attn_len, all_greedy)
+        *fp, self.bonus, packed = out
+        self.fp = FirstPass.of_tensors(fp)
         table = packed.tolist()  # the round's one readback: [B, K + 2]
         for s in live:
             a = table[s.row][K + 1]
@@ -295,22 +308,42 @@ class SpecDecoder:
             )
             s.tokens.extend(s.out[n_before:])
 
-    def _round_tensors(self, host: torch.Tensor, attn_len: int, all_greedy: bool) -> torch.Tensor:
-        """The round's tensor work: propose, verify forward, verify, next first pass.
-        -> `[B, K + 2]`: emitted tokens (-1 padded) and the accepted count last."""
+    def _round_tensors(
+        self,
+        fp_rows: torch.Tensor,
+        fp_ids: torch.Tensor,
+        fp_features: torch.Tensor,
+        fp_cache_pos: torch.Tensor,
+        fp_rope_pos: torch.Tensor,
+        bonus: torch.Tensor,
+        host: torch.Tensor,
+        attn_len: int,
+        all_greedy: bool,
+    ) -> tuple[torch.Tensor, ...]:
+        """The round's tensor work, a function of the round state alone (so it can be replayed
+        from a CUDA graph, `draftinfer.graphs`): propose, verify forward, verify, next first
+        pass. In: the pending first pass (`FirstPass.tensors()`), the bonus slot `[B]`, the
+        uploaded `[3, B]` (L, remaining, live). Out: the next first pass's tensors, the next
+        bonus slot, and `[B, K + 2]`: emitted tokens (-1 padded) and the accepted count last."""
         K = self.k
         with no_host_sync(self.sync_check, self.device):
             L, remaining, live = host[0], host[1], host[2].bool()
             # Draft cap (see `draft_cap`), 0 for rows with no live request.
             cap = torch.clamp(torch.minimum(self.max_model_len - L, remaining) - 1, 0, K)
             num_drafts = torch.where(live, cap, 0)
-            fp = replace(self.fp, cache_pos=torch.where(live[:, None], self.fp.cache_pos, -1))
+            fp = FirstPass(
+                fp_rows,
+                fp_ids,
+                fp_features,
+                torch.where(live[:, None], fp_cache_pos, -1),
+                fp_rope_pos,
+            )
             t = self.sampling.tensors
             choose = self.verifier.draft_chooser(t, L)
             drafts, q = self.proposer.propose(fp, num_drafts, K, choose, attn_len)
             # Verify forward over [t_{L-1}, d_1..d_n] at cache indices L-1..L-1+n.
             j = torch.arange(K + 1, device=self.device)
-            v_ids = torch.cat([self.bonus[:, None], drafts], 1)  # [B, K + 1]
+            v_ids = torch.cat([bonus[:, None], drafts], 1)  # [B, K + 1]
             v_live = live[:, None] & (j[None] <= num_drafts[:, None])
             v_cache = torch.where(v_live, (L - 1)[:, None] + j[None], -1)
             v_rope = self.target.rope_positions(v_cache, self.rows)
@@ -330,11 +363,12 @@ class SpecDecoder:
             )
             # Next first pass: rows L-1..L-1+a consume the emitted tokens with the verify
             # forward's target features (the KV refresh of convention 6); the last emitted
-            # token is the next bonus slot. Built on the device for the whole batch.
-            fp_ids, fp_cache, _, bonus = prepare_chain_inputs(out_ids, n_acc, L)
-            self.fp = FirstPass(self.rows, fp_ids, v_feat, fp_cache, v_rope)
-            self.bonus = bonus
-            return torch.cat([out_ids, n_acc[:, None]], dim=1)
+            # token is the next bonus slot. Built on the device for the whole batch. The RoPE
+            # table is made dense (an M-RoPE target returns an expanded view): it is state
+            # the next round reads, and a graph's static input.
+            fp_ids, fp_cache, _, next_bonus = prepare_chain_inputs(out_ids, n_acc, L)
+            packed = torch.cat([out_ids, n_acc[:, None]], dim=1)
+            return fp_rows, fp_ids, v_feat, fp_cache, v_rope.contiguous(), next_bonus, packed
 
     def generate(self, requests: list[Request], on_finish=None) -> tuple[list[RequestOutput], dict]:
         """Continuous batching over `max_batch` cache rows; outputs in request order.

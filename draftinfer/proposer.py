@@ -66,6 +66,17 @@ class FirstPass:
     def width(self) -> int:
         return self.ids.shape[1]
 
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """(rows, ids, features, cache_pos, rope_pos): a round's first pass as plain tensors
+        (the engine's round state; a round's first pass never carries `mm`)."""
+        if self.mm is not None:
+            raise ValueError("a round's first pass carries no multimodal rows (prefill only)")
+        return self.rows, self.ids, self.features, self.cache_pos, self.rope_pos
+
+    @classmethod
+    def of_tensors(cls, tensors) -> FirstPass:
+        return cls(*tensors)
+
     def take(self, start: int, stop: int | None = None) -> FirstPass:
         """Rows `start:stop` of every request."""
         s = slice(start, stop)

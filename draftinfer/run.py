@@ -169,6 +169,7 @@ def run_eval(cfg: InferConfig) -> dict[str, Any]:
         prefill_chunk=cfg.prefill_chunk,
         tokenizer=tokenizer,
         compile=cfg.compile,
+        cuda_graphs=cfg.cuda_graphs,
     )
     if cfg.mode == "fast":
         decoder.generate(requests[:1])  # warm-up

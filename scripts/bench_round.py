@@ -16,8 +16,10 @@ vocabulary 32000. Weights are random bf16 (time does not depend on training).
   generation (with random weights almost every draft is rejected: one new position per
   round, never a revisited length; a round's cost does not depend on how many drafts were
   accepted, its shapes are fixed). The target's verify forward (and, with `--compile all`,
-  the drafter forwards) is compiled with dynamic shapes and bucketed attention lengths, no
-  CUDA graphs.
+  the drafter forwards) is compiled with dynamic shapes and bucketed attention lengths; with
+  `--round-graphs on` (the default; `both` times each configuration both ways) the engine
+  replays the whole round from a CUDA graph captured per attention bucket
+  (`SpecDecoder(cuda_graphs=True)`, `draftinfer.graphs`).
 - ratio = t_round / t_plain; the speedup at acceptance length a is a * t_plain / t_round.
 
 Before timing: a sync check (K=4, each kind, each batch, rounds under
@@ -202,7 +204,17 @@ def image_prompts(target, batch: int, context: int, grid=(1, 32, 32)):
 
 
 def run_spec(
-    target, drafter, k, batch, context, rounds, device, compile_mode, sync_check=False, reqs=None
+    target,
+    drafter,
+    k,
+    batch,
+    context,
+    rounds,
+    device,
+    compile_mode,
+    sync_check=False,
+    reqs=None,
+    graphs=False,
 ):
     from draftinfer.engine import Request, SpecDecoder
 
@@ -213,6 +225,7 @@ def run_spec(
         max_batch=batch,
         max_model_len=target.max_seq_len,
         compile=compile_mode,
+        cuda_graphs=graphs,
     )
     if reqs is None:
         reqs = [(p, None) for p in prompts(batch, context, target.config.vocab_size)]
@@ -254,6 +267,7 @@ def bench_target(name: str, a, device, dtype, batches, ks, kinds) -> dict:
         "dtype": str(dtype),
         "context": a.context,
         "compile": a.compile,
+        "round_graphs": a.round_graphs,
         "build_s": round(time.perf_counter() - t0, 1),
         "plain": {},
         "sync_check": {},
@@ -282,10 +296,22 @@ def bench_target(name: str, a, device, dtype, batches, ks, kinds) -> dict:
                 res["sync_check"][f"{kind} K={k4} b={b}"] = "no sync"
             except RuntimeError as e:
                 res["sync_check"][f"{kind} K={k4} b={b}"] = f"SYNC: {str(e).splitlines()[0]}"
-            for k in ks[kind]:
+            modes = {"on": [True], "off": [False], "both": [False, True]}[a.round_graphs]
+            for k, graphs in ((k, g) for k in ks[kind] for g in modes):
+                if graphs and device.type != "cuda":
+                    continue
                 t2 = time.perf_counter()
                 outs, stats = run_spec(
-                    target, d, k, b, a.context, a.rounds, device, a.compile, reqs=reqs
+                    target,
+                    d,
+                    k,
+                    b,
+                    a.context,
+                    a.rounds,
+                    device,
+                    a.compile,
+                    reqs=reqs,
+                    graphs=graphs,
                 )
                 rt = stats["round_seconds"][2:]
                 t_round = statistics.median(rt) * 1e3
@@ -315,6 +341,7 @@ def bench_target(name: str, a, device, dtype, batches, ks, kinds) -> dict:
                         "kind": kind,
                         "k": k,
                         "batch": b,
+                        "round_graphs": graphs,
                         "t_round_ms": round(t_round, 4),
                         "t_plain_ms": round(ms, 4),
                         "ratio": round(t_round / ms, 3),
@@ -343,11 +370,21 @@ def print_summary(res: dict, batches, kinds) -> None:
             f"{p.get('cuda_graph_ms', float('nan')):.3f} ms compiled + CUDA graph"
         )
         for kind in kinds:
-            rows = [r for r in res["rows"] if r["kind"] == kind and r["batch"] == b]
-            ratios = "  ".join(f"K={r['k']}: {r['ratio']:.2f}" for r in rows)
-            print(f"  {kind:6s} t_round/t_plain {ratios}")
-            ratios = "  ".join(f"K={r['k']}: {r['ratio_vs_graph']:.2f}" for r in rows)
-            print(f"  {kind:6s} vs CUDA graph  {ratios}")
+            for graphs in (False, True):
+                rows = [
+                    r
+                    for r in res["rows"]
+                    if r["kind"] == kind and r["batch"] == b and r["round_graphs"] == graphs
+                ]
+                if not rows:
+                    continue
+                tag = "graphed round" if graphs else "eager round"
+                ms = "  ".join(f"K={r['k']}: {r['t_round_ms']:.2f}" for r in rows)
+                print(f"  {kind:6s} {tag}: t_round ms  {ms}")
+                ratios = "  ".join(f"K={r['k']}: {r['ratio']:.2f}" for r in rows)
+                print(f"  {kind:6s} {tag}: / plain compiled  {ratios}")
+                ratios = "  ".join(f"K={r['k']}: {r['ratio_vs_graph']:.2f}" for r in rows)
+                print(f"  {kind:6s} {tag}: / plain CUDA graph  {ratios}")
     print("sync check:", json.dumps(res["sync_check"]))
     bad = {k: v for k, v in res["lossless"].items() if v is not True}
     print("lossless (margin-aware):", not bad, "" if not bad else json.dumps(bad)[:600])
@@ -370,6 +407,12 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=24)
     ap.add_argument("--compile", default="all", choices=["none", "target", "all"])
     ap.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph plain step")
+    ap.add_argument(
+        "--round-graphs",
+        default="on",
+        choices=["on", "off", "both"],
+        help="replay the round from CUDA graphs (SpecDecoder(cuda_graphs=True)); CUDA only",
+    )
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     if a.device == "cuda" and not torch.cuda.is_available():

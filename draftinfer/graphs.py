@@ -1,0 +1,80 @@
+"""CUDA-graph capture applied from outside the model code (STYLE rule 3): one module, used by
+the engine for the whole speculative round (DESIGN section 7).
+
+`GraphedFunction(fn)` wraps a function `fn(*tensors, *static) -> tuple[Tensor, ...]` whose
+tensor work makes no host sync and whose shapes depend only on the static arguments (the
+round: `(attn_len, all_greedy)` for a decoder of fixed `max_batch` and K). Per static key:
+
+1. the first `warmup` calls run `fn` as is (they are real calls: their results are used);
+   they compile whatever `torch.compile` wraps inside and allocate lazily built buffers;
+2. the next call captures `fn` into a `torch.cuda.CUDAGraph`, on static copies of its tensor
+   inputs, then replays it;
+3. later calls copy the inputs into that graph's static inputs (skipped for a tensor that
+   already is one) and replay.
+
+The outputs are the graph's own static tensors: valid until the next replay of the same
+graph, so a caller that keeps one across calls (the engine keeps the next first pass) hands
+it back in as an input, which is copied before the replay overwrites it. Everything else
+`fn` reads or writes (KV caches, per-row sampling tensors, a target's M-RoPE deltas) must be
+persistent tensors updated in place, which the engine's state is.
+
+All graphs of one `GraphedFunction` share one memory pool: their intermediates are dead
+between calls and every output a caller may still hold is referenced here, so a later
+capture never reuses its memory. Replay is bit-exact with the eager call of the same compiled
+kernels (test B4, `tests/test_gpu.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    inputs: tuple[torch.Tensor, ...]
+    outputs: tuple[torch.Tensor, ...]
+
+
+class GraphedFunction:
+    def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]], warmup: int = 1):
+        if warmup < 1:
+            raise ValueError("warmup must be >= 1 (the first call compiles and allocates)")
+        self.fn, self.warmup = fn, warmup
+        self.graphs: dict[Hashable, _Captured] = {}
+        self.calls: dict[Hashable, int] = {}
+        self.replays = 0
+        self._pool = None
+
+    def __call__(self, tensors: tuple[torch.Tensor, ...], *static: Hashable):
+        key = static
+        entry = self.graphs.get(key)
+        if entry is None:
+            n = self.calls.get(key, 0)
+            if n < self.warmup:
+                self.calls[key] = n + 1
+                return self.fn(*tensors, *static)
+            entry = self._capture(key, tensors, static)
+        for dst, src in zip(entry.inputs, tensors, strict=True):
+            if dst is not src:
+                dst.copy_(src)
+        entry.graph.replay()
+        self.replays += 1
+        return entry.outputs
+
+    def _capture(self, key, tensors, static) -> _Captured:
+        # Static inputs keep the callers' (dense) strides: a guard of a compiled function
+        # inside `fn` may depend on them, and a recompile during capture would fail.
+        inputs = tuple(t.clone() for t in tensors)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            outputs = tuple(self.fn(*inputs, *static))
+        if self._pool is None:
+            self._pool = graph.pool()
+        entry = _Captured(graph, inputs, outputs)
+        self.graphs[key] = entry
+        return entry
