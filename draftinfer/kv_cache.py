@@ -14,9 +14,17 @@ at `p` never looks past `p`. An entry a rejected draft left past the committed l
 therefore overwritten before any query can see it, or never read at all. Conventions 6 and 7
 follow from the same rule: the mask is rebuilt from `cache_pos` at every call, so no
 sequence-length state can go stale between draft steps.
+
+Attention backends (`ATTENTION`, chosen per target layer from outside the model code by
+`draftinfer.models.transforms.use_attention`): `sdpa` (the default) runs
+`F.scaled_dot_product_attention` over the rows' cache prefix; `maths_decode` writes a compiled
+one-token step (T == 1) as plain tensor maths that inductor fuses into its own reduction
+kernels (how gpt-fast's decode step is compiled), and is `sdpa` everywhere else.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -73,15 +81,97 @@ def cached_attention(
     """
     B, T, nh, d = q.shape
     nkv = k.shape[2]
-    write_rows = rows[:, None].expand(B, T)
-    k_cache.index_put_((write_rows, write_pos), k.to(k_cache.dtype))
-    v_cache.index_put_((write_rows, write_pos), v.to(v_cache.dtype))
-    kc = k_cache[rows, :attn_len].transpose(1, 2).to(q.dtype)  # [B, nkv, L, D]
-    vc = v_cache[rows, :attn_len].transpose(1, 2).to(q.dtype)
+    write_cache(k, v, k_cache, v_cache, rows, write_pos)
+    kc = read_rows(k_cache, rows, attn_len).transpose(1, 2).to(q.dtype)  # [B, nkv, L, D]
+    vc = read_rows(v_cache, rows, attn_len).transpose(1, 2).to(q.dtype)
     g = nh // nkv
     qf = q.view(B, T, nkv, g, d).permute(0, 2, 1, 3, 4).reshape(B, nkv, T * g, d)
     o = F.scaled_dot_product_attention(qf, kc, vc, attn_mask=mask)  # [B, nkv, T * g, D]
     return o.view(B, nkv, T, g, d).permute(0, 2, 1, 3, 4).reshape(B, T, nh, d)
+
+
+def write_cache(
+    k: torch.Tensor,  # [B, T, nkv, D]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [max_batch, max_len + 1, nkv, D]
+    v_cache: torch.Tensor,
+    rows: torch.Tensor,  # [B]
+    write_pos: torch.Tensor,  # [B, T] from `write_index`
+) -> None:
+    """Store slot `(b, t)`'s key/value at `[rows[b], write_pos[b, t]]`."""
+    B, T = write_pos.shape
+    write_rows = rows[:, None].expand(B, T)
+    k_cache.index_put_((write_rows, write_pos), k.to(k_cache.dtype))
+    v_cache.index_put_((write_rows, write_pos), v.to(v_cache.dtype))
+
+
+def read_rows(cache: torch.Tensor, rows: torch.Tensor, attn_len: int) -> torch.Tensor:
+    """Cache indices `0..attn_len-1` of each row in `rows` -> `[B, attn_len, nkv, D]`.
+
+    A cache of a single row is read as a view: its only valid `rows` is `[0]`, so the
+    per-layer copy of the K/V prefix a gather makes (which an SDPA kernel, an extern call,
+    needs materialised) is skipped. Several rows are gathered (inductor folds the gather into
+    the loads of an attention it generates itself, `maths_decode`)."""
+    if cache.shape[0] == 1 and rows.shape[0] == 1:
+        return cache[:, :attn_len]
+    return cache[rows, :attn_len]
+
+
+def decode_attention(
+    q: torch.Tensor,  # [B, 1, nh, D]
+    kc: torch.Tensor,  # [B, L, nkv, D] from `read_rows`
+    vc: torch.Tensor,  # [B, L, nkv, D]
+    mask: torch.Tensor,  # [B, 1, g, L] bool from `visibility_mask` (T == 1)
+) -> torch.Tensor:
+    """Attention of one query per row as plain tensor maths, fp32 -> `[B, 1, nh, D]`.
+
+    Scores are a broadcast multiply summed over D and the output a weighted sum over L, so
+    inductor generates both as reductions of its own (fused with the cache reads, the
+    mask and the casts; no extern kernel, no K/V copy), spread over `B * nh * L` and
+    `B * nh * D` outputs; a memory-efficient SDPA kernel runs only `B * nkv` programs for a
+    one-token step. Query head h uses KV head h // g (HF's repeat_kv order). In eager it
+    materialises `[B, nh, L, D]` products: meant for compiled steps (`maths_decode`)."""
+    B, _, nh, d = q.shape
+    nkv = kc.shape[2]
+    g = nh // nkv
+    qf = q.reshape(B, nkv, g, 1, d).float() * d**-0.5
+    kf = kc.permute(0, 2, 1, 3)[:, :, None].float()  # [B, nkv, 1, L, D]
+    vf = vc.permute(0, 2, 1, 3)[:, :, None].float()
+    s = (qf * kf).sum(-1)  # [B, nkv, g, L]
+    s = s.masked_fill(~mask, float("-inf"))  # mask [B, 1, g, L] broadcasts over kv heads
+    p = torch.softmax(s, dim=-1)
+    o = (p[..., None] * vf).sum(-2)  # [B, nkv, g, D]
+    return o.reshape(B, 1, nh, d).to(q.dtype)
+
+
+def cached_attention_maths_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    rows: torch.Tensor,
+    write_pos: torch.Tensor,
+    mask: torch.Tensor,
+    attn_len: int,
+) -> torch.Tensor:
+    """`cached_attention` (same arguments) whose one-token step (T == 1), when traced by
+    `torch.compile`, is `decode_attention`: the attention inductor generates itself. Eager
+    calls and T > 1 (prefill, verify) run `cached_attention`'s SDPA kernel."""
+    if q.shape[1] != 1 or not torch.compiler.is_compiling():
+        return cached_attention(q, k, v, k_cache, v_cache, rows, write_pos, mask, attn_len)
+    write_cache(k, v, k_cache, v_cache, rows, write_pos)
+    kc = read_rows(k_cache, rows, attn_len)
+    vc = read_rows(v_cache, rows, attn_len)
+    return decode_attention(q, kc, vc, mask)
+
+
+# attention(q, k, v, k_cache, v_cache, rows, write_pos, mask, attn_len) -> o [B, T, nh, D]
+AttentionFn = Callable[..., torch.Tensor]
+ATTENTION: dict[str, AttentionFn] = {
+    "sdpa": cached_attention,
+    "maths_decode": cached_attention_maths_decode,
+}
 
 
 def bind_cache(k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], slots: Slots):

@@ -62,7 +62,14 @@ class CachedAttention(nn.Module):
     Cache buffers `k_cache`, `v_cache`: `[max_batch, max_seq_len + 1, n_kv, head_dim]`. The
     extra last column is a scratch slot that padding slots write into, so a padded batch needs
     no boolean indexing (no host sync); no query ever reads it (reads stop at `max_seq_len`).
+
+    Serving transforms swap two pieces from outside (`draftinfer.models.transforms`): `project`
+    (one fused q/k/v GEMM) and `attention` (a backend of `draftinfer.kv_cache.ATTENTION`).
     """
+
+    # How this forward's K/V are written to the cache and attended; an instance may hold
+    # another backend of `kv_cache.ATTENTION` (`transforms.use_attention`).
+    attention = staticmethod(cached_attention)
 
     def __init__(self, cfg: NativeConfig):
         super().__init__()
@@ -94,16 +101,19 @@ class CachedAttention(nn.Module):
     ) -> torch.Tensor:
         B, T, _ = x.shape
         nh, nkv, d = self.n_heads, self.n_kv, self.head_dim
-        q = self.q_proj(x).view(B, T, nh, d)
-        k = self.k_proj(x).view(B, T, nkv, d)
-        v = self.v_proj(x).view(B, T, nkv, d)
+        q, k, v = self.project(x)
+        q, k, v = q.view(B, T, nh, d), k.view(B, T, nkv, d), v.view(B, T, nkv, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # Write first, then read: a slot sees its own K/V and those of earlier slots of the
         # same forward (causal prefill chunk) through the same cache path.
-        o = cached_attention(q, k, v, self.k_cache, self.v_cache, rows, write_pos, mask, attn_len)
+        o = self.attention(q, k, v, self.k_cache, self.v_cache, rows, write_pos, mask, attn_len)
         return self.o_proj(o.reshape(B, T, nh * d))
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q `[B, T, nh * d]`, k and v `[B, T, nkv * d]`."""
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
 
 class DecoderLayer(nn.Module):

@@ -1,0 +1,96 @@
+"""Serving transforms of a loaded native target, applied from outside the model code (STYLE
+rule 3, like `torch.compile`): they change how a decode step runs, never what it computes.
+
+    model = load_native_target(path, "cuda", torch.bfloat16, max_batch=1, max_seq_len=4096)
+    fuse_projections(model)                # q/k/v -> one GEMM, gate/up -> one GEMM
+    use_attention(model, "maths_decode")   # a compiled one-token step's attention by inductor
+
+- `fuse_projections`: each layer's q/k/v weights become row slices of one `[(nh + 2 nkv) d, H]`
+  tensor and gate/up of one `[2 I, H]` tensor, and the layer runs one GEMM (GEMV at batch 1)
+  for each group, as gpt-fast's `wqkv`. The HF-named parameters (`self_attn.q_proj.weight`,
+  `mlp.gate_proj.weight`, ...) stay, as views into the fused tensors: `state_dict`, the
+  safetensors loader (`load_weights` copies into the views, so into the fused tensor),
+  `shared_weights` and the drafters' taps see the same model. The fused tensors are
+  non-persistent buffers, never saved. Apply it after the model is on its device and dtype:
+  `.to()` copies parameters and buffers apart (values stay equal, the views no longer alias);
+  calling it again re-fuses. A state dict of a fused model holds views of one storage, which
+  `safetensors.save_file` refuses: save an unfused model.
+- `use_attention`: the attention backend of every layer (`draftinfer.kv_cache.ATTENTION`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftinfer.kv_cache import ATTENTION, AttentionFn
+from draftinfer.layers import SwiGLU
+from draftinfer.models.llama import CachedAttention, NativeCausalLM
+
+
+class FusedQKVAttention(CachedAttention):
+    """`CachedAttention` projecting q, k and v with one GEMM over `qkv_weight`."""
+
+    qkv_weight: torch.Tensor  # [(nh + 2 nkv) * d, H]
+    qkv_bias: torch.Tensor | None
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, kv = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        return F.linear(x, self.qkv_weight, self.qkv_bias).split([q, kv, kv], dim=-1)
+
+
+class FusedSwiGLU(SwiGLU):
+    """`SwiGLU` with gate and up projected by one GEMM over `gate_up_weight`."""
+
+    gate_up_weight: torch.Tensor  # [2 * I, H]: gate rows, then up rows
+    gate_up_bias: torch.Tensor | None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+@torch.no_grad()
+def _fuse(module: nn.Module, linears: list[nn.Linear], name: str) -> None:
+    """Concatenate the `linears`' weights (and biases) into buffers `{name}_weight` /
+    `{name}_bias` of `module` and turn each linear's parameters into row views of them."""
+    for attr in ("weight", "bias"):
+        parts = [getattr(lin, attr) for lin in linears]
+        if parts[0] is None:
+            module.register_buffer(f"{name}_{attr}", None, persistent=False)
+            continue
+        fused = torch.cat([p.detach() for p in parts])
+        module.register_buffer(f"{name}_{attr}", fused, persistent=False)
+        start = 0
+        for lin, p in zip(linears, parts):
+            n = p.shape[0]
+            setattr(lin, attr, nn.Parameter(fused[start : start + n], p.requires_grad))
+            start += n
+
+
+def fuse_projections(model: NativeCausalLM, qkv: bool = True, gate_up: bool = True) -> None:
+    """Fuse each decoder layer's q/k/v and gate/up projections in place (module docstring)."""
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if qkv:
+            _fuse(attn, [attn.q_proj, attn.k_proj, attn.v_proj], "qkv")
+            attn.__class__ = FusedQKVAttention
+        if gate_up:
+            _fuse(mlp, [mlp.gate_proj, mlp.up_proj], "gate_up")
+            mlp.__class__ = FusedSwiGLU
+
+
+def use_attention(model: NativeCausalLM, backend: str | AttentionFn) -> None:
+    """Set every layer's attention backend: a name of `kv_cache.ATTENTION` or a function with
+    `cached_attention`'s signature."""
+    if isinstance(backend, str):
+        if backend not in ATTENTION:
+            raise ValueError(
+                f"unknown attention backend {backend!r} (known: {', '.join(ATTENTION)})"
+            )
+        backend = ATTENTION[backend]
+    for layer in model.model.layers:
+        if not isinstance(layer.self_attn, CachedAttention):
+            raise TypeError(f"{type(layer.self_attn).__name__} is not a CachedAttention")
+        layer.self_attn.attention = backend
