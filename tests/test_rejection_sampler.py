@@ -124,11 +124,11 @@ def oracle(batch: dict, max_num_draft: int | None = None):
     return out, num_acc
 
 
-def run_both(batch: dict, max_num_draft=None, block_v=None):
+def run_both(batch: dict, max_num_draft=None, block_v=None, splits=None):
     """Kernel and reference on the same inputs (kernel outputs poisoned first); exact match."""
     assert use_triton(DEVICE), "the kernel would not run: TRITON_INTERPRET must be 1 on CPU"
     dev = to_device(batch)
-    kern = rs.rejection_sample(**dev, max_num_draft=max_num_draft, block_v=block_v)
+    kern = rs.rejection_sample(**dev, max_num_draft=max_num_draft, block_v=block_v, splits=splits)
     ref = rs.rejection_sample_ref(**dev, max_num_draft=max_num_draft)
     for name, a, e in zip(("output_token_ids", "num_accepted"), kern, ref):
         assert a.dtype == e.dtype == torch.int64, name
@@ -269,8 +269,9 @@ def test_zero_draft_prob_and_zero_target_prob():
         assert out[i, 0] != d[i] and p[i, out[i, 0]] > 0
 
 
+@pytest.mark.parametrize("splits", [None, 4])
 @pytest.mark.usefixtures("poison_empty")
-def test_residual_excludes_rejected_token_one_hot():
+def test_residual_excludes_rejected_token_one_hot(splits):
     """One-hot q: the rejected draft has the largest p and the smallest noise, so it would win
     any race it took part in; the residual must exclude it."""
     vocab = 101
@@ -281,7 +282,7 @@ def test_residual_excludes_rejected_token_one_hot():
         batch["target_probs"][i, d[i]] = 0.9
         batch["recovery_noise"][i, d[i]] = 1e-30
     batch["uniforms"] = torch.ones(4)  # 1 * 1 > 0.9: rejected
-    out, num_acc = run_both(batch, block_v=32)
+    out, num_acc = run_both(batch, block_v=32, splits=splits)
     assert num_acc.tolist() == [0] * 4
     assert (out[:, 0] != d).all()
 
@@ -302,8 +303,9 @@ def test_residual_only_where_p_exceeds_q():
         assert num_acc[i] == 0 and p[i, t] > q[i, t]
 
 
+@pytest.mark.parametrize("splits", [None, 3])
 @pytest.mark.usefixtures("poison_empty")
-def test_all_zero_residual_falls_back_to_p():
+def test_all_zero_residual_falls_back_to_p(splits):
     """Unnormalized q >= p everywhere (p(d) < q(d)): the residual is empty, race on p."""
     vocab = 37
     batch = make_batch([1, 2], vocab, seed=9, full_q=True, greedy=[False, False])
@@ -312,28 +314,31 @@ def test_all_zero_residual_falls_back_to_p():
     q[0, d[0]] = max(float(q[0, d[0]]), 0.05)
     p[0, d[0]] = float(q[0, d[0]]) / 4
     batch["uniforms"][0] = 1.0
-    out, num_acc = run_both(batch)
+    out, num_acc = run_both(batch, block_v=8, splits=splits)
     assert num_acc[0] == 0 and p[0, out[0, 0]] > 0
 
 
+@pytest.mark.parametrize("splits", [None, 3, 7], ids=["splits_default", "splits_3", "splits_7"])
 @pytest.mark.usefixtures("poison_empty")
-def test_greedy_argmax_ties_go_to_lowest_id_across_chunks():
-    """p has the same maximum at ids 5, 21 (same lane of the next 16-chunk), 40 and 90."""
+def test_greedy_argmax_ties_go_to_lowest_id_across_chunks(splits):
+    """p has the same maximum at ids 5, 21 (same lane of the next 16-chunk), 40 and 90: in one
+    split, in splits [0, 48) [48, 96) [96, 101) (5, 21, 40 | 90), or one split per chunk."""
     vocab = 101
     batch = make_batch([1, 1, 2], vocab, seed=10, full_q=False, greedy=[True] * 3)
     p = torch.full((4, vocab), 0.5 / (vocab - 4))
     p[:, [5, 21, 40, 90]] = 0.5 / 4
     batch["target_probs"] = p
     batch["draft_token_ids"] = torch.tensor([21, 5, 5, 90])
-    out, num_acc = run_both(batch, block_v=16)
+    out, num_acc = run_both(batch, block_v=16, splits=splits)
     assert num_acc.tolist() == [0, 1, 1]
     assert out[0, :2].tolist() == [5, -1]
     assert out[1, :2].tolist() == [5, int(batch["bonus_token_ids"][1])]
     assert out[2].tolist() == [5, 5, -1]
 
 
+@pytest.mark.parametrize("splits", [None, 3, 7], ids=["splits_default", "splits_3", "splits_7"])
 @pytest.mark.usefixtures("poison_empty")
-def test_recovered_ties_go_to_lowest_id():
+def test_recovered_ties_go_to_lowest_id(splits):
     """Equal residual scores (unit noise, flat p) in several chunks and lanes: lowest id wins."""
     vocab = 101
     batch = make_batch([1, 1], vocab, seed=14, full_q=False, greedy=[False, False])
@@ -341,7 +346,7 @@ def test_recovered_ties_go_to_lowest_id():
     batch["draft_token_ids"] = torch.tensor([0, 3])
     batch["recovery_noise"] = torch.ones(2, vocab)
     batch["uniforms"] = torch.ones(2)
-    out, num_acc = run_both(batch, block_v=16)
+    out, num_acc = run_both(batch, block_v=16, splits=splits)
     assert num_acc.tolist() == [0, 0]
     assert out[:, 0].tolist() == [1, 0]  # the rejected draft is excluded, then the lowest id
 
@@ -390,6 +395,89 @@ def test_batch_order_does_not_change_outputs():
     assert torch.equal(out_p, out[perm]) and torch.equal(acc_p, acc[perm])
 
 
+# ---------------------------------------------------------------------------------------------
+# T3 for the vocabulary splits: every split count gives the reference's bits.
+# ---------------------------------------------------------------------------------------------
+
+SPLIT_CASES = [  # (vocab, block_v, splits asked): split counts and last-split sizes differ
+    (101, 16, 1),  # one program per request: a single split of 101 ids
+    (101, 16, 2),  # 64 + 37: the last split ends in a partial chunk
+    (101, 16, 3),  # 48 + 48 + 5
+    (101, 16, 7),  # one chunk per split, the last one 5 ids
+    (37, 8, 64),  # more splits asked than chunks: 5 splits of one chunk (8 * 4 + 5)
+]
+
+
+def test_split_layout():
+    """Split sizes are multiples of block_v, no split is empty, the count never exceeds the
+    chunks; on CUDA the default fills the SMs (here a fake 132-SM device, V = 151936)."""
+    cpu = torch.device("cpu")
+    got = [rs._split_layout(v, 5, bv, cpu, s) for v, bv, s in SPLIT_CASES]
+    assert got == [(1, 112), (2, 64), (3, 48), (7, 16), (5, 8)]
+    assert rs._split_layout(151936, 64, 1024, cpu, None) == (1, 151552 + 1024)  # interpreter
+    with pytest.raises(ValueError, match="splits"):
+        rs._split_layout(101, 5, 16, cpu, 0)
+
+
+def test_split_layout_default_fills_the_gpu(monkeypatch):
+    props = type("Props", (), {"multi_processor_count": 132})()
+    monkeypatch.setattr(rs.torch.cuda, "get_device_properties", lambda device: props)
+    cuda, vocab = torch.device("cuda"), 151936
+    block_v = rs._launch_config(vocab)[0]
+    chunks = -(-vocab // block_v)
+    for batch in (1, 4, 16, 64, 256):
+        s, split_v = rs._split_layout(vocab, batch, block_v, cuda, None)
+        assert split_v % block_v == 0 and (s - 1) * split_v < vocab <= s * split_v
+        assert split_v >= rs._MIN_CHUNKS_PER_SPLIT * block_v or s == 1
+        # at least 4 programs per SM, unless splits would fall below the minimum size
+        assert batch * s >= min(4 * 132, batch * (chunks // rs._MIN_CHUNKS_PER_SPLIT)), batch
+
+
+@pytest.mark.parametrize("full_q", [True, False], ids=["full_q", "one_hot_q"])
+@pytest.mark.parametrize("vocab,block_v,splits", SPLIT_CASES, ids=str)
+@pytest.mark.usefixtures("poison_empty")
+def test_split_kernel_matches_reference(vocab, block_v, splits, full_q):
+    """Two ragged batches (one request without drafts) in which every request position is
+    greedy once and random once."""
+    mixed = [True, False, True, False, False]
+    for seed, greedy in ((20, mixed), (21, [not g for g in mixed])):
+        batch = make_batch([1, 4, 0, 3, 7], vocab, seed=seed, full_q=full_q, greedy=greedy)
+        out, num_acc = run_both(batch, block_v=block_v, splits=splits)
+        expected = oracle(batch)
+        assert torch.equal(out, expected[0]) and torch.equal(num_acc, expected[1])
+        check_layout(out, num_acc, batch)
+
+
+@pytest.mark.parametrize("splits", [1, 3, 7])
+@pytest.mark.usefixtures("poison_empty")
+def test_split_partials_of_empty_and_single_split_residuals(splits):
+    """p > 0 only on ids 33..46 and 81..89 (a top-k support inside two of the 7 splits).
+    Request 0: q = 1.5 p >= p, the residual is empty everywhere: the race on p, where splits
+    with p == 0 report (-1, first id) without sweeping. Request 1: p == 0 everywhere
+    (degenerate): every score is -1, the lowest id 0 wins. Request 3: p == q but for mass
+    moved from the draft to id 70, the only residual: splits whose local residual is empty
+    still race on p, and the residual's 70 must win."""
+    vocab, g = 101, torch.Generator().manual_seed(24)
+    batch = make_batch([1, 1, 2, 1], vocab, seed=24, full_q=True, greedy=[False] * 4)
+    support = torch.cat([torch.arange(33, 47), torch.arange(81, 90)])
+    p = torch.zeros(5, vocab)
+    p[:, support] = torch.rand(5, len(support), generator=g) + 0.1
+    p = p / p.sum(-1, keepdim=True)
+    p[1] = 0.0
+    q = p * 1.5
+    q[1] = 1.0 / vocab
+    d = torch.tensor([int(support[0]), 7, int(support[3]), int(support[5]), int(support[1])])
+    q[4] = p[4]
+    moved = p[4, d[4]] / 2
+    p[4, d[4]] -= moved
+    p[4, 70] = moved
+    batch.update(target_probs=p, draft_probs=q, draft_token_ids=d, uniforms=torch.ones(5))
+    out, num_acc = run_both(batch, block_v=16, splits=splits)
+    assert num_acc.tolist() == [0, 0, 0, 0]
+    assert int(out[0, 0]) in support.tolist() and out[1, 0] == 0 and out[3, 0] == 70
+    assert torch.equal(out, oracle(batch)[0])
+
+
 def test_launcher_rejects_bad_inputs():
     batch = to_device(make_batch([2, 1], 37, seed=13))
     bad = [
@@ -407,6 +495,8 @@ def test_launcher_rejects_bad_inputs():
                 fn(**{**batch, **change})
     with pytest.raises(ValueError, match="power of two"):
         rs.rejection_sample(**batch, block_v=48)
+    with pytest.raises(ValueError, match="splits"):
+        rs.rejection_sample(**batch, splits=0)
 
 
 # ---------------------------------------------------------------------------------------------
