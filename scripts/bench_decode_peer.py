@@ -92,6 +92,7 @@ def load_gpt_fast(peer_dir: Path):
 
     spec = importlib.util.spec_from_file_location("gpt_fast_model", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dynamo resolves the model's globals by module name
     spec.loader.exec_module(module)
     return module
 
@@ -273,6 +274,12 @@ def compile_stats() -> dict:
         "unique_graphs": int(counters["stats"]["unique_graphs"]),
         "graph_breaks": int(sum(counters["graph_break"].values())),
         "generated_kernels": int(metrics.generated_kernel_count),
+        # CUDA graphs: a skip means the step ran without a graph (the number is then not
+        # comparable); non-static inputs are copied into the graph at every replay.
+        "cudagraph_skips": int(counters["inductor"]["cudagraph_skips"]),
+        "cudagraph_non_static_inputs": int(
+            counters["inductor"]["cudagraph_recorded_non_static_inputs"]
+        ),
     }
 
 
@@ -393,9 +400,9 @@ def check(logits: torch.Tensor, ref: torch.Tensor) -> dict:
     top2 = want.topk(2, dim=-1).values
     same = torch.equal(got.argmax(-1), want.argmax(-1))
     return {
-        "max_abs_logit_diff_vs_eager": round(float((got - want).abs().max()), 5),
+        "max_abs_logit_diff_vs_eager": float(f"{float((got - want).abs().max()):.3g}"),
         "same_first_token_as_eager": bool(same),
-        "eager_top2_margin": round(float((top2[:, 0] - top2[:, 1]).min()), 5),
+        "eager_top2_margin": float(f"{float((top2[:, 0] - top2[:, 1]).min()):.3g}"),
     }
 
 
@@ -566,7 +573,7 @@ def print_table(res: dict) -> None:
         f"\nplain decode, {res['shape']} batch {res['batch']}, {res['device']}, "
         f"torch {res['torch']}, context {res['context']}, {res['steps']} steps, inductor "
         f"{res['inductor']}; roofline {res['roofline_ms']:.3f} ms "
-        f"({res['weight_bytes'] / 1e9 if 'weight_bytes' in res else float('nan'):.2f} GB "
+        f"({res['weight_bytes'] / 1e9 if 'weight_bytes' in res else float('nan'):.3g} GB "
         f"at {res['copy_bandwidth_GBps']:.0f} GB/s copy), total {res['total_s']} s\n"
     )
     print("| step | ms/token | % roofline | / gpt-fast | warm-up s | first call s | check |")
@@ -576,6 +583,8 @@ def print_table(res: dict) -> None:
         ok = "ok" if r.get("same_first_token_as_eager") else "MISMATCH"
         if "max_abs_logit_diff_vs_eager" in r:
             ok += f" (logit diff {r['max_abs_logit_diff_vs_eager']:.3g})"
+        if r.get("cudagraph_skips"):
+            ok += ", CUDA GRAPH SKIPPED"
         print(
             f"| {r['variant']} | {r['ms']:.3f} | {r['pct_roofline']:.1f} | {vs} | "
             f"{r['warmup_s']:.1f} | {r['first_call_s']:.1f} | {ok} |"
