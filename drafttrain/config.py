@@ -98,6 +98,20 @@ class TrainerConfig:
     grad_accum: int = 1
     # "auto": bf16 autocast on GPU, none on CPU. Or "no" / "bf16".
     mixed_precision: str = "auto"
+    # Dtype of the drafter's parameters (and gradients): "float32" or "bfloat16".
+    param_dtype: str = "float32"
+    # With param_dtype below float32: keep an fp32 master copy of each parameter in the
+    # optimizer (the update is applied to it; checkpoints store it). Without, small updates
+    # are rounded away.
+    master_weights: bool = True
+    # Dtype of AdamW's moments: "float32" or "bfloat16" (the update is computed in fp32).
+    optimizer_dtype: str = "float32"
+    # Recompute each drafter decoder block's activations in backward instead of keeping them
+    # (per TTT step and layer): less memory at long sequences, ~1/3 more block compute.
+    activation_checkpointing: bool = False
+    # torch.compile each drafter decoder block (dynamic shapes; one compilation for every
+    # TTT step and length). CUDA runs; on CPU it needs a C++ compiler and is slow to warm up.
+    compile: bool = False
     save_every: int = 100
     keep_last: int = 2
     log_every: int = 10

@@ -49,11 +49,15 @@ def data_parallel(reduce_sum: Callable[[torch.Tensor], torch.Tensor], world_size
 
 
 class DraftLoss:
-    """Accumulates one batch's weighted loss and per-position metrics."""
+    """Accumulates one batch's weighted loss and per-position metrics, on the device: nothing
+    here waits for the device (`result` returns tensors; the trainer reads them when it logs,
+    `metric_values`)."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.metrics: dict[str, float] = {}
+        # Values a kind adds besides the positions' (e.g. ptd's slot counts): floats or
+        # 0-dim tensors, reported first.
+        self.metrics: dict[str, float | torch.Tensor] = {}
         self._sums: list[torch.Tensor] = []  # per position: sum of ce over counted rows
         self._stats: list[torch.Tensor] = []  # per position: [loss sum, hits, count]
         self._weights: list[float] = []
@@ -67,36 +71,67 @@ class DraftLoss:
         valid: torch.Tensor,  # [...] bool, rows counted at position k
         weight: float,
     ) -> None:
-        s = (ce * valid).sum()
-        self._sums.append(s)
-        self._stats.append(
-            torch.stack([s.detach().double(), (hit & valid).sum().double(), valid.sum().double()])
-        )
+        """Position k from per-row values."""
+        self.add_sums(k, (ce * valid).sum(), (hit & valid).sum(), valid.sum(), weight)
+
+    def add_sums(
+        self,
+        k: int,
+        loss_sum: torch.Tensor,  # [] sum of ce over counted rows (differentiable)
+        hits: torch.Tensor,  # [] counted rows whose top-1 agrees
+        count: torch.Tensor,  # [] counted rows
+        weight: float,
+    ) -> None:
+        """Position k from sums over its counted rows (`drafttrain.fused_ce.linear_soft_ce`)."""
+        self._sums.append(loss_sum)
+        self._stats.append(torch.stack([loss_sum.detach().double(), hits.double(), count.double()]))
         self._weights.append(weight)
         self._keys.append(k)
 
-    def result(self, loss_mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    def result(self, loss_mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(the loss to back-propagate, metrics as 0-dim float64 tensors on the device)."""
         stats = torch.cat([torch.stack(self._stats).flatten(), loss_mask.sum().double()[None]])
         par = _DATA_PARALLEL.get()
         if par is not None:
             reduce_sum, world = par
             stats = reduce_sum(stats)
-        stats = stats.tolist()  # the step's one host sync
+        metrics: dict[str, torch.Tensor] = {
+            k: v if torch.is_tensor(v) else torch.tensor(float(v), dtype=torch.float64)
+            for k, v in self.metrics.items()
+        }
         total = torch.zeros((), device=self.device)
-        surv, sim_al, loss = 1.0, 1.0, 0.0
+        one = torch.ones((), dtype=torch.float64, device=stats.device)
+        surv, sim_al, loss = one, one, torch.zeros_like(one)
+        # The same float64 operations, in the same order, as a host computation would do.
         for i, (k, s, w) in enumerate(zip(self._keys, self._sums, self._weights)):
-            loss_sum, hits, count = stats[3 * i : 3 * i + 3]
-            n = max(count, 1.0)
-            total = total + w * (s / n)
+            loss_sum, hits, count = stats[3 * i], stats[3 * i + 1], stats[3 * i + 2]
+            n = count.clamp(min=1.0)
+            total = total + w * (s / n.to(s.dtype))
             acc = hits / n
-            surv *= acc
-            sim_al += surv
-            self.metrics[f"loss_{k}"] = loss_sum / n
-            loss += w * loss_sum / n
-            self.metrics[f"acc_{k}"] = acc
+            surv = surv * acc
+            sim_al = sim_al + surv
+            metrics[f"loss_{k}"] = loss_sum / n
+            loss = loss + w * loss_sum / n
+            metrics[f"acc_{k}"] = acc
         if par is not None and world > 1:
             total = total * world
-        self.metrics["loss"] = loss  # the whole batch's, whatever the number of ranks
-        self.metrics["sim_al"] = sim_al
-        self.metrics["tokens"] = stats[-1]
-        return total, self.metrics
+        metrics["loss"] = loss  # the whole batch's, whatever the number of ranks
+        metrics["sim_al"] = sim_al
+        metrics["tokens"] = stats[-1]
+        return total, metrics
+
+
+def metric_values(metrics: dict[str, torch.Tensor | float]) -> dict[str, float]:
+    """Metrics as floats: one host sync for all of them (the trainer calls it when it logs)."""
+    keys = list(metrics)
+    tensors = [v for v in metrics.values() if torch.is_tensor(v)]
+    if not tensors:
+        return {k: float(v) for k, v in metrics.items()}
+    dev = tensors[0].device
+    vals = torch.stack(
+        [
+            (v if torch.is_tensor(v) else torch.tensor(float(v))).to(dev, torch.float64)
+            for v in metrics.values()
+        ]
+    ).tolist()
+    return dict(zip(keys, vals))

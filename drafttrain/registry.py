@@ -12,7 +12,9 @@ A spec answers what `train(cfg)` needs and nothing in `train.py` names a kind:
 - `objective(drafter, cfg, backend)`: the training objective, a callable
   `(batch, TargetOutput) -> (loss, metrics)` with `checkpoint_meta()` (what the export
   records, incl. `serving_k`, the draft length it advertises) and
-  `anchor_logits(ids, features, rope_pos, anchor, k)` (the train/serve parity test S9).
+  `anchor_logits(ids, features, rope_pos, anchor, k)` (the train/serve parity test S9);
+- `blocks(drafter)`: the decoder blocks `trainer.compile` and
+  `trainer.activation_checkpointing` wrap (`drafttrain.wrap`).
 """
 
 from __future__ import annotations
@@ -49,6 +51,11 @@ class TrainSpec:
 
     def objective(self, drafter, cfg: Any, backend: str):
         return self.objective_class(drafter, cfg, backend)
+
+    def blocks(self, drafter) -> list:
+        """The drafter's decoder blocks: the modules the trainer compiles and checkpoints from
+        outside (`drafttrain.wrap`). Default: `drafter.layers`."""
+        return list(drafter.layers)
 
 
 TRAIN_SPECS = KindRegistry("drafttrain.kinds", ConfigError, "drafter kind")

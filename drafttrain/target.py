@@ -17,6 +17,7 @@ own (`rope_pos`, returned), which the objectives use instead of the collator's.
 
 from __future__ import annotations
 
+import inspect
 import re
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from draftinfer.slots import Slots
 from draftinfer.target import FeatureSpec, TargetInfo, TargetInputs, TargetOutput, as_inputs
 from drafttrain.config import TargetConfig
 from drafttrain.errors import TargetError
+from drafttrain.target_head import HeadLogits, TargetHead, TrainTargetOutput
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -188,6 +190,18 @@ class FrozenTarget:
                 getattr(self.model.config, "architectures", None) or [type(self.model).__name__]
             )[0],
         )
+        # The head training computes the target's distribution with (`batch_output`); None:
+        # the model's own logits are used (no final norm to hook, or a head with a bias).
+        self.head = None
+        if self.final_norm is not None:
+            try:
+                self.head = TargetHead.of(self, "post_norm")
+            except TargetError:
+                pass
+        self._head_checked = False
+        self._takes_logits_to_keep = (
+            "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        )
 
     def text_config(self):
         """The config of the text decoder (the whole model's config for a causal LM)."""
@@ -207,9 +221,12 @@ class FrozenTarget:
     def batch_output(self, batch: dict[str, torch.Tensor], features: FeatureSpec) -> TargetOutput:
         """The output for a collated training batch (`input_ids`, `attention_mask`,
         `position_ids`, plus the family's `input_keys`; `index` = dataset rows, which only a
-        feature cache reads)."""
+        feature cache reads): a `TrainTargetOutput` whose logits are left to its `head` (the
+        final hidden state and the output embedding, `drafttrain.target_head`), so no
+        `[B, T, V]` logits are ever computed for training."""
         extra = {k: batch[k] for k in self.input_keys if k in batch}
-        return self.forward(TargetInputs(batch["input_ids"], extra), batch_slots(batch), features)
+        inputs, slots = TargetInputs(batch["input_ids"], extra), batch_slots(batch)
+        return self._run(inputs, slots, features, full_logits=self.head is None)
 
     def for_split(self, split: str) -> FrozenTarget:
         """The target for the rows of a dataset split: the live target answers any batch (a
@@ -239,7 +256,19 @@ class FrozenTarget:
     ) -> TargetOutput:
         """Logits `[B, T, V]` fp32, the requested features `[B, T, F]`, the RoPE positions
         used and the input embeddings, for a right-padded batch (`cache_pos` -1 = padding)."""
-        inp = as_inputs(inputs)
+        return self._run(as_inputs(inputs), slots, features, full_logits=True)
+
+    @torch.no_grad()
+    def _run(
+        self,
+        inp: TargetInputs,
+        slots: Slots,
+        features: FeatureSpec | None,
+        full_logits: bool,
+    ) -> TargetOutput:
+        """`forward`, or (`full_logits=False`) a `TrainTargetOutput` carrying the post-norm
+        final hidden state and the head instead of logits (the model's head then runs on the
+        last position only, `logits_to_keep=1`)."""
         if features is not None:
             features.check(self.info.num_layers)
             if features.final_hidden is not None and self.final_norm is None:
@@ -255,6 +284,9 @@ class FrozenTarget:
 
             return hook
 
+        def post_hook(key):
+            return lambda _m, _a, out: captured.__setitem__(key, out)
+
         handles = [self.layers[0].register_forward_pre_hook(pre_hook("embeds"), with_kwargs=True)]
         wanted = features.layer_inputs if features is not None else ()
         for j in set(wanted):
@@ -265,11 +297,12 @@ class FrozenTarget:
                 self.final_norm.register_forward_pre_hook(pre_hook(final), with_kwargs=True)
             )
         elif final == "post_norm":
-            handles.append(
-                self.final_norm.register_forward_hook(
-                    lambda _m, _a, out: captured.__setitem__(final, out)
-                )
-            )
+            handles.append(self.final_norm.register_forward_hook(post_hook(final)))
+        kwargs = {}
+        if not full_logits:
+            handles.append(self.final_norm.register_forward_hook(post_hook("head")))
+            if self._takes_logits_to_keep:
+                kwargs["logits_to_keep"] = 1
         try:
             out = self.model(
                 input_ids=inp.input_ids,
@@ -277,6 +310,7 @@ class FrozenTarget:
                 position_ids=rope_pos,
                 use_cache=False,
                 **inp.extra,
+                **kwargs,
             )
         finally:
             for h in handles:
@@ -285,12 +319,26 @@ class FrozenTarget:
         if features is not None:
             parts = [captured[j] for j in wanted] + ([captured[final]] if final else [])
             feats = torch.cat(parts, dim=-1)
-        return TargetOutput(
-            out.logits.float(),
-            feats,
-            rope_pos,
-            captured["embeds"],
-            self.multimodal_mask(inp, slots),
-        )
+        rest = (feats, rope_pos, captured["embeds"], self.multimodal_mask(inp, slots))
+        if full_logits:
+            return TargetOutput(out.logits.float(), *rest)
+        head = HeadLogits(captured["head"], self.head)
+        if not self._head_checked:
+            self._check_head(head, out.logits[:, -1])
+        return TrainTargetOutput(None, *rest, head=head)
+
+    def _check_head(self, head: HeadLogits, last: torch.Tensor) -> None:
+        """Once: the head's logits at the last position equal the model's own (`last`
+        `[B, V]`), i.e. the model's logits are `lm_head(final_norm output)` (a head that does
+        more, e.g. a logit scale, cannot be recomputed from the final hidden state)."""
+        got = head.head.logits(head.hidden[:, -1]).float()
+        ref = last.float()
+        err = float((got - ref).abs().max()) if ref.numel() else 0.0
+        if err > 1e-2 * float(ref.abs().max()) + 1e-4:
+            raise TargetError(
+                f"the target's logits are not lm_head(final_norm(h)) (max difference {err:.3g}):"
+                " its head does more (scaling) than drafttrain.target_head computes"
+            )
+        self._head_checked = True
 
     __call__ = forward

@@ -50,11 +50,13 @@ from drafttrain.distributed import (
 from drafttrain.errors import ConfigError, DataError
 from drafttrain.families import target_family
 from drafttrain.loggers import MetricLogger, NullLogger, read_metrics
-from drafttrain.losses import data_parallel
+from drafttrain.losses import data_parallel, metric_values
+from drafttrain.optim import build_optimizer, dtype_of, with_master_weights
 from drafttrain.registry import InitContext, train_spec
 from drafttrain.target import load_tokenizer
 from drafttrain.threads import torch_threads
 from drafttrain.ttt import pick_backend
+from drafttrain.wrap import apply_training_wrappers
 
 
 def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
@@ -119,6 +121,17 @@ class BatchStream:
         return batch
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch tensor on the training device; from pinned memory without a host wait on CUDA."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def losses_of(step_losses: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {f"_loss_{i}": v for i, v in enumerate(step_losses)}
+
+
 def prepare_data(cfg: TrainConfig, adapter):
     """The tokenized training split (a `drafttrain.data.TokenizedSplit`) of a data adapter
     (`TargetFamily.data`: text chat, image+text chat)."""
@@ -148,6 +161,7 @@ def evaluate(
         batch = {k: v.to(device) for k, v in shard_batch(batch, rank, world).items()}
         with accelerator.autocast(), data_parallel(reduce_sum(accelerator), world):
             _, m = wrapped(batch)
+        m = metric_values(m)
         w = m.pop("tokens")
         weight += w
         for k, v in m.items():
@@ -193,6 +207,8 @@ def _setup(cfg: TrainConfig, run_dir: Path, device):
     (`drafttrain.families`, by its architecture) supplies the target and the data adapter."""
     spec = train_spec(getattr(cfg.drafter, "kind", None) or "")
     pick_backend(cfg.drafter.attention_backend, device)  # validated before any work
+    dtype_of(cfg.trainer.param_dtype, "param_dtype")
+    dtype_of(cfg.trainer.optimizer_dtype, "optimizer_dtype")
     family = target_family(cfg.target.name_or_path)
     if cfg.data.cache:
         from drafttrain.cache import check_family
@@ -250,11 +266,11 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
         write_resolved_config(cfg, run_dir / "training_args.yaml")
     kind, arch = spec.name, drafter.config
     drafter.to(device)
+    # Precision, torch.compile and activation checkpointing, from outside the model code.
+    apply_training_wrappers(drafter, spec.blocks(drafter), tc)
     own_keys = set(drafter.trainable_state_dict())
     params = [p for p in drafter.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        params, lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay
-    )
+    optimizer = build_optimizer(params, tc)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(tc.warmup_steps, tc.max_steps, tc.min_lr_ratio)
     )
@@ -302,7 +318,7 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
         own = (
             full_drafter_state(accelerator, wrapped, own_keys)
             if engine_state
-            else drafter.trainable_state_dict()
+            else with_master_weights(drafter.trainable_state_dict(), drafter, optimizer)
         )
         tmp = begin_checkpoint(ckpt_root, step) if main else None
         accelerator.wait_for_everyone()
@@ -339,16 +355,18 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
         unit="step",
         dynamic_ncols=True,
     )
-    window: dict[str, float] = {}
+    # Metrics stay device tensors (float64, the same arithmetic a host loop would do) until a
+    # log step reads them all at once: the loop itself never waits for the device.
+    window: dict[str, torch.Tensor | float] = {}
     n_window, tok_window, t_window = 0, 0.0, time.perf_counter()
-    first_loss = last_loss = None
+    step_losses: list[torch.Tensor] = []  # per optimizer step, read at log steps
     losses: list[float] = []  # per optimizer step (golden-loss and rank-match tests)
     for step in range(start_step, tc.max_steps):
         wrapped.train()
-        step_metrics: dict[str, float] = {}
+        step_metrics: dict[str, torch.Tensor | float] = {}
         for _ in range(tc.grad_accum):
             batch = shard_batch(stream.next(), rank, world)
-            batch = {k: v.to(device) for k, v in batch.items()}
+            batch = {k: to_device(v, device) for k, v in batch.items()}
             with accelerator.accumulate(wrapped), accelerator.autocast():
                 with data_parallel(reduce_sum(accelerator), world):
                     loss, m = wrapped(batch)
@@ -360,20 +378,21 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        if first_loss is None:
-            first_loss = step_metrics["loss"]
-        last_loss = step_metrics["loss"]
-        losses.append(last_loss)
+        step_losses.append(step_metrics["loss"])
         for k, v in step_metrics.items():
             window[k] = window.get(k, 0.0) + v
         n_window += 1
-        tok_window += step_metrics["tokens"] * tc.grad_accum
+        tok_window = tok_window + step_metrics["tokens"] * tc.grad_accum
         done = step + 1
         if done % tc.log_every == 0 or done == tc.max_steps:
+            values = metric_values({**window, "_tokens": tok_window, **losses_of(step_losses)})
+            losses += [values.pop(f"_loss_{i}") for i in range(len(step_losses))]
+            step_losses = []
+            tok = values.pop("_tokens")
             dt = time.perf_counter() - t_window
-            avg = {k: v / n_window for k, v in window.items() if k != "tokens"}
+            avg = {k: v / n_window for k, v in values.items() if k != "tokens"}
             avg["lr"] = scheduler.get_last_lr()[0]
-            avg["tokens_per_s"] = tok_window / max(dt, 1e-9)
+            avg["tokens_per_s"] = tok / max(dt, 1e-9)
             logger.log(avg, done)
             accs = sorted((k for k in avg if k.startswith("acc_")), key=lambda k: int(k[4:]))
             bar.set_postfix(
@@ -392,8 +411,8 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
     summary: dict[str, Any] = {
         "run_dir": str(run_dir),
         "steps": tc.max_steps,
-        "first_loss": first_loss,
-        "last_loss": last_loss,
+        "first_loss": losses[0] if losses else None,
+        "last_loss": losses[-1] if losses else None,
         "main_process": main,
     }
     if cfg.data.eval_split:

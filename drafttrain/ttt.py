@@ -76,15 +76,53 @@ def flex_fn(device: torch.device):
     return flex_attention
 
 
-def _causal_block_mask(T: int, device: torch.device):
-    from torch.nn.attention.flex_attention import create_block_mask
+def block_mask_from_blocks(
+    partial: torch.Tensor, full: torch.Tensor, mask_mod, seq_len: int, block: int = FLEX_BLOCK
+):
+    """A flex `BlockMask` from block-level masks `[B, 1, nq, nk]` bool: `full` blocks are all
+    visible (no mask_mod call), `partial` ones mixed (mask_mod decides per element); neither =
+    skipped. Built without the dense `[N, N]` element mask `create_block_mask` materializes
+    (1 GiB at 32k tokens; 8 bytes per element while it evaluates an indexing mask_mod)."""
+    from torch.nn.attention.flex_attention import BlockMask
 
+    def ordered(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        num = m.sum(-1, dtype=torch.int32)  # [B, 1, nq]
+        idx = torch.argsort(m.to(torch.int8), dim=-1, descending=True, stable=True)
+        return num, idx.to(torch.int32)  # [B, 1, nq, nk]: the first `num` are the blocks
+
+    num, idx = ordered(partial)
+    fnum, fidx = ordered(full)
+    return BlockMask.from_kv_blocks(
+        num, idx, fnum, fidx, BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(seq_len, seq_len)
+    )
+
+
+def _causal_block_mask(T: int, device: torch.device):
+    """Causal `BlockMask` over `T` (a multiple of FLEX_BLOCK): diagonal blocks partial, the
+    ones below full."""
     key = ("mask", T, str(device))
     if key not in _flex_cache:
-        _flex_cache[key] = create_block_mask(
-            lambda b, h, qi, ki: ki <= qi, None, None, T, T, device=str(device)
-        )
+        nb = -(-T // FLEX_BLOCK)
+        i = torch.arange(nb, device=device)
+        partial = (i[:, None] == i[None, :])[None, None]
+        full = (i[None, :] < i[:, None])[None, None]
+        _flex_cache[key] = block_mask_from_blocks(partial, full, lambda b, h, qi, ki: ki <= qi, T)
     return _flex_cache[key]
+
+
+def _gqa_dot(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Per-head scores q . k of one row: q `[B, T, nh, D]`, k `[B, T, nkv, D]` -> `[B, T, nh]`,
+    the kv heads broadcast over their query groups (no repeated copy of k)."""
+    B, T, nh, D = q.shape
+    nkv = k.shape[2]
+    return (q.view(B, T, nkv, nh // nkv, D) * k[:, :, :, None]).sum(-1).view(B, T, nh)
+
+
+def _gqa_scale(w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """w `[B, T, nh]` times v `[B, T, nkv, D]` per query head -> `[B, T, nh, D]`."""
+    B, T, nh = w.shape
+    nkv, D = v.shape[2], v.shape[3]
+    return (w.view(B, T, nkv, nh // nkv, 1) * v[:, :, :, None]).view(B, T, nh, D)
 
 
 def ttt_attention_flex(
@@ -100,7 +138,9 @@ def ttt_attention_flex(
     # attention to its decoding kernel, which has no backward, and bucketed lengths compile
     # once per bucket. Padded keys sit after every real query, so the causal mask hides them.
     Tp = -(-T // FLEX_BLOCK) * FLEX_BLOCK
-    qh, kh, vh = (F.pad(x.transpose(1, 2), (0, 0, 0, Tp - T)) for x in (q, k0, v0))
+    qh, kh, vh = (x.transpose(1, 2) for x in (q, k0, v0))  # views when nothing is padded
+    if Tp != T:
+        qh, kh, vh = (F.pad(x, (0, 0, 0, Tp - T)) for x in (qh, kh, vh))
     out0, lse0 = flex_fn(q.device)(
         qh,
         kh,
@@ -115,11 +155,11 @@ def ttt_attention_flex(
     if not extra:
         return out0
     lse0 = lse0.transpose(1, 2).float()  # [B, T, nh]
-    sd = torch.stack([(q * expand_kv(k, nh)).sum(-1) for k, _ in extra], -1).float() * scale
+    sd = torch.stack([_gqa_dot(q, k) for k, _ in extra], -1).float() * scale  # [B, T, nh, S]
     m = torch.logsumexp(torch.cat([lse0[..., None], sd], dim=-1), dim=-1)  # [B, T, nh]
     out = torch.exp(lse0 - m)[..., None].to(q.dtype) * out0
     for s, (_, v) in enumerate(extra):
-        out = out + torch.exp(sd[..., s] - m)[..., None].to(q.dtype) * expand_kv(v, nh)
+        out = out + _gqa_scale(torch.exp(sd[..., s] - m).to(q.dtype), v)
     return out
 
 
@@ -136,17 +176,48 @@ def pick_backend(name: str, device: torch.device) -> str:
 
 class TTTAttention:
     """`attn_fn` for the unrolled forward: remembers each layer's step-0 keys/values and the
-    diagonal keys/values of later steps. Create one per batch; call the drafter once per step.
-    """
+    diagonal keys/values of later steps. Create one per batch.
+
+    `at(k)` is the attention of TTT step k: it reads the keys of steps `0..k-1` and records
+    step k's, once. A step's forward may run again (activation checkpointing recomputes it
+    during backward, when the later steps' keys are recorded too): it then reads only steps
+    `0..k-1` and records nothing. Called directly, the object is step `len(recorded)`."""
 
     def __init__(self, backend: str = "eager"):
         self.fn = BACKENDS[backend]
         self.kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
+    def at(self, step: int) -> StepAttention:
+        return StepAttention(self, step)
+
+    def attend(
+        self, step: int, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        entries = self.kv.setdefault(layer_idx, [])
+        if len(entries) == step:
+            entries.append((k, v))
+        elif len(entries) < step:
+            raise RuntimeError(f"TTT step {step} attends before step {len(entries)} ran")
+        if step == 0:
+            return self.fn(q, k, v, [])
+        k0, v0 = entries[0]
+        return self.fn(q, k0, v0, entries[1:step] + [(k, v)])
+
     def __call__(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        entries = self.kv.setdefault(layer_idx, [])
-        entries.append((k, v))
-        k0, v0 = entries[0]
-        return self.fn(q, k0, v0, entries[1:])
+        return self.attend(len(self.kv.get(layer_idx, [])), layer_idx, q, k, v)
+
+
+class StepAttention:
+    """The attention of one TTT step (`TTTAttention.at`). Run eagerly under `torch.compile`
+    (a graph break): it keeps Python state, and its flex kernel is compiled on its own."""
+
+    def __init__(self, ttt: TTTAttention, step: int):
+        self.ttt, self.step = ttt, step
+
+    @torch.compiler.disable
+    def __call__(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        return self.ttt.attend(self.step, layer_idx, q, k, v)

@@ -22,6 +22,7 @@ from draftinfer.errors import ConfigError, DataError
 from draftinfer.target import FeatureSpec
 from draftinfer.vision_inputs import conversation_inputs, load_processor
 from drafttrain.config import DataConfig, TargetConfig
+from drafttrain.target_head import target_logits
 from tests.utils import assert_close
 from tests.vl_data_fixtures import (
     IM_END,
@@ -520,7 +521,7 @@ def test_s4_taps_logits_and_embeddings_equal_hf(target_out):
         n = r["length"]
         logits, hs, received, ds = hf_row(target, r)
         visual = torch.tensor(r["input_ids"]) == img
-        assert_close(out.logits[b, :n], logits)
+        assert_close(target_logits(out)[b, :n], logits)
         assert_close(out.inputs_embeds[b, :n], hs[0][0])
         for j in range(N_LAYERS):
             tap = out.features[b, :n, j * H : (j + 1) * H]

@@ -14,9 +14,10 @@ different things; docs/training.md, "Offline feature cache", has the whole story
 """
 
 from drafttrain.cache.format import Layout, bytes_per_token, decode, encode
-from drafttrain.cache.reader import CachedTarget, TargetHead
+from drafttrain.cache.reader import CachedTarget
 from drafttrain.cache.writer import write_cache
 from drafttrain.errors import ConfigError
+from drafttrain.target_head import TargetHead
 
 
 def check_family(family, target_name: str) -> None:

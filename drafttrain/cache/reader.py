@@ -6,7 +6,9 @@ itself is never run.
 What it returns, against `FrozenTarget.forward` on the same batch:
 - `features`: the requested segments, decoded into the target's dtype (bit-equal to the
   live target's for a float32 cache of an fp32 target, or a bfloat16 cache of a bf16 target);
-- `logits`: the target's own head on the stored head input (`TargetHead`), fp32;
+- `logits`: not computed; `head` carries the stored head input and the target's own head
+  (`drafttrain.target_head.TargetHead`), from which objectives compute the distribution they
+  score (`target_distribution`), chunk by chunk;
 - `rope_pos`: the stored RoPE positions, 0 at padding (as the live target's);
 - `inputs_embeds`: `[B, T, 0]`. No objective reads it (they build their own token
   embeddings), so the cache does not store it; the empty last axis makes any future use
@@ -39,33 +41,10 @@ from drafttrain.cache.format import (
     sha256_file,
 )
 from drafttrain.config import TrainConfig
-from drafttrain.errors import ConfigError, DataError, TargetError
+from drafttrain.errors import ConfigError, DataError
+from drafttrain.target_head import HeadLogits, TargetHead, TrainTargetOutput
 
 OPEN_SHARDS = 64  # safetensors handles kept open (each an mmap)
-
-
-class TargetHead:
-    """The target's own final norm and output embedding: logits from a final hidden state.
-
-    `logits = lm_head(norm(h))` for a pre-norm `h`, `lm_head(h)` for a post-norm one, run by
-    the target's HF modules in the target's dtype and returned in fp32, exactly the
-    computation of the target's forward after its last decoder layer. It holds the two
-    modules only, so the rest of the target can be freed."""
-
-    def __init__(self, target, kind: str):
-        self.kind = kind
-        self.norm = target.final_norm
-        self.lm_head = target.model.get_output_embeddings()
-        if kind == "pre_norm" and self.norm is None:
-            raise TargetError(f"target {target.info.family} has no final `norm`")
-
-    @torch.no_grad()
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """h `[B, T, H]` -> logits `[B, T, V]` fp32."""
-        h = h.to(self.lm_head.weight.dtype)
-        if self.kind == "pre_norm":
-            h = self.norm(h)
-        return self.lm_head(h).float()
 
 
 class _Split:
@@ -199,7 +178,7 @@ class CachedTarget:
                 )
             check_shards(root, entries, cfg.cache.verify)
             splits[split] = _Split(root, entries)
-        head = TargetHead(target, layout.head_input)
+        head = TargetHead.of(target, layout.head_input)
         return cls(root, layout, head, splits, "train", target.model.dtype)
 
     def for_split(self, split: str) -> CachedTarget:
@@ -269,8 +248,8 @@ class CachedTarget:
             return decode(h, s, len(idx), self.dtype)
 
         feats = segments(cols) if cols else None
-        logits = self.head.logits(segments([S - 1]))
+        head = HeadLogits(segments([S - 1]), self.head)  # logits computed where scored
         rope = r["rope_pos"].to(dev).long()
         rope_pos = rope[0] if lay.rope_axes == 1 else rope
         empty = torch.zeros(B, T, 0, dtype=self.dtype, device=dev)
-        return TargetOutput(logits, feats, rope_pos, empty)
+        return TrainTargetOutput(None, feats, rope_pos, empty, head=head)

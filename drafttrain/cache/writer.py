@@ -37,10 +37,10 @@ from drafttrain.cache.format import (
     write_atomic,
     write_manifest,
 )
-from drafttrain.cache.reader import TargetHead
 from drafttrain.config import TrainConfig
 from drafttrain.errors import ConfigError, TargetError
 from drafttrain.target import FrozenTarget, batch_slots
+from drafttrain.target_head import TargetHead
 
 
 def cache_root(cfg: TrainConfig) -> Path:
@@ -159,7 +159,7 @@ def _write_cache(cfg: TrainConfig) -> dict[str, Any]:
         features, target.info.hidden_size, target.info.rope_axes, cfg.cache.dtype
     )
     ask.check(target.info.num_layers)
-    head = TargetHead(target, layout.head_input)
+    head = TargetHead.of(target, layout.head_input)
     splits = {"train": (data, list(range(len(data))))}
     if cfg.data.eval_split:
         eval_data, batches = held_out_batches(cfg.data, tokenizer, cfg.seed)

@@ -30,8 +30,10 @@ from draftinfer.rope import rope_from_hf
 from draftinfer.target import TargetOutput
 from draftinfer.window import TokenEmbeds, shift_left
 from drafttrain.errors import ConfigError
+from drafttrain.fused_ce import linear_soft_ce
 from drafttrain.kinds.eagle3.config import Eagle3TrainConfig
-from drafttrain.losses import DraftLoss, soft_cross_entropy, top1_agrees
+from drafttrain.losses import DraftLoss
+from drafttrain.target_head import target_distribution
 from drafttrain.ttt import TTTAttention
 
 
@@ -117,7 +119,7 @@ class Eagle3Objective:
     def __init__(self, drafter: Eagle3Drafter, cfg: Eagle3TrainConfig, backend: str):
         self.drafter, self.cfg, self.backend = drafter, cfg, backend
 
-    def unroll(
+    def unroll_normed(
         self,
         input_ids: torch.Tensor,
         features: torch.Tensor,
@@ -125,9 +127,10 @@ class Eagle3Objective:
         steps: int,
         mm: TokenEmbeds | None = None,
     ) -> list[torch.Tensor]:
-        """TTT forward: draft-vocabulary logits `[B, T, Dd]` for each step 0..steps-1.
-        input_ids `[B, T]`, target features `[B, T, 3H]`, rope_pos `[B, T]` / `[3, B, T]`,
-        mm: the target's multimodal input embeddings, unshifted (`TokenEmbeds.of`)."""
+        """TTT forward: the normed hidden states `[B, T, H]` (the head's input) of each step
+        0..steps-1. input_ids `[B, T]`, target features `[B, T, 3H]`, rope_pos `[B, T]` /
+        `[3, B, T]`, mm: the target's multimodal input embeddings, unshifted
+        (`TokenEmbeds.of`)."""
         attn = TTTAttention(self.backend)
         feature = self.drafter.project_features(features)  # [B, T, H]
         out = []
@@ -137,9 +140,21 @@ class Eagle3Objective:
             tokens = shift_left(input_ids, 1 + k)
             mm_k = None if mm is None else mm.shifted(1 + k)
             pos = draft_step_positions(rope_pos, k)
-            normed, feature = self.drafter(tokens, feature, pos, attn, mm_k)
-            out.append(self.drafter.logits(normed))
+            normed, feature = self.drafter(tokens, feature, pos, attn.at(k), mm_k)
+            out.append(normed)
         return out
+
+    def unroll(
+        self,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        rope_pos: torch.Tensor,
+        steps: int,
+        mm: TokenEmbeds | None = None,
+    ) -> list[torch.Tensor]:
+        """Draft-vocabulary logits `[B, T, Dd]` of each step (`unroll_normed`'s arguments)."""
+        normed = self.unroll_normed(input_ids, features, rope_pos, steps, mm)
+        return [self.drafter.logits(n) for n in normed]
 
     def anchor_logits(
         self,
@@ -156,29 +171,37 @@ class Eagle3Objective:
 
     def __call__(
         self, batch: dict[str, torch.Tensor], tgt: TargetOutput
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         d = self.drafter
-        t2d = d.t2d
-        # Target distribution over the draft vocabulary, renormalized, per row `[B, T, Dd]`.
-        tlog = tgt.logits
-        in_draft = t2d[tlog.argmax(-1)]  # [B, T] target top-1 representable
-        target_p = torch.softmax(tlog[..., t2d], dim=-1)
+        # The target's distribution over the draft vocabulary (renormalized), its top-1 there
+        # and whether its full-vocabulary top-1 is representable, per flat row `b * T + t`.
+        dist = target_distribution(tgt, d.draft_vocab_ids())
+        B, T = dist.shape
+        in_draft = dist.in_vocab.view(B, T)
         loss_mask = batch["loss_mask"].bool() & batch["attention_mask"].bool()
         # RoPE positions: the ones the target used (for Qwen3-VL its own [3, B, T] table).
-        logits_per_step = self.unroll(
+        normed_per_step = self.unroll_normed(
             batch["input_ids"], tgt.features, tgt.rope_pos, self.cfg.ttt_steps, TokenEmbeds.of(tgt)
         )
-        out = DraftLoss(tlog.device)
-        for k, logits in enumerate(logits_per_step):
-            p_k = shift_left(target_p, 1 + k)
-            valid = shift_left(loss_mask, 2 + k, False) & shift_left(in_draft, 1 + k, False)
-            out.add(
-                k,
-                soft_cross_entropy(logits, p_k),
-                top1_agrees(logits, p_k),
-                valid,
-                self.cfg.ttt_decay**k,
+        flat = torch.arange(B * T, device=in_draft.device).view(B, T)
+        out = DraftLoss(in_draft.device)
+        for k, normed in enumerate(normed_per_step):
+            # Row i scores the target's distribution at row i+1+k (read through an index, no
+            # shifted copy); it counts when t_{i+2+k} is an assistant token and the target's
+            # top-1 at i+1+k is representable. Rows i >= T-2-k have nothing to predict.
+            n = max(T - 2 - k, 0)
+            valid = torch.zeros_like(loss_mask)
+            valid[:, :n] = loss_mask[:, 2 + k :] & in_draft[:, 1 + k : T - 1]
+            rows = (flat + 1 + k).clamp(max=B * T - 1)
+            loss_sum, hits, count = linear_soft_ce(
+                normed.flatten(0, 1),
+                d.lm_head.weight,
+                dist.probs,
+                rows.flatten(),
+                dist.top1,
+                valid.flatten().long() - 1,
             )
+            out.add_sums(k, loss_sum[0], hits[0], count[0], self.cfg.ttt_decay**k)
         return out.result(loss_mask)
 
     def checkpoint_meta(self) -> dict:

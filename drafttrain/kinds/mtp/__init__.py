@@ -59,6 +59,10 @@ class MTPTrainSpec(TrainSpec):
     def features(self, cfg: MTPTrainConfig, ctx: InitContext):
         return self.arch(cfg, ctx).features
 
+    def blocks(self, drafter):
+        """Each module's decoder block (the module's norms and `eh_proj` stay outside)."""
+        return [layer.block for layer in drafter.layers]
+
     @torch.no_grad()
     def init_drafter(self, cfg: MTPTrainConfig, ctx: InitContext):
         spec = drafter_spec(self.name)

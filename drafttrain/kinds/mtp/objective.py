@@ -22,18 +22,21 @@ from draftinfer.positions import draft_step_positions
 from draftinfer.proposer import causal_attn
 from draftinfer.target import TargetOutput
 from draftinfer.window import shift_left
+from drafttrain.fused_ce import linear_soft_ce
 from drafttrain.kinds.mtp.config import MTPTrainConfig
-from drafttrain.losses import DraftLoss, soft_cross_entropy, top1_agrees
+from drafttrain.losses import DraftLoss
+from drafttrain.target_head import target_distribution
 
 
 class MTPObjective:
     def __init__(self, drafter: MTPDrafter, cfg: MTPTrainConfig, backend: str):
         self.drafter, self.cfg, self.backend = drafter, cfg, backend
 
-    def module_logits(
+    def module_normed(
         self, input_ids: torch.Tensor, features: torch.Tensor, rope_pos: torch.Tensor, n: int
     ) -> list[torch.Tensor]:
-        """Full-vocabulary logits `[B, T, V]` of modules 0..n-1 (teacher-forced tokens)."""
+        """The normed hidden states `[B, T, H]` (the shared head's input) of modules 0..n-1
+        (teacher-forced tokens)."""
         d = self.drafter
         feat = features.to(d.lm_head.weight.dtype)
         carry, out = feat, []
@@ -47,8 +50,15 @@ class MTPObjective:
                 causal_attn,
             )
             carry = d.carry(normed, pre)
-            out.append(d.logits(normed))
+            out.append(normed)
         return out
+
+    def module_logits(
+        self, input_ids: torch.Tensor, features: torch.Tensor, rope_pos: torch.Tensor, n: int
+    ) -> list[torch.Tensor]:
+        """Full-vocabulary logits `[B, T, V]` of modules 0..n-1 (teacher-forced tokens)."""
+        d = self.drafter
+        return [d.logits(x) for x in self.module_normed(input_ids, features, rope_pos, n)]
 
     def anchor_logits(self, ids, features, rope_pos, anchor: int, k: int) -> torch.Tensor:
         """Module j's logits at row `anchor` for j < k: what the runner's draft step j gives
@@ -57,19 +67,30 @@ class MTPObjective:
 
     def __call__(
         self, batch: dict[str, torch.Tensor], tgt: TargetOutput
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        c = self.cfg
-        N = self.drafter.config.n_predict
-        tlog = tgt.logits
-        target_p = torch.softmax(tlog, dim=-1)  # [B, T, V]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        c, d = self.cfg, self.drafter
+        N = d.config.n_predict
+        dist = target_distribution(tgt)  # the whole vocabulary, per flat row b * T + t
+        B, T = dist.shape
         loss_mask = batch["loss_mask"].bool() & batch["attention_mask"].bool()
-        logits = self.module_logits(batch["input_ids"], tgt.features, tgt.rope_pos, N)
-        out = DraftLoss(tlog.device)
-        for k, lg in enumerate(logits):
-            p_k = shift_left(target_p, 1 + k)  # row i: the target's distribution at i+k+1
-            valid = shift_left(loss_mask, 2 + k, False)  # t_{i+k+2} is an assistant token
+        normed = self.module_normed(batch["input_ids"], tgt.features, tgt.rope_pos, N)
+        flat = torch.arange(B * T, device=loss_mask.device).view(B, T)
+        out = DraftLoss(loss_mask.device)
+        for k, x in enumerate(normed):
+            # Row i: the target's distribution at i+k+1 (an index, no shifted copy); counted
+            # when t_{i+k+2} is an assistant token.
+            valid = torch.zeros_like(loss_mask)
+            valid[:, : max(T - 2 - k, 0)] = loss_mask[:, 2 + k :]
+            loss_sum, hits, count = linear_soft_ce(
+                x.flatten(0, 1),
+                d.lm_head.weight,
+                dist.probs,
+                (flat + 1 + k).clamp(max=B * T - 1).flatten(),
+                dist.top1,
+                valid.flatten().long() - 1,
+            )
             weight = 1.0 if c.loss_weights == "uniform" else c.loss_decay**k
-            out.add(k, soft_cross_entropy(lg, p_k), top1_agrees(lg, p_k), valid, weight)
+            out.add_sums(k, loss_sum[0], hits[0], count[0], weight)
         return out.result(loss_mask)
 
     def checkpoint_meta(self) -> dict:

@@ -32,8 +32,10 @@ from draftinfer.kinds.ptd import PTDDrafter
 from draftinfer.layers import causal_attention
 from draftinfer.target import TargetOutput
 from draftinfer.window import TokenEmbeds, shift_left
+from drafttrain.fused_ce import linear_soft_ce
 from drafttrain.kinds.ptd.config import PTDTrainConfig
-from drafttrain.losses import DraftLoss, soft_cross_entropy, top1_agrees
+from drafttrain.losses import DraftLoss
+from drafttrain.target_head import target_distribution
 
 PAD_ANCHOR = 1 << 30  # anchor/depth of padding slots: they see depth-0 rows, nobody sees them
 
@@ -57,19 +59,47 @@ def ptd_dense_mask(anchor: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
     return ptd_mask_mod(anchor, depth)(b, 0, i[None, :, None], i[None, None, :])
 
 
+def ptd_block_mask(anchor: torch.Tensor, depth: torch.Tensor, q_blocks_per_chunk: int = 16):
+    """The flex `BlockMask` of the predicate, evaluated block row by block row: at most
+    `[B, 16 * 128, N]` bools at a time instead of `create_block_mask`'s dense `[B, N, N]` (and
+    its int64 indexing intermediates), which at 32k tokens plus slots would not fit."""
+    from drafttrain.ttt import FLEX_BLOCK, block_mask_from_blocks
+
+    B, N = anchor.shape
+    dev = anchor.device
+    nb = -(-N // FLEX_BLOCK)
+    Np = nb * FLEX_BLOCK
+    # Padded to whole blocks; padded rows/keys are out of range (never full, never visible).
+    a = torch.full((B, Np), PAD_ANCHOR, dtype=anchor.dtype, device=dev)
+    dp = torch.full((B, Np), PAD_ANCHOR, dtype=depth.dtype, device=dev)
+    a[:, :N], dp[:, :N] = anchor, depth
+    k_in = torch.arange(Np, device=dev) < N  # [Np]
+    ak, dk = a[:, None, :], dp[:, None, :]  # [B, 1, Np]
+    partial = torch.zeros(B, 1, nb, nb, dtype=torch.bool, device=dev)
+    full = torch.zeros_like(partial)
+    for q0 in range(0, nb, q_blocks_per_chunk):
+        q1 = min(nb, q0 + q_blocks_per_chunk)
+        rows = slice(q0 * FLEX_BLOCK, q1 * FLEX_BLOCK)
+        aq, dq = a[:, rows, None], dp[:, rows, None]  # [B, c, 1]
+        q_in = (torch.arange(Np, device=dev) < N)[rows, None]
+        m = (((dk == 0) & (ak <= aq)) | ((ak == aq) & (dk <= dq))) & q_in & k_in  # [B, c, Np]
+        m = m.view(B, q1 - q0, FLEX_BLOCK, nb, FLEX_BLOCK)
+        partial[:, 0, q0:q1] = m.any(4).any(2)
+        full[:, 0, q0:q1] = m.all(4).all(2)
+    return block_mask_from_blocks(partial & ~full, full, ptd_mask_mod(anchor, depth), N)
+
+
 def make_attention(anchor: torch.Tensor, depth: torch.Tensor, backend: str):
     """attn_fn(layer, q, k, v) over the combined rows+slots sequence."""
     if backend == "flex":
-        from torch.nn.attention.flex_attention import create_block_mask
-
         from drafttrain.ttt import flex_fn
 
-        B, N = anchor.shape
-        block = create_block_mask(
-            ptd_mask_mod(anchor, depth), B, None, N, N, device=str(anchor.device)
-        )
+        block = ptd_block_mask(anchor, depth)
         flex = flex_fn(anchor.device)
 
+        # Run eagerly under a compiled decoder block (a graph break): flex is compiled on its
+        # own, once, whatever the block mask of the step.
+        @torch.compiler.disable
         def attn_flex(_layer, q, k, v):
             o = flex(
                 q.transpose(1, 2),
@@ -156,11 +186,28 @@ class PTDObjective:
         slot_depth: list[torch.Tensor],
         mm: TokenEmbeds | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`forward_slots_normed` with the head applied: (logits `[B, T + S, Dd]`, anchor,
+        depth)."""
+        normed, anchor, depth = self.forward_slots_normed(
+            input_ids, features, rope_pos, slot_anchor, slot_depth, mm
+        )
+        return self.drafter.logits(normed), anchor, depth
+
+    def forward_slots_normed(
+        self,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        rope_pos: torch.Tensor,
+        slot_anchor: list[torch.Tensor],
+        slot_depth: list[torch.Tensor],
+        mm: TokenEmbeds | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One forward over `[T depth-0 rows | S slots]` per sequence.
 
         input_ids `[B, T]`, rope_pos `[B, T]` / `[3, B, T]`, target features `[B, T, 3H]`,
         slot lists per sequence, mm: the target's multimodal input embeddings, unshifted ->
-        (logits `[B, T + S, Dd]`, anchor `[B, T + S]`, depth `[B, T + S]`). A depth-d slot of
+        (normed hidden `[B, T + S, H]` (the head's input), anchor `[B, T + S]`, depth
+        `[B, T + S]`). A depth-d slot of
         anchor i sits at `rope_pos[..., i] + d` on every axis (convention 3); depth-0 row i
         consumes t_{i+1} with its vision embedding, mask slots the mask token."""
         d = self.drafter
@@ -195,7 +242,7 @@ class PTDObjective:
             mm_rows = TokenEmbeds(mask, embeds)
         attn = make_attention(anchor, depth, self.backend)
         normed, _ = d(ids, feature, pos, attn, mm_rows)
-        return d.logits(normed), anchor, depth
+        return normed, anchor, depth
 
     def anchor_logits(
         self,
@@ -215,21 +262,22 @@ class PTDObjective:
 
     def __call__(
         self, batch: dict[str, torch.Tensor], tgt: TargetOutput
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         c, d = self.cfg, self.drafter
         K = c.parallel_k
         input_ids = batch["input_ids"]
         B, T = input_ids.shape
-        tlog = tgt.logits
-        in_draft = d.t2d[tlog.argmax(-1)]  # [B, T]
-        target_p = torch.softmax(tlog[..., d.t2d], dim=-1)  # [B, T, Dd]
+        # The target's distribution over the draft vocabulary per flat row `b * T + t`.
+        dist = target_distribution(tgt, d.draft_vocab_ids())
+        in_draft = dist.in_vocab.view(B, T)
         loss_mask = batch["loss_mask"].bool() & batch["attention_mask"].bool()
-        # Anchors worth a depth-1 slot: their t_{i+3} is an assistant token.
-        cand = shift_left(loss_mask, 3, False)
+        # Anchors worth a depth-1 slot: their t_{i+3} is an assistant token. Sampling runs on
+        # the host (the global CPU RNG, checkpointed), so this reads the mask there once.
+        cand = shift_left(loss_mask, 3, False).cpu()
         anchors, depths = [], []
         for b in range(B):
             a, dp = sample_slots(
-                cand[b].nonzero().flatten().cpu(),
+                cand[b].nonzero().flatten(),
                 K,
                 c.keep_ratio,
                 c.keep_floor,
@@ -238,23 +286,33 @@ class PTDObjective:
             anchors.append(a)
             depths.append(dp)
         # RoPE positions: the ones the target used (for Qwen3-VL its own [3, B, T] table).
-        logits, anchor, depth = self.forward_slots(
+        normed, anchor, depth = self.forward_slots_normed(
             input_ids, tgt.features, tgt.rope_pos, anchors, depths, TokenEmbeds.of(tgt)
         )
-        # Row/slot with anchor i at depth dd predicts the target distribution at row i+1+dd.
+        # Row/slot with anchor i at depth dd predicts the target distribution at row i+1+dd,
+        # read from the distribution table through an index (no gathered copy).
         real = depth < PAD_ANCHOR
         src = torch.where(real, anchor + 1 + depth, 0)  # [B, N]
         inside = real & (src < T)
         src = src.clamp(max=T - 1)
-        bidx = torch.arange(B, device=tlog.device)[:, None]
-        p = target_p[bidx, src]  # [B, N, Dd]
+        bidx = torch.arange(B, device=src.device)[:, None]
         nxt = (src + 1).clamp(max=T - 1)
         valid = inside & (src + 1 < T) & loss_mask[bidx, nxt] & in_draft[bidx, src]
-        ce, hit = soft_cross_entropy(logits, p), top1_agrees(logits, p)  # [B, N]
-        out = DraftLoss(tlog.device)
+        loss_sum, hits, count = linear_soft_ce(
+            normed.flatten(0, 1),
+            d.lm_head.weight,
+            dist.probs,
+            (bidx * T + src).flatten(),
+            dist.top1,
+            torch.where(valid, depth, -1).flatten(),
+            K,
+        )
+        # Slots per depth (depth 0: every row), counted on the host from the sampled lists.
+        per_depth = torch.bincount(torch.cat(depths), minlength=K)
+        out = DraftLoss(src.device)
         for dd in range(K):
-            out.add(dd, ce, hit, valid & (depth == dd), c.depth_decay**dd)
-            out.metrics[f"slots_{dd}"] = float((real & (depth == dd)).sum().item())
+            out.add_sums(dd, loss_sum[dd], hits[dd], count[dd], c.depth_decay**dd)
+            out.metrics[f"slots_{dd}"] = float(B * T if dd == 0 else per_depth[dd])
         return out.result(loss_mask)
 
     def checkpoint_meta(self) -> dict:
