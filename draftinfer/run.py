@@ -116,6 +116,10 @@ def run_eval(cfg: InferConfig) -> dict[str, Any]:
     target = load_native_target(
         target_path, device, dtype, max_batch=cfg.batch_size, max_seq_len=cfg.max_model_len
     )
+    if cfg.fuse_projections:
+        from draftinfer.models.transforms import fuse_projections
+
+        fuse_projections(target)  # one GEMM for q/k/v, one for gate/up (same model)
     spec.check_fit(arch, target.info)
     spec.check_k(arch, cfg.k)
     drafter, _ = load_drafter(cfg.drafter, target.shared_weights(), device=device, dtype=dtype)

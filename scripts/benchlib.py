@@ -202,6 +202,26 @@ def median_ms(fn) -> float:
     return float(do_bench(fn, warmup=10, rep=50, return_mode="median"))
 
 
+def graph_ms(fn, calls: int = 20) -> float:
+    """Median milliseconds of one `fn()` replayed from a CUDA graph of `calls` back-to-back
+    calls (the device time of its kernels without Python launch overhead: how the engine runs
+    it, inside the captured round). `fn` must be capturable (no host sync)."""
+    import torch
+
+    fn()  # compile / allocate outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return median_ms(graph.replay) / calls
+
+
 def same_outputs(a, b) -> bool:
     """Tuples of tensors equal element for element."""
     import torch
