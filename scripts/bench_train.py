@@ -18,7 +18,9 @@ returns, so the target's distribution is computed inside the step exactly as in 
 precomputed hidden states).
 
 Rows: eagle3 (TTT 7) and ptd (K = 4 and 8, with the per-depth slot counts) at seq 2048 / 8192
-/ 16384 / 32768 (`--seqs`), and the peer's EAGLE-3 and P-EAGLE steps
+/ 16384 / 32768 (`--seqs`), eagle3 again with activation checkpointing at the first two
+lengths (`ours+ac`, the same compiled blocks wrapped; `--no-ac-variant` skips them), and the
+peer's EAGLE-3 and P-EAGLE steps
 (`scripts/peer_speculators.py`; skipped with the reason when speculators is not installed).
 Per row: tokens/s (median over timed steps of seq_len / step time), step ms, peak
 `torch.cuda.max_memory_allocated` GiB (reset before each timed step, so weights, grads and
@@ -40,6 +42,7 @@ import statistics
 import sys
 import time
 import traceback
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -205,6 +208,22 @@ class Ours:
         self.drafter = self.optimizer = self.params = self.head_weight = None
 
 
+@contextmanager
+def checkpointed(ours: Ours, on: bool):
+    """Within: the drafter's blocks under activation checkpointing (wrapping the same,
+    already compiled forwards: no new compilation); restored after."""
+    from drafttrain.wrap import apply_activation_checkpointing
+
+    blocks = ours.spec.blocks(ours.drafter) if on else []
+    saved = [b.forward for b in blocks]
+    apply_activation_checkpointing(blocks)
+    try:
+        yield
+    finally:
+        for b, f in zip(blocks, saved):
+            b.forward = f
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -294,11 +313,14 @@ def peer_row(kind: str, k: int, seq_len: int, args, shapes: dict, device) -> dic
     return out
 
 
-def plan(seqs: list[int], kinds: list[tuple[str, int]], peer_ok: bool) -> list[tuple]:
+def plan(
+    seqs: list[int], kinds: list[tuple[str, int]], peer_ok: bool, ac_variant: bool
+) -> list[tuple]:
     """Row order (most wanted first, in case the budget ends the run): the peer's EAGLE-3 at
     the first length (before ours compile: the peer resets torch.compile), ours grouped by
     kind (one drafter and one compilation per kind; lengths in the given order, ptd's Ks
-    interleaved), then the rest of the peer's, length by length."""
+    interleaved; eagle3 then again with activation checkpointing at the first two lengths,
+    `ours+ac`, the same compiled blocks), then the rest of the peer's, length by length."""
     rows = []
     first = ("eagle3", 7, seqs[0])
     if peer_ok and ("eagle3", 7) in kinds:
@@ -306,6 +328,8 @@ def plan(seqs: list[int], kinds: list[tuple[str, int]], peer_ok: bool) -> list[t
     for name in dict.fromkeys(kind for kind, _ in kinds):
         for s in seqs:
             rows += [("ours", kind, k, s) for kind, k in kinds if kind == name]
+        if ac_variant and name == "eagle3":
+            rows += [("ours+ac", kind, k, s) for s in seqs[:2] for kind, k in kinds if kind == name]
     if peer_ok:
         for s in seqs:
             rows += [("peer", kind, k, s) for kind, k in kinds if (kind, k, s) != first]
@@ -324,7 +348,7 @@ def markdown(rows: list[dict]) -> str:
             return "error"
         return fmt.format(r[key])
 
-    ours = {(r["kind"], r["k"], r["seq_len"]): r for r in rows if r["impl"] == "ours"}
+    ours = {(r["kind"], r["k"], r["seq_len"], r["impl"]): r for r in rows if r["impl"] != "peer"}
     peer = {(r["kind"], r["k"], r["seq_len"]): r for r in rows if r["impl"] == "peer"}
     lines = [
         "| kind | K | seq | ours tok/s | peer tok/s | speed ours/peer | ours GiB | peer GiB "
@@ -335,8 +359,8 @@ def markdown(rows: list[dict]) -> str:
     def ok(r) -> bool:
         return r is not None and bool(r.get("tokens_per_s")) and not r.get("skipped")
 
-    for key in sorted(ours, key=lambda x: (x[0], x[1], x[2])):
-        o, p = ours[key], peer.get(key)
+    for key in sorted(ours):
+        o, p = ours[key], peer.get(key[:3])
         speed = mem = "-"
         if ok(o) and ok(p):
             speed = f"{o['tokens_per_s'] / p['tokens_per_s']:.2f}x"
@@ -345,7 +369,8 @@ def markdown(rows: list[dict]) -> str:
         slots = "/".join(str(v) for v in o.get("slots", {}).values()) or "-"
         peer_name = "peagle" if key[0] == "ptd" else "eagle3"
         lines.append(
-            f"| {key[0]} | {key[1]} | {key[2]} | {cell(o, 'tokens_per_s', '{:.0f}')} "
+            f"| {key[0]}{' (act. ckpt)' if key[3] == 'ours+ac' else ''} | {key[1]} | {key[2]} "
+            f"| {cell(o, 'tokens_per_s', '{:.0f}')} "
             f"| {cell(p, 'tokens_per_s', '{:.0f}')} ({peer_name}) | {speed} "
             f"| {cell(o, 'peak_gib', '{:.1f}')} | {cell(p, 'peak_gib', '{:.1f}')} | {mem} "
             f"| {slots} |"
@@ -366,6 +391,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budget-s", type=float, default=540.0, help="start no row after this")
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument(
+        "--no-ac-variant",
+        action="store_true",
+        help="skip the eagle3 rows with activation checkpointing on (ours+ac)",
+    )
     ap.add_argument(
         "--override",
         action="append",
@@ -410,7 +440,10 @@ def main() -> None:
     configs = {kind: compose(PRESETS[kind], overrides) for kind in {k for k, _ in kinds}}
     rows: list[dict] = []
     ours_by_kind: dict[str, Ours] = {}
-    for impl, kind, k, seq in plan(seqs, kinds, peer_ok):
+    ac_variant = not args.no_ac_variant and not any(
+        c.trainer.activation_checkpointing for c in configs.values()
+    )
+    for impl, kind, k, seq in plan(seqs, kinds, peer_ok, ac_variant):
         base = {"impl": impl, "kind": kind, "k": k, "seq_len": seq}
         # Seconds a row may need: the peer compiles afresh each call; ours once per kind.
         need = 90 if impl == "peer" else (30 if kind in ours_by_kind else 120)
@@ -451,12 +484,15 @@ def main() -> None:
                     keep_floor=dc.keep_floor,
                     max_slots_per_seq=dc.max_slots_per_seq,
                 )
-            row = guarded(
-                partial(time_ours, ours, k, seq, args.steps, args.warmup, args.seed + seq),
-                base,
-                device,
-                cleanup=partial(ours.optimizer.zero_grad, set_to_none=True),
-            )
+            if impl == "ours+ac":
+                base["settings"]["activation_checkpointing"] = True
+            with checkpointed(ours, impl == "ours+ac"):
+                row = guarded(
+                    partial(time_ours, ours, k, seq, args.steps, args.warmup, args.seed + seq),
+                    base,
+                    device,
+                    cleanup=partial(ours.optimizer.zero_grad, set_to_none=True),
+                )
         row["wall_s"] = time.perf_counter() - t0
         rows.append(row)
         brief = {
