@@ -167,16 +167,29 @@ def linear_soft_ce(
     chunk_elements: int = CHUNK_ELEMENTS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-group soft cross-entropy sums `[G]` (differentiable), top-1 hits `[G]` and row
-    counts `[G]` (fp32), without keeping `[N, V]` logits (module docstring)."""
+    counts `[G]` (fp32), without keeping `[N, V]` logits (module docstring).
+
+    A problem of at most one chunk (`N * V <= chunk_elements`: the CPU recipes) runs the plain
+    formula, `linear_soft_ce_ref`: its logits are no larger than one chunk's, and its numbers
+    are bit-for-bit those of the per-row formulation training used before (the golden losses
+    of the tiny recipes are pinned to them; the chunked path reassociates the sums)."""
+    if hidden.shape[0] * weight.shape[0] <= chunk_elements:
+        return linear_soft_ce_ref(hidden, weight, probs, rows, top1, group, groups)
     chunk = max(1, chunk_elements // weight.shape[0])
     dtype = _compute_dtype(hidden, weight)
     return _LinearSoftCE.apply(hidden, weight, probs, rows, top1, group, groups, chunk, dtype)
 
 
 def linear_soft_ce_ref(hidden, weight, probs, rows, top1, group, groups: int = 1):
-    """The plain formula, logits materialized (same signature and outputs)."""
+    """The plain formula, logits materialized (same signature and outputs): per row
+    `-(p * log_softmax(z.float())).sum(-1)`, then one masked sum per group."""
     logits = F.linear(hidden, weight)  # [N, V]
-    ce = -(probs[rows].float() * F.log_softmax(logits.float(), dim=-1)).sum(-1)  # [N]
-    hit = (logits.argmax(-1) == top1[rows]).float()
-    onehot = (group[:, None] == torch.arange(groups, device=group.device)[None]).float()
-    return ce @ onehot, hit @ onehot, onehot.sum(0)
+    ce = -(probs[rows] * F.log_softmax(logits.float(), dim=-1)).sum(-1)  # [N]
+    hit = logits.argmax(-1) == top1[rows]  # [N]
+    loss, hits, count = [], [], []
+    for g in range(groups):
+        counted = group == g
+        loss.append((ce * counted).sum())
+        hits.append((hit & counted).sum().float())
+        count.append(counted.sum().float())
+    return torch.stack(loss), torch.stack(hits), torch.stack(count)
