@@ -33,6 +33,10 @@ import torch.nn.functional as F
 
 # Logit values per chunk: rows = CHUNK_ELEMENTS // V (2048 rows of a 32k draft vocabulary).
 CHUNK_ELEMENTS = 1 << 26
+# Problems up to this many logits (and one chunk) run the plain formula (`linear_soft_ce`):
+# the CPU recipes (ptd at most 8 x (256 + 1024) x 2048 = 21M), never a real-shape batch
+# (2048 x 32000 is already 65M).
+PLAIN_ELEMENTS = 1 << 25
 
 
 def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -169,11 +173,11 @@ def linear_soft_ce(
     """Per-group soft cross-entropy sums `[G]` (differentiable), top-1 hits `[G]` and row
     counts `[G]` (fp32), without keeping `[N, V]` logits (module docstring).
 
-    A problem of at most one chunk (`N * V <= chunk_elements`: the CPU recipes) runs the plain
-    formula, `linear_soft_ce_ref`: its logits are no larger than one chunk's, and its numbers
+    A small problem (`N * V <= min(chunk_elements, PLAIN_ELEMENTS)`: the CPU recipes) runs the
+    plain formula, `linear_soft_ce_ref`: its logits are smaller than one chunk, and its numbers
     are bit-for-bit those of the per-row formulation training used before (the golden losses
     of the tiny recipes are pinned to them; the chunked path reassociates the sums)."""
-    if hidden.shape[0] * weight.shape[0] <= chunk_elements:
+    if hidden.shape[0] * weight.shape[0] <= min(chunk_elements, PLAIN_ELEMENTS):
         return linear_soft_ce_ref(hidden, weight, probs, rows, top1, group, groups)
     chunk = max(1, chunk_elements // weight.shape[0])
     dtype = _compute_dtype(hidden, weight)
