@@ -261,6 +261,8 @@ def _run_guarded(build_and_time, *, device, base: dict) -> dict:
         torch.cuda.synchronize(device)
     base_gib = torch.cuda.memory_allocated(device) / 2**30 if cuda else 0.0
     result, error = None, None
+    if cuda:
+        _fused_losses_outside_dynamo()
     torch._dynamo.reset()
     try:
         result = build_and_time()
@@ -289,6 +291,25 @@ def _run_guarded(build_and_time, *, device, base: dict) -> dict:
         "step_ms": [],
         "peak_gib": None,
     }
+
+
+# torch 2.11's dynamo cannot trace speculators 0.9.0's fused KL loss inside its compiled
+# forward (the two autotuned Triton kernels share one `configs` list: "ListVariable(...) is
+# already tracked for mutation", measured on the H200), so its CLI's compiled step fails on
+# that torch. The loss runs as speculators' own fused Triton kernels, outside the compiled
+# graph (one graph break); everything else stays compiled as speculators compiles it.
+FUSED_LOSS_NOTE = "fused KL loss run outside torch.compile (torch 2.11 dynamo fails to trace it)"
+
+
+def _fused_losses_outside_dynamo() -> None:
+    from speculators.losses import fused
+
+    for name in ("fused_kl_div_loss", "fused_reverse_kl_div_loss", "fused_js_div_loss"):
+        fn = getattr(fused, name)
+        if not getattr(fn, "_outside_dynamo", False):
+            wrapped = torch._dynamo.disable(fn)
+            wrapped._outside_dynamo = True
+            setattr(fused, name, wrapped)
 
 
 def eagle3_train_step_bench(
@@ -521,7 +542,11 @@ def _notes(device, kind) -> str:
         + "; batch pre-staged on the device (no DataLoader, no H2D copy, no metric logging)"
     )
     if device.type == "cuda":
-        return common + "; forward torch.compile'd by speculators, fused Triton KL loss"
+        return (
+            common
+            + "; forward torch.compile'd by speculators, fused Triton KL loss; "
+            + FUSED_LOSS_NOTE
+        )
     return common + (
         "; CPU: eager forward (no compile), sdpa attention (no flex backward on CPU), eager KL "
         "loss, peak not measured"
