@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 
 import torch
-from benchlib import LLAMA31_8B, TINY, import_kernel
+from benchlib import LLAMA31_8B, TINY, import_kernel, random_llama_target
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -63,24 +63,6 @@ FEATURES = ("qkv", "gateup", "nocdt")
 
 
 # ---- the two models -------------------------------------------------------------------
-def build_ours(shape: dict, device, dtype, batch: int, max_len: int):
-    from draftinfer.models.llama import LlamaForCausalLM, NativeConfig
-
-    cfg = NativeConfig(architecture="LlamaForCausalLM", **shape)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-    model = model.to(dtype=dtype).to_empty(device=device)
-    model.tie_weights()
-    model.init_rope(device)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
-    model.requires_grad_(False).eval()
-    model.setup_caches(batch, max_len)
-    return model
-
-
 def load_gpt_fast(peer_dir: Path):
     path = peer_dir / "model.py"
     if not path.is_file():
@@ -509,7 +491,7 @@ def main() -> int:
             torch.cuda.empty_cache()
 
     if ours:
-        model = build_ours(shape, device, dtype, a.batch, a.max_len)
+        model = random_llama_target(shape, device, dtype, a.batch, a.max_len)
         emb = model.model.embed_tokens.weight
         res["weight_bytes"] = step_weight_bytes(model, emb)
         attn_len = attn_bucket(a.context + warm + a.steps + 16, a.max_len)

@@ -46,29 +46,12 @@ from benchlib import (
     TINY_VL,
     drafter_arch,
     import_kernel,
+    random_llama_target,
     vl_native_shape,
 )
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-
-
-def build_target(shape: dict, device, dtype, max_batch: int, max_len: int):
-    from draftinfer.models.llama import LlamaForCausalLM, NativeConfig
-
-    cfg = NativeConfig(architecture="LlamaForCausalLM", **shape)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-    model = model.to(dtype=dtype).to_empty(device=device)
-    model.tie_weights()
-    model.init_rope(device)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
-    model.requires_grad_(False).eval()
-    model.setup_caches(max_batch, max_len)
-    return model
 
 
 def build_vl_target(hf_kwargs: dict, device, dtype, max_batch: int, max_len: int):
@@ -253,7 +236,7 @@ def bench_target(name: str, a, device, dtype, batches, ks, kinds) -> dict:
         target = build_vl_target(shape, device, dtype, max(batches), max_len)
         dshape = vl_native_shape(shape)
     else:
-        target = build_target(shape, device, dtype, max(batches), max_len)
+        target = random_llama_target(shape, device, dtype, max(batches), max_len)
         dshape = shape
     drafters = {
         kind: build_drafter(kind, target, dshape, DRAFT_VOCAB[name], max(ks["ptd"]), device, dtype)

@@ -222,6 +222,28 @@ def graph_ms(fn, calls: int = 20) -> float:
     return median_ms(graph.replay) / calls
 
 
+def random_llama_target(shape: dict, device, dtype, max_batch: int, max_len: int):
+    """A native Llama-shaped target of `shape` (NativeConfig fields) with random weights
+    (norms 1, the rest N(0, 0.02), seed 0) and caches for `max_batch` x `max_len`."""
+    import torch
+
+    from draftinfer.models.llama import LlamaForCausalLM, NativeConfig
+
+    cfg = NativeConfig(architecture="LlamaForCausalLM", **shape)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.tie_weights()
+    model.init_rope(device)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
+    model.requires_grad_(False).eval()
+    model.setup_caches(max_batch, max_len)
+    return model
+
+
 def same_outputs(a, b) -> bool:
     """Tuples of tensors equal element for element."""
     import torch
