@@ -10,6 +10,7 @@ new K or attention bucket is not a new compile (sizes of 1 are specialised by dy
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -28,6 +29,30 @@ def compiled(fn: Callable, **options) -> Callable:
     if key not in _COMPILED:
         _COMPILED[key] = torch.compile(fn, **options)
     return _COMPILED[key]
+
+
+_EAGER: set[Callable] = set()
+
+
+def cuda_compiled_call(fn: Callable, *args):
+    """`fn(*args)`: compiled (`dynamic=True`, once per function) when `args[0]` is on CUDA,
+    eager elsewhere. Used for fused elementwise / reduction pieces (training's loss chunks,
+    target distribution, TTT attention merge) whose eager form is several memory passes. A
+    compiler failure must not stop training: it is reported once and `fn` runs eagerly from
+    then on."""
+    if args[0].device.type != "cuda" or fn in _EAGER:
+        return fn(*args)
+    try:
+        return compiled(fn, dynamic=True)(*args)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:
+        warnings.warn(
+            f"torch.compile of {fn.__name__} failed ({type(e).__name__}: {e}); eager from now on",
+            stacklevel=2,
+        )
+        _EAGER.add(fn)
+        return fn(*args)
 
 
 def target_forward(

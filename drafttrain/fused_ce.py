@@ -12,12 +12,19 @@ target's top-1 `top1[row[n]]` and a group `group[n]` (-1: not counted):
     count[g] = #{n in g}
 
 Forward computes `z` one chunk of rows at a time (the matmul in the autocast dtype, or the
-inputs' dtype without autocast; softmax statistics in fp32) and keeps only `lse [N]`. The
-per-chunk elementwise math is one compiled kernel each way on CUDA (eager elsewhere).
-Backward recomputes each chunk's `z` and applies `dce/dz = softmax(z) * sum(p) - p` scaled by
-the group's incoming gradient: `grad_h = dz @ W`, `grad_W = sum_chunks dz^T @ h` (fp32
-accumulation). Peak extra memory is a few `[chunk, V]` fp32 buffers instead of `[N, V]` logits
-plus their fp32 log-softmax per draft position. The label table is read through `row`, so an
+inputs' dtype without autocast; softmax statistics in fp32). The loss is a sum of per-group
+sums, so its gradient with respect to `z[n]` is the incoming gradient of `n`'s group times
+`dce/dz = softmax(z) * sum(p) - p`, which the chunk already holds. While gradients are wanted,
+forward therefore applies it at once: `grad_h = dz @ W` per chunk and `grad_W = sum_chunks
+dz^T @ h` (fp32 accumulation), both unscaled, and backward only multiplies them by the
+incoming gradients (Liger's fused linear cross-entropy does the same). Two matmuls per chunk
+with a frozen head, three with a trained one, instead of the four of a recompute. The one
+case that recomputes in backward is a trained head with several groups (ptd's depths): its
+`grad_W` would need one `[V, H]` accumulator per group, so forward keeps `lse [N]` and
+backward recomputes each chunk's `z`. Peak extra memory is a few `[chunk, V]` fp32 buffers
+plus the unscaled gradients (`[N, H]`, and `[V, H]` in the weight's dtype) instead of `[N, V]`
+logits plus their fp32 log-softmax per draft position. The per-chunk elementwise math is one
+compiled kernel on CUDA (eager elsewhere). The label table is read through `row`, so an
 objective that scores rows against shifted targets (TTT step k: row i against target row
 i+1+k) passes an index, never a shifted copy of the table.
 
@@ -26,10 +33,10 @@ i+1+k) passes an index, never a shifted copy of the table.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.nn.functional as F
+
+from draftinfer.compiled import cuda_compiled_call
 
 # Logit values per chunk: rows = CHUNK_ELEMENTS // V (2048 rows of a 32k draft vocabulary).
 CHUNK_ELEMENTS = 1 << 26
@@ -53,77 +60,110 @@ def _group_sums(values: torch.Tensor, group: torch.Tensor, groups: int) -> torch
     return torch.where(group >= 0, values, 0) @ onehot.to(values.dtype)
 
 
-def _forward_chunk(z: torch.Tensor, p: torch.Tensor):
-    """z `[c, V]` logits, p `[c, V]` labels -> (lse `[c]`, ce `[c]` fp32, argmax `[c]`)."""
-    zf = z.float()
+def _forward_chunk(z, probs, rows, top1):
+    """z `[c, V]` logits; the chunk's labels are `probs[rows]` (read inside: on CUDA the
+    gather fuses into the kernel, no `[c, V]` copy) -> (lse `[c]`, ce `[c]` fp32, hit `[c]`
+    fp32: argmax z == `top1[rows]`)."""
+    zf, pf = z.float(), probs[rows].float()
     lse = torch.logsumexp(zf, dim=-1)
-    ce = ((lse[:, None] - zf) * p.float()).sum(-1)  # -sum p * log_softmax(z)
-    return lse, ce, z.argmax(-1)
+    ce = ((lse[:, None] - zf) * pf).sum(-1)  # -sum p * log_softmax(z)
+    return lse, ce, (z.argmax(-1) == top1[rows]).float()
 
 
-def _backward_chunk(z: torch.Tensor, lse: torch.Tensor, p: torch.Tensor, s: torch.Tensor):
-    """d(sum_n s_n ce_n) / dz = s * (softmax(z) * sum(p) - p), `[c, V]` in z's dtype; exactly
-    0 on rows with s = 0 (uncounted rows, whatever their logits)."""
-    pf = p.float()
+def _forward_grad_chunk(z, probs, rows, top1, group):
+    """`_forward_chunk` plus the unscaled logit gradient `softmax(z) * sum(p) - p` `[c, V]` in
+    z's dtype, exactly 0 on rows no group counts (`group < 0`)."""
+    zf, pf = z.float(), probs[rows].float()
+    lse = torch.logsumexp(zf, dim=-1)
+    ce = ((lse[:, None] - zf) * pf).sum(-1)
+    dz = torch.exp(zf - lse[:, None]) * pf.sum(-1, keepdim=True) - pf
+    dz = torch.where(group[:, None] >= 0, dz, 0.0).to(z.dtype)
+    return lse, ce, (z.argmax(-1) == top1[rows]).float(), dz
+
+
+def _backward_chunk(z, lse, probs, rows, s):
+    """d(sum_n s_n ce_n) / dz = s * (softmax(z) * sum(p) - p) with p = `probs[rows]`, `[c, V]`
+    in z's dtype; exactly 0 on rows with s = 0 (uncounted rows, whatever their logits)."""
+    pf = probs[rows].float()
     q = torch.exp(z.float() - lse[:, None])
     dz = (q * pf.sum(-1, keepdim=True) - pf) * s[:, None]
     return torch.where(s[:, None] != 0, dz, 0.0).to(z.dtype)
 
 
-# On CUDA the chunk math runs as one fused kernel each way (torch.compile, dynamic shapes: one
-# compilation for every chunk size); eager elsewhere. Compiled functions are cached per name,
-# as `drafttrain.ttt.flex_fn` caches flex attention.
-_COMPILED: dict[str, object] = {}
+def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`acc + a @ b` with `acc` fp32 and `a`, `b` possibly bf16: on CUDA one GEMM accumulating
+    into fp32 (`addmm(..., out_dtype=)`: no bf16 rounding of each chunk's product, no separate
+    add pass); elsewhere, or in a torch without it, `acc += a @ b`."""
+    if a.dtype != acc.dtype and a.is_cuda and _ADDMM_OUT_DTYPE:
+        return torch.addmm(acc, a, b, out_dtype=acc.dtype)
+    return acc.add_(a @ b)
 
 
-def _chunk_call(fn, *args):
-    if args[0].device.type != "cuda":
-        return fn(*args)
-    name = fn.__name__
-    if name not in _COMPILED:
-        _COMPILED[name] = torch.compile(fn, dynamic=True)
-    f = _COMPILED[name]
-    try:
-        return f(*args)
-    except torch.OutOfMemoryError:
-        raise
-    except Exception as e:  # a compiler failure must not stop training: say so, run eagerly
-        if f is fn:
-            raise
-        msg = f"torch.compile of {name} failed ({type(e).__name__}: {e}); eager from now on"
-        warnings.warn(msg, stacklevel=2)
-        _COMPILED[name] = fn
-        return fn(*args)
+_ADDMM_OUT_DTYPE = "dtype" in torch.ops.aten.addmm.overloads()
 
 
 class _LinearSoftCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, probs, rows, top1, group, groups, chunk, dtype):
+    def forward(ctx, hidden, weight, probs, rows, top1, group, groups, chunk, dtype, grads):
         N = hidden.shape[0]
         dev = hidden.device
         loss = torch.zeros(groups, dtype=torch.float32, device=dev)
         hits = torch.zeros(groups, dtype=torch.float32, device=dev)
         count = torch.zeros(groups, dtype=torch.float32, device=dev)
-        lse = torch.empty(N, dtype=torch.float32, device=dev)
+        need_h, need_w = ctx.needs_input_grad[0] and grads, ctx.needs_input_grad[1] and grads
+        # Gradients in the forward pass (module docstring) unless the weight's would need one
+        # accumulator per group: then backward recomputes the logits.
+        early = (need_h or need_w) and (groups == 1 or not need_w)
+        lse = None if early else torch.empty(N, dtype=torch.float32, device=dev)
+        grad_h = torch.empty_like(hidden) if early and need_h else None
+        grad_w = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=dev) if early and need_w else None
+        )
         w = weight.to(dtype)
         with torch.autocast(dev.type, enabled=False):
             for lo in range(0, N, chunk):
                 hi = min(N, lo + chunk)
-                z = F.linear(hidden[lo:hi].to(dtype), w)  # [c, V]
+                h = hidden[lo:hi].to(dtype)
+                z = F.linear(h, w)  # [c, V]
                 r, g = rows[lo:hi], group[lo:hi]
-                lse_c, ce, top = _chunk_call(_forward_chunk, z, probs.index_select(0, r))
-                lse[lo:hi] = lse_c
-                hit = (top == top1.index_select(0, r)).float()  # [c]
+                if early:
+                    _, ce, hit, dz = cuda_compiled_call(_forward_grad_chunk, z, probs, r, top1, g)
+                    if need_h:
+                        grad_h[lo:hi] = dz @ w
+                    if need_w:
+                        grad_w = _accumulate_mm(grad_w, dz.t(), h)
+                else:
+                    lse[lo:hi], ce, hit = cuda_compiled_call(_forward_chunk, z, probs, r, top1)
                 loss += _group_sums(ce, g, groups)
                 hits += _group_sums(hit, g, groups)
                 count += _group_sums(torch.ones_like(hit), g, groups)
-        ctx.save_for_backward(hidden, weight, probs, rows, group, lse)
-        ctx.chunk, ctx.dtype = chunk, dtype
+        ctx.early, ctx.chunk, ctx.dtype = early, chunk, dtype
+        if early:
+            # Unscaled gradients (d loss[g] / d input); backward only scales them. Only what
+            # backward reads is kept: not the hidden states, labels or logit statistics.
+            ctx.save_for_backward(
+                grad_h, None if grad_w is None else grad_w.to(weight.dtype), group
+            )
+        else:
+            ctx.save_for_backward(hidden, weight, probs, rows, group, lse)
         ctx.mark_non_differentiable(hits, count)
         return loss, hits, count
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_hits, _grad_count):
+        # Incoming gradient of each row's group (0 for rows no group counts).
+        scale_of = torch.cat([grad_loss.float(), grad_loss.new_zeros(1, dtype=torch.float32)])
+
+        def scale(g: torch.Tensor) -> torch.Tensor:
+            return scale_of[torch.where(g >= 0, g, grad_loss.shape[0])]  # [c]
+
+        if ctx.early:
+            grad_h, grad_w, group = ctx.saved_tensors
+            if grad_h is not None:
+                grad_h = (grad_h * scale(group)[:, None]).to(grad_h.dtype)
+            if grad_w is not None:  # one group: every counted row has the same scale
+                grad_w = (grad_w * grad_loss[0].float()).to(grad_w.dtype)
+            return (grad_h, grad_w) + (None,) * 8
         hidden, weight, probs, rows, group, lse = ctx.saved_tensors
         chunk, dtype = ctx.chunk, ctx.dtype
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -132,32 +172,18 @@ class _LinearSoftCE(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=dev) if need_w else None
         w = weight.to(dtype)
-        # Incoming gradient of each row's group (0 for rows no group counts).
-        scale_of = torch.cat([grad_loss.float(), grad_loss.new_zeros(1, dtype=torch.float32)])
         with torch.autocast(dev.type, enabled=False):
             for lo in range(0, N, chunk):
                 hi = min(N, lo + chunk)
                 h = hidden[lo:hi].to(dtype)
-                g = group[lo:hi]
-                s = scale_of[torch.where(g >= 0, g, grad_loss.shape[0])]  # [c]
+                s = scale(group[lo:hi])
                 z = F.linear(h, w)  # recomputed, [c, V]
-                p = probs.index_select(0, rows[lo:hi])
-                dz = _chunk_call(_backward_chunk, z, lse[lo:hi], p, s)
+                dz = cuda_compiled_call(_backward_chunk, z, lse[lo:hi], probs, rows[lo:hi], s)
                 if need_h:
                     grad_h[lo:hi] = dz @ w
                 if need_w:
-                    grad_w.add_(dz.t() @ h)
-        return (
-            grad_h,
-            None if grad_w is None else grad_w.to(weight.dtype),
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+                    grad_w = _accumulate_mm(grad_w, dz.t(), h)
+        return (grad_h, None if grad_w is None else grad_w.to(weight.dtype)) + (None,) * 8
 
 
 def linear_soft_ce(
@@ -181,7 +207,10 @@ def linear_soft_ce(
         return linear_soft_ce_ref(hidden, weight, probs, rows, top1, group, groups)
     chunk = max(1, chunk_elements // weight.shape[0])
     dtype = _compute_dtype(hidden, weight)
-    return _LinearSoftCE.apply(hidden, weight, probs, rows, top1, group, groups, chunk, dtype)
+    grads = torch.is_grad_enabled()  # no gradient work in an evaluation pass
+    return _LinearSoftCE.apply(
+        hidden, weight, probs, rows, top1, group, groups, chunk, dtype, grads
+    )
 
 
 def linear_soft_ce_ref(hidden, weight, probs, rows, top1, group, groups: int = 1):
