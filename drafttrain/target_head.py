@@ -195,10 +195,13 @@ def target_distribution(tgt: TargetOutput, vocab_ids: torch.Tensor | None = None
     step = max(1, CHUNK_ELEMENTS // V)
     for lo in range(0, N, step):
         hi = min(N, lo + step)
-        z = src.rows(lo, hi).float()  # [c, V]
+        # Logits in the head's dtype; no fp32 copy of the full-vocabulary chunk: argmax and
+        # softmax read them as they are (the softmax computes in fp32), so the numbers are
+        # those of the fp32 logits.
+        z = src.rows(lo, hi)  # [c, V]
         if member is not None:
             in_vocab[lo:hi] = member[z.argmax(-1)]
             z = z.index_select(-1, vocab_ids)  # [c, Dv]
         top1[lo:hi] = z.argmax(-1)
-        probs[lo:hi] = torch.softmax(z, dim=-1)
+        probs[lo:hi] = torch.softmax(z, dim=-1, dtype=torch.float32)
     return TargetDist(probs, top1, in_vocab, (B, T))
