@@ -8,16 +8,19 @@ chain wrote at steps `1..k` (all at row `i`). So a step-k query sees
     step-0 keys at rows j <= i   (causal, T x T)
     step-s keys at row i only    (s = 1..k: one "diagonal" score per step)
 
-We compute the causal block with a normal attention kernel and the diagonal scores as k
-row-wise dot products, then merge both under one softmax via log-sum-exp. Memory is
-`O(T^2 + T * k)` per step instead of `O(T^2 * k)`.
+Nothing `[T, T * steps]` is materialized: memory is `O(T^2 + T * k)` per step for the eager
+backend and `O(T * k)` for flex.
 
 Backends:
-- `eager`: explicit causal mask and one softmax over `[T + k]` scores per row. Runs and
-  back-propagates everywhere (CPU CI trains with it).
-- `flex`: `flex_attention(..., return_lse=True)` for the causal block merged with the
-  diagonal scores by LSE. Fast on CUDA (compiled); has no backward on CPU (torch raises),
-  which is why `auto` picks eager there. Tests prove both give the same values.
+- `eager`: the causal block as a normal score matrix and the diagonal scores as k row-wise
+  dot products, under one softmax over `[T + k]` scores per row. Runs and back-propagates
+  everywhere (CPU CI trains with it); the reference the flex backend is tested against.
+- `flex`: one `flex_attention` call per step over the step-0 keys and the later steps' keys
+  concatenated along the sequence, with a block mask that visits the causal blocks of the
+  first segment and only the diagonal blocks of the others (`_ttt_block_mask`), so causal
+  and diagonal scores share the kernel's softmax (the approach of speculators' trainer).
+  Fast on CUDA (compiled); has no backward on CPU (torch raises), which is why `auto` picks
+  eager there. Tests prove both give the same values and gradients.
 """
 
 from __future__ import annotations
@@ -77,12 +80,18 @@ def flex_fn(device: torch.device):
 
 
 def block_mask_from_blocks(
-    partial: torch.Tensor, full: torch.Tensor, mask_mod, seq_len: int, block: int = FLEX_BLOCK
+    partial: torch.Tensor,
+    full: torch.Tensor,
+    mask_mod,
+    seq_len: int,
+    block: int = FLEX_BLOCK,
+    kv_len: int | None = None,
 ):
     """A flex `BlockMask` from block-level masks `[B, 1, nq, nk]` bool: `full` blocks are all
     visible (no mask_mod call), `partial` ones mixed (mask_mod decides per element); neither =
     skipped. Built without the dense `[N, N]` element mask `create_block_mask` materializes
-    (1 GiB at 32k tokens; 8 bytes per element while it evaluates an indexing mask_mod)."""
+    (1 GiB at 32k tokens; 8 bytes per element while it evaluates an indexing mask_mod).
+    `kv_len`: the key length when it differs from the query length `seq_len`."""
     from torch.nn.attention.flex_attention import BlockMask
 
     def ordered(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,36 +102,38 @@ def block_mask_from_blocks(
     num, idx = ordered(partial)
     fnum, fidx = ordered(full)
     return BlockMask.from_kv_blocks(
-        num, idx, fnum, fidx, BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(seq_len, seq_len)
+        num,
+        idx,
+        fnum,
+        fidx,
+        BLOCK_SIZE=block,
+        mask_mod=mask_mod,
+        seq_lengths=(seq_len, seq_len if kv_len is None else kv_len),
     )
 
 
-def _causal_block_mask(T: int, device: torch.device):
-    """Causal `BlockMask` over `T` (a multiple of FLEX_BLOCK): diagonal blocks partial, the
-    ones below full."""
-    key = ("mask", T, str(device))
+def _ttt_block_mask(T: int, steps: int, device: torch.device):
+    """The `BlockMask` of TTT step `steps` over keys `[step-0 keys, step-1 keys, ...]`, each
+    segment `T` long (a multiple of FLEX_BLOCK): query row i sees step-0 keys j <= i (causal)
+    and row i of every later segment (its own chain's keys). Block level: in segment 0 the
+    diagonal blocks are partial and the ones below full; in later segments only the diagonal
+    blocks are visited (partial). The predicate reads the key's row from a captured tensor, so
+    one compiled flex kernel serves every length and step."""
+    key = ("ttt_mask", T, steps, str(device))
     if key not in _flex_cache:
-        nb = -(-T // FLEX_BLOCK)
+        nb = T // FLEX_BLOCK
+        S = steps + 1
+        key_row = torch.arange(S * T, device=device, dtype=torch.int32) % T
+
+        def mask_mod(b, h, qi, ki):
+            return (ki <= qi) | (key_row[ki] == qi)
+
         i = torch.arange(nb, device=device)
-        partial = (i[:, None] == i[None, :])[None, None]
-        full = (i[None, :] < i[:, None])[None, None]
-        _flex_cache[key] = block_mask_from_blocks(partial, full, lambda b, h, qi, ki: ki <= qi, T)
+        j = torch.arange(S * nb, device=device)
+        partial = (j[None, :] % nb == i[:, None])[None, None]
+        full = (j[None, :] < i[:, None])[None, None]
+        _flex_cache[key] = block_mask_from_blocks(partial, full, mask_mod, T, kv_len=S * T)
     return _flex_cache[key]
-
-
-def _gqa_dot(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Per-head scores q . k of one row: q `[B, T, nh, D]`, k `[B, T, nkv, D]` -> `[B, T, nh]`,
-    the kv heads broadcast over their query groups (no repeated copy of k)."""
-    B, T, nh, D = q.shape
-    nkv = k.shape[2]
-    return (q.view(B, T, nkv, nh // nkv, D) * k[:, :, :, None]).sum(-1).view(B, T, nh)
-
-
-def _gqa_scale(w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """w `[B, T, nh]` times v `[B, T, nkv, D]` per query head -> `[B, T, nh, D]`."""
-    B, T, nh = w.shape
-    nkv, D = v.shape[2], v.shape[3]
-    return (w.view(B, T, nkv, nh // nkv, 1) * v[:, :, :, None]).view(B, T, nh, D)
 
 
 def ttt_attention_flex(
@@ -131,36 +142,32 @@ def ttt_attention_flex(
     v0: torch.Tensor,
     extra: list[tuple[torch.Tensor, torch.Tensor]],
 ) -> torch.Tensor:
-    """Same contract as `ttt_attention_eager`; causal block by flex attention, merged by LSE."""
+    """Same contract as `ttt_attention_eager`; one flex call over the step-0 keys and the
+    later steps' keys concatenated (`_ttt_block_mask`): the causal block and the diagonal
+    scores under one softmax, no merge pass."""
     nh, T, D = q.shape[2], q.shape[1], q.shape[3]
-    scale = D**-0.5
     # Lengths padded to a multiple of FLEX_BLOCK: below 128 query rows inductor lowers flex
     # attention to its decoding kernel, which has no backward, and bucketed lengths compile
-    # once per bucket. Padded keys sit after every real query, so the causal mask hides them.
+    # once per bucket. A padded query row is dropped; a padded key sits after every real
+    # query of its segment (causal) or on a padded row (diagonal), so no real row sees it.
     Tp = -(-T // FLEX_BLOCK) * FLEX_BLOCK
-    qh, kh, vh = (x.transpose(1, 2) for x in (q, k0, v0))  # views when nothing is padded
-    if Tp != T:
-        qh, kh, vh = (F.pad(x, (0, 0, 0, Tp - T)) for x in (qh, kh, vh))
-    out0, lse0 = flex_fn(q.device)(
+
+    def heads_first(x: torch.Tensor) -> torch.Tensor:  # [B, T, h, D] -> [B, h, Tp, D]
+        x = x.transpose(1, 2)
+        return F.pad(x, (0, 0, 0, Tp - T)) if Tp != T else x
+
+    qh = heads_first(q)
+    kh = torch.cat([heads_first(k) for k in [k0] + [k for k, _ in extra]], dim=2)
+    vh = torch.cat([heads_first(v) for v in [v0] + [v for _, v in extra]], dim=2)
+    out = flex_fn(q.device)(
         qh,
         kh,
         vh,
-        block_mask=_causal_block_mask(Tp, q.device),
-        scale=scale,
+        block_mask=_ttt_block_mask(Tp, len(extra), q.device),
+        scale=D**-0.5,
         enable_gqa=kh.shape[1] != nh,
-        return_lse=True,
     )
-    out0, lse0 = out0[:, :, :T], lse0[:, :, :T]
-    out0 = out0.transpose(1, 2)  # [B, T, nh, D]
-    if not extra:
-        return out0
-    lse0 = lse0.transpose(1, 2).float()  # [B, T, nh]
-    sd = torch.stack([_gqa_dot(q, k) for k, _ in extra], -1).float() * scale  # [B, T, nh, S]
-    m = torch.logsumexp(torch.cat([lse0[..., None], sd], dim=-1), dim=-1)  # [B, T, nh]
-    out = torch.exp(lse0 - m)[..., None].to(q.dtype) * out0
-    for s, (_, v) in enumerate(extra):
-        out = out + _gqa_scale(torch.exp(sd[..., s] - m).to(q.dtype), v)
-    return out
+    return out[:, :, :T].transpose(1, 2)  # [B, T, nh, D]
 
 
 BACKENDS = {"eager": ttt_attention_eager, "flex": ttt_attention_flex}
