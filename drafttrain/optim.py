@@ -25,6 +25,7 @@ from itertools import chain
 
 import torch
 
+from draftinfer.compiled import cuda_compiled_call
 from drafttrain.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -83,21 +84,18 @@ class MixedAdamW(torch.optim.Optimizer):
                 st = self._state(p)
                 st["step"] += 1
                 t = st["step"]
-                w = st.get("master", p)
-                w32 = w if w.dtype == torch.float32 else w.float()
-                g = p.grad.float()
-                m = st["exp_avg"].float().lerp_(g, 1 - b1)
-                v = st["exp_avg_sq"].float().mul_(b2).addcmul_(g, g, value=1 - b2)
-                if wd:
-                    w32.mul_(1 - lr * wd)
-                denom = (v.sqrt() / math.sqrt(1 - b2**t)).add_(eps)
-                w32.addcdiv_(m, denom, value=-lr / (1 - b1**t))
-                st["exp_avg"].copy_(m)
-                st["exp_avg_sq"].copy_(v)
-                if w32 is not w:
-                    w.copy_(w32)
-                if w is not p:
-                    p.copy_(w)
+                # The step-dependent scalars as device tensors (fills, no copy): a compiled
+                # update is not recompiled when the learning rate changes.
+                step_size, bias2, decay = (
+                    torch.full((), x, dtype=torch.float32, device=p.device)
+                    for x in (-lr / (1 - b1**t), math.sqrt(1 - b2**t), 1 - lr * wd)
+                )
+                args = (p.grad, st["exp_avg"], st["exp_avg_sq"], step_size, bias2, decay)
+                consts = (b1, b2, eps)
+                if "master" in st:
+                    cuda_compiled_call(_adamw_master, p, st["master"], *args, *consts)
+                else:
+                    cuda_compiled_call(_adamw, p, *args, *consts)
         return loss
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -109,6 +107,33 @@ class MixedAdamW(torch.optim.Optimizer):
             for key, value in state_dict["state"].get(pid, {}).items():
                 if torch.is_tensor(value) and value.is_floating_point():
                     self.state[p][key] = value.to(p.device, copy=True)
+
+
+def _adamw_math(w, grad, exp_avg, exp_avg_sq, step_size, bias2, decay, b1, b2, eps):
+    """One AdamW update in fp32 -> (new weight, new moments), all fp32 (`MixedAdamW.step`)."""
+    g = grad.float()
+    m = exp_avg.float().lerp(g, 1 - b1)
+    v = exp_avg_sq.float() * b2 + g * g * (1 - b2)
+    denom = v.sqrt() / bias2 + eps
+    return w.float() * decay + step_size * (m / denom), m, v
+
+
+def _adamw_master(p, master, grad, exp_avg, exp_avg_sq, step_size, bias2, decay, b1, b2, eps):
+    """The update applied to the fp32 `master`; `p` gets its rounding. In place; on CUDA one
+    compiled kernel per parameter shape (`cuda_compiled_call`)."""
+    w, m, v = _adamw_math(master, grad, exp_avg, exp_avg_sq, step_size, bias2, decay, b1, b2, eps)
+    exp_avg.copy_(m)
+    exp_avg_sq.copy_(v)
+    master.copy_(w)
+    p.copy_(w)
+
+
+def _adamw(p, grad, exp_avg, exp_avg_sq, step_size, bias2, decay, b1, b2, eps):
+    """The update applied to `p` itself (fp32, or lower precision without masters)."""
+    w, m, v = _adamw_math(p, grad, exp_avg, exp_avg_sq, step_size, bias2, decay, b1, b2, eps)
+    exp_avg.copy_(m)
+    exp_avg_sq.copy_(v)
+    p.copy_(w)
 
 
 def build_optimizer(params: list[torch.nn.Parameter], tc) -> torch.optim.Optimizer:
