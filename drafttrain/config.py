@@ -112,6 +112,10 @@ class TrainerConfig:
     # torch.compile each drafter decoder block (dynamic shapes; one compilation for every
     # TTT step and length). CUDA runs; on CPU it needs a C++ compiler and is slow to warm up.
     compile: bool = False
+    # Drafter parameters kept frozen, by name prefix (e.g. [lm_head]: the head keeps the
+    # target's rows it was initialized from, as speculators 0.9.0 trains EAGLE-3). The shared
+    # token embeddings are always frozen.
+    freeze: list[str] = field(default_factory=list)
     save_every: int = 100
     keep_last: int = 2
     log_every: int = 10

@@ -257,6 +257,10 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
         # Rank 0 builds the data caches, then the rest; the target is whole on every rank.
         with accelerator.main_process_first(), replicated_loading(accelerator):
             spec, tokenizer, target, split, drafter = _setup(cfg, run_dir, device)
+        drafter.to(device)
+        # Frozen parameters, precision, torch.compile and activation checkpointing, from
+        # outside the model code (a bad `trainer.freeze` fails here, before any output).
+        apply_training_wrappers(drafter, spec.blocks(drafter), tc)
     except BaseException:
         if main and fresh and run_dir.exists():
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -265,9 +269,6 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_resolved_config(cfg, run_dir / "training_args.yaml")
     kind, arch = spec.name, drafter.config
-    drafter.to(device)
-    # Precision, torch.compile and activation checkpointing, from outside the model code.
-    apply_training_wrappers(drafter, spec.blocks(drafter), tc)
     own_keys = set(drafter.trainable_state_dict())
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, tc)

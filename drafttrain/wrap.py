@@ -1,6 +1,7 @@
 """What the trainer applies to a drafter from outside its model code (STYLE rule 3), in this
 order, before the accelerator wraps it for data parallelism:
 
+0. `freeze_parameters` (`trainer.freeze`): the named parameters stop requiring gradients;
 1. `cast_parameters`: trainable and frozen parameters to `trainer.param_dtype` (buffers such
    as RoPE frequencies and the vocabulary maps keep theirs);
 2. `apply_compile` (`trainer.compile`): `torch.compile(dynamic=True)` of each decoder block
@@ -33,6 +34,27 @@ def cast_parameters(module: nn.Module, dtype: torch.dtype) -> None:
             p.grad = None
 
 
+def freeze_parameters(module: nn.Module, prefixes: list[str]) -> None:
+    """Parameters whose name starts with one of `prefixes` (a dotted module path or a full
+    name, matched at a dot) stop requiring gradients; a one-line `ConfigError` for a prefix
+    that names no parameter, or when nothing would be left to train."""
+    from drafttrain.errors import ConfigError
+
+    names = [n for n, _ in module.named_parameters()]
+    for prefix in prefixes:
+        if not any(n == prefix or n.startswith(prefix + ".") for n in names):
+            tops = sorted({n.split(".")[0] for n in names})
+            raise ConfigError(
+                f"trainer.freeze: {prefix!r} names no drafter parameter "
+                f"(its modules: {', '.join(tops)})"
+            )
+    for name, p in module.named_parameters():
+        if any(name == x or name.startswith(x + ".") for x in prefixes):
+            p.requires_grad_(False)
+    if not any(p.requires_grad for p in module.parameters()):
+        raise ConfigError(f"trainer.freeze {list(prefixes)} leaves no drafter parameter to train")
+
+
 def apply_compile(blocks: list[nn.Module]) -> None:
     for block in blocks:
         block.forward = torch.compile(block.forward, dynamic=True)
@@ -53,6 +75,7 @@ def apply_training_wrappers(drafter: nn.Module, blocks: list[nn.Module], tc) -> 
     docstring), applied to `drafter` and its decoder `blocks`."""
     from drafttrain.optim import dtype_of
 
+    freeze_parameters(drafter, list(tc.freeze))
     cast_parameters(drafter, dtype_of(tc.param_dtype, "param_dtype"))
     if tc.compile:
         apply_compile(blocks)

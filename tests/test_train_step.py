@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from draftinfer.window import TokenEmbeds, shift_left
+from drafttrain.errors import ConfigError
 from drafttrain.fused_ce import linear_soft_ce, linear_soft_ce_ref
 from drafttrain.losses import DraftLoss, metric_values, soft_cross_entropy, top1_agrees
 from drafttrain.registry import train_spec
@@ -51,18 +52,20 @@ def _fused_case(N=37, H=16, V=29, M=41, G=3, seed=0):
     return h, w, probs, rows, probs.argmax(-1), group, G
 
 
+@pytest.mark.parametrize("groups", [3, 1])
 @pytest.mark.parametrize("chunk_rows", [1, 5, 37, 64])
-def test_fused_soft_ce_equals_plain_formula(chunk_rows):
+def test_fused_soft_ce_equals_plain_formula(chunk_rows, groups):
     """Loss sums, hits and counts per group, and grads of hidden and weight (fp32, CPU),
-    whatever the chunk size (1 row, a prime, exactly N, more than N)."""
-    h, w, probs, rows, top1, group, G = _fused_case()
+    whatever the chunk size (1 row, a prime, exactly N, more than N); with several groups
+    (gradients recomputed in backward) and one (gradients made in forward, then scaled)."""
+    h, w, probs, rows, top1, group, G = _fused_case(G=groups)
     with poisoned_empty():  # every row of grad_hidden / the lse buffer must be written
         got = linear_soft_ce(h, w, probs, rows, top1, group, G, chunk_elements=chunk_rows * 29)
     want = linear_soft_ce_ref(h, w, probs, rows, top1, group, G)
     for a, b in zip(got, want):
         assert_close(a, b)
     assert torch.equal(got[2], torch.bincount(group[group >= 0], minlength=G).float())
-    upstream = torch.tensor([0.7, -1.3, 2.0])
+    upstream = torch.tensor([0.7, -1.3, 2.0])[:G]
     with poisoned_empty():
         ga = torch.autograd.grad((got[0] * upstream).sum(), (h, w))
     gb = torch.autograd.grad((want[0] * upstream).sum(), (h, w))
@@ -415,3 +418,32 @@ def test_bf16_trainer_run_checkpoints_masters_and_resumes_exactly(train_env, tmp
         assert torch.equal(a[k], b[k]), k
     assert a["fc.weight"].dtype == torch.float32  # the master, not the bf16 parameter
     assert not torch.equal(a["fc.weight"], a["fc.weight"].bfloat16().float())
+
+
+def test_trainer_freeze_keeps_named_parameters_and_rejects_unknown_names(train_env, tmp_path):
+    """`trainer.freeze=[lm_head]`: the head is the same tensor at every checkpoint while the
+    rest trains; a prefix that names no parameter is a one-line `ConfigError` before any
+    output is written."""
+    from safetensors.torch import load_file
+
+    from drafttrain.train import train
+    from tests.test_config import compose_preset
+    from tests.test_train import small_overrides
+
+    run = tmp_path / "frozen"
+    extra = ["trainer.freeze=[lm_head]", "trainer.save_every=1"]
+    train(compose_preset("eagle3", small_overrides(train_env, run, steps=2) + extra))
+    a, b = (
+        load_file(str(run / "checkpoints" / f"step_00000{i}" / "drafter.safetensors"))
+        for i in (1, 2)
+    )
+    assert torch.equal(a["lm_head.weight"], b["lm_head.weight"])
+    assert not torch.equal(a["fc.weight"], b["fc.weight"])
+    bad = tmp_path / "bad"
+    with pytest.raises(ConfigError, match="'lm_hed' names no drafter parameter"):
+        train(
+            compose_preset(
+                "eagle3", small_overrides(train_env, bad, steps=2) + ["trainer.freeze=[lm_hed]"]
+            )
+        )
+    assert not bad.exists()
