@@ -150,12 +150,19 @@ def test_flex_ttt_attention_matches_eager_on_cuda():
     q = torch.randn(B, T, nh, D, device="cuda")
     k0, v0 = torch.randn(B, T, nkv, D, device="cuda"), torch.randn(B, T, nkv, D, device="cuda")
     extra = [(torch.randn_like(k0), torch.randn_like(v0)) for _ in range(3)]
-    torch.testing.assert_close(
-        ttt_attention_flex(q, k0, v0, extra),
-        ttt_attention_eager(q, k0, v0, extra),
-        rtol=2e-4,
-        atol=2e-4,
-    )
+    leaves = [q, k0, v0] + [t for kv in extra for t in kv]
+    for t in leaves:
+        t.requires_grad_()
+    got = ttt_attention_flex(q, k0, v0, extra)
+    want = ttt_attention_eager(q, k0, v0, extra)
+    torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
+    # Backward too: flex's and the compiled step merge's against the explicit softmax.
+    up = torch.randn_like(want)
+    for a, b in zip(
+        torch.autograd.grad((got * up).sum(), leaves),
+        torch.autograd.grad((want * up).sum(), leaves),
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.parametrize("preset", ["eagle3", "ptd_eagle3"])
@@ -186,3 +193,95 @@ def test_training_steps_on_cuda_with_flex_and_bf16(train_env, tmp_path, preset):
     rows = [r for r in read_metrics(tmp_path) if "loss" in r]
     assert all(r["loss"] == r["loss"] for r in rows)  # finite, not NaN
     assert rows[-1]["loss"] < rows[0]["loss"]
+
+
+@pytest.mark.parametrize("groups,head", [(1, "trained"), (3, "trained"), (3, "frozen")])
+def test_fused_soft_ce_on_cuda(groups, head):
+    """The chunked fused loss on CUDA (compiled chunk kernels, bf16 matmuls under autocast):
+    gradients made in forward (one group, or a frozen head) and recomputed in backward
+    (several groups with a trained head) agree with the fp32 plain formula within bf16
+    rounding."""
+    from drafttrain.fused_ce import linear_soft_ce, linear_soft_ce_ref
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    N, H, V, M = 3000, 256, 4000, 3100
+    h = (torch.randn(N, H, device="cuda", generator=g) / 4).requires_grad_()
+    w = (torch.randn(V, H, device="cuda", generator=g) / 4).requires_grad_(head == "trained")
+    probs = torch.softmax(2 * torch.randn(M, V, device="cuda", generator=g), -1)
+    rows = torch.randint(0, M, (N,), device="cuda", generator=g)
+    group = torch.randint(-1, groups, (N,), device="cuda", generator=g)
+    top1 = probs.argmax(-1)
+    upstream = torch.tensor([0.7, -1.3, 2.0], device="cuda")[:groups]
+    wrt = (h, w) if head == "trained" else (h,)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = linear_soft_ce(h, w, probs, rows, top1, group, groups, chunk_elements=700 * V)
+    want = linear_soft_ce_ref(h, w, probs, rows, top1, group, groups)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-2, atol=1e-1)
+    assert torch.equal(got[2], want[2])
+    ga = torch.autograd.grad((got[0] * upstream).sum(), wrt)
+    gb = torch.autograd.grad((want[0] * upstream).sum(), wrt)
+    for a, b in zip(ga, gb):
+        torch.testing.assert_close(a.float(), b, rtol=3e-2, atol=2e-3 * b.abs().max().item())
+
+
+def test_target_distribution_on_cuda_equals_plain_formula():
+    """The compiled chunk statistics (CUDA) against the plain formula on the same bf16 head's
+    logits: identical argmaxes and membership, labels within bf16 rounding."""
+    import torch.nn.functional as F
+
+    from drafttrain.target_head import (
+        HeadLogits,
+        TargetHead,
+        TrainTargetOutput,
+        target_distribution,
+    )
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, T, H, V = 2, 700, 64, 3001
+    hidden = torch.randn(B, T, H, device="cuda", generator=g).bfloat16()
+    weight = torch.randn(V, H, device="cuda", generator=g).bfloat16()
+    vocab = torch.randperm(V, device="cuda", generator=g)[:1000].sort().values
+    tgt = TrainTargetOutput(None, None, None, None, head=HeadLogits(hidden, TargetHead(weight)))
+    z = F.linear(hidden, weight).float().flatten(0, 1)
+    zs = z[:, vocab]
+    member = torch.zeros(V, dtype=torch.bool, device="cuda")
+    member[vocab] = True
+    for got, (top1, probs, in_vocab) in [
+        (target_distribution(tgt, vocab), (zs.argmax(-1), zs.softmax(-1), member[z.argmax(-1)])),
+        (target_distribution(tgt), (z.argmax(-1), z.softmax(-1), torch.ones_like(member[:1]))),
+    ]:
+        assert torch.equal(got.top1, top1) and bool((got.in_vocab == in_vocab).all())
+        assert got.probs.dtype == torch.bfloat16
+        torch.testing.assert_close(got.probs.float(), probs, rtol=1e-2, atol=1e-5)
+
+
+def test_mixed_adamw_compiled_on_cuda_equals_eager_cpu():
+    """`MixedAdamW` on CUDA (one compiled update per parameter shape) against the same
+    optimizer on CPU (eager), bf16 parameters with fp32 masters and bf16 moments, the learning
+    rate changing every step as under a scheduler: the same masters within fp32 rounding, and
+    no recompilation after the first step (the step-dependent scalars are tensors)."""
+    from torch._dynamo.utils import counters
+
+    from drafttrain.optim import MixedAdamW
+
+    torch.manual_seed(0)
+    shapes = [(64, 48), (48,)]
+    w0 = [torch.randn(s) for s in shapes]
+    grads = [[torch.randn(s) * 1e-2 for s in shapes] for _ in range(5)]
+    kw = dict(betas=(0.9, 0.95), weight_decay=0.1, state_dtype=torch.bfloat16)
+    runs = {}
+    for dev in ("cpu", "cuda"):
+        params = [torch.nn.Parameter(w.bfloat16().to(dev)) for w in w0]
+        opt = MixedAdamW(params, lr=1e-3, **kw)
+        graphs = []
+        for i, gs in enumerate(grads):
+            for p, g in zip(params, gs):
+                p.grad = g.bfloat16().to(dev)
+            opt.param_groups[0]["lr"] = 1e-3 * (i + 1) / 5
+            opt.step()
+            graphs.append(counters["stats"]["unique_graphs"])
+        runs[dev] = ([opt.master_of(p).cpu() for p in params], graphs)
+    for a, b in zip(runs["cuda"][0], runs["cpu"][0]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-5)
+    cuda_graphs = runs["cuda"][1]
+    assert cuda_graphs[-1] == cuda_graphs[0], cuda_graphs  # compiled once, at the first step
