@@ -18,7 +18,9 @@ returns, so the target's distribution is computed inside the step exactly as in 
 precomputed hidden states).
 
 Rows: eagle3 (TTT 7) and ptd (K = 4 and 8, with the per-depth slot counts) at seq 2048 / 8192
-/ 16384 / 32768 (`--seqs`), eagle3 again with activation checkpointing at the first two
+/ 16384 / 32768 (`--seqs`), each also with the drafter's `lm_head` frozen (`ours+fh`, what
+`trainer.freeze=[lm_head]` trains, the peer's setting: the like-for-like row;
+`--no-fh-variant` skips them), eagle3 again with activation checkpointing at the first two
 lengths (`ours+ac`, the same compiled blocks wrapped; `--no-ac-variant` skips them), and the
 peer's EAGLE-3 and P-EAGLE steps
 (`scripts/peer_speculators.py`; skipped with the reason when speculators is not installed).
@@ -27,7 +29,9 @@ Per row: tokens/s (median over timed steps of seq_len / step time), step ms, pea
 optimizer state count). An out-of-memory or a failure is a row, not a crash. The peer resets
 torch.compile's caches on entry and exit, so its first EAGLE-3 row runs before ours and the
 rest after ours. `--budget-s` bounds the wall time: rows that would start later are reported
-as skipped. Results go to `--out` (JSON) and a markdown table is printed last.
+as skipped. Results go to `--out` (JSON) and a markdown table is printed last. `--profile DIR`
+adds, after each of our rows, one step timed phase by phase and one under `torch.profiler`
+(CUDA kernel time by family and the top kernels) to `DIR/profile_*.txt`.
 """
 
 from __future__ import annotations
@@ -224,6 +228,24 @@ def checkpointed(ours: Ours, on: bool):
             b.forward = f
 
 
+@contextmanager
+def head_frozen(ours: Ours, on: bool):
+    """Within: the drafter's `lm_head` frozen as `trainer.freeze=[lm_head]` freezes it (the
+    peer's setting: speculators 0.9.0 trains neither head nor embeddings), its optimizer
+    state set aside so the peak counts what a frozen-head run holds; restored after."""
+    head = [ours.drafter.lm_head.weight] if on else []
+    state = {p: ours.optimizer.state.pop(p) for p in head if p in ours.optimizer.state}
+    for p in head:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in head:
+            p.requires_grad_(True)
+            p.grad = None
+        ours.optimizer.state.update(state)
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -263,6 +285,89 @@ def time_ours(ours: Ours, k: int, seq_len: int, steps: int, warmup: int, seed: i
     return row
 
 
+def profile_ours(ours: Ours, k: int, seq_len: int, seed: int) -> dict:
+    """One more step of ours (after its timed ones, so compiled and warm), twice: phase by
+    phase between synchronizations (the target's distribution alone, then the objective's
+    forward, backward, clipping, optimizer), and whole under `torch.profiler` for the CUDA
+    kernels, summed by family. Returns {"text": report, "summary": one line}."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from drafttrain.target_head import target_distribution
+
+    dev, tc = ours.device, ours.cfg.trainer
+    objective = ours.objective(k)
+    batch, tgt = ours.inputs(seq_len, seed)
+    phases: dict[str, float] = {}
+
+    def timed(name, fn):
+        sync(dev)
+        t0 = time.perf_counter()
+        out = fn()
+        sync(dev)
+        phases[name] = (time.perf_counter() - t0) * 1e3
+        return out
+
+    timed(
+        "target_distribution (inside forward)",
+        lambda: target_distribution(tgt, ours.drafter.draft_vocab_ids()),
+    )
+    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=ours.autocast):
+        loss, _ = timed("forward", lambda: objective(batch, tgt))
+    timed("backward", loss.backward)
+    if tc.grad_clip > 0:
+        timed("clip", lambda: torch.nn.utils.clip_grad_norm_(ours.params, tc.grad_clip))
+    timed("optimizer", ours.optimizer.step)
+    ours.optimizer.zero_grad(set_to_none=True)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        ours.step(objective, batch, tgt)
+        sync(dev)
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" or dev.type != "cuda"]
+    attr = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+    total = sum(getattr(e, attr) for e in events) / 1e3 or 1.0
+    families: dict[str, float] = {}
+    for e in events:
+        fam = kernel_family(e.key)
+        families[fam] = families.get(fam, 0.0) + getattr(e, attr) / 1e3
+    lines = [f"# profile: ours {ours.kind} K={k} seq {seq_len}", "", "## phases (ms)"]
+    lines += [f"{v:10.2f}  {n}" for n, v in phases.items()]
+    lines += ["", f"## kernel time by family (ms; total {total:.1f})"]
+    lines += [
+        f"{v:10.2f}  {100 * v / total:5.1f}%  {n}"
+        for n, v in sorted(families.items(), key=lambda x: -x[1])
+    ]
+    lines += [
+        "",
+        "## top kernels",
+        prof.key_averages().table(sort_by=attr, row_limit=45, max_name_column_width=90),
+    ]
+    summary = (
+        f"profile {ours.kind} K={k} seq {seq_len}: "
+        + ", ".join(f"{n.split(' ')[0]} {v:.1f}" for n, v in phases.items())
+        + " | "
+        + ", ".join(f"{n} {v:.1f}" for n, v in sorted(families.items(), key=lambda x: -x[1])[:6])
+    )
+    return {"text": "\n".join(lines) + "\n", "summary": summary}
+
+
+def kernel_family(name: str) -> str:
+    """A CUDA kernel's family, by its name (for the profile's breakdown)."""
+    n = name.lower()
+    for fam, keys in (
+        ("flex attention", ("flex", "attention")),
+        ("gemm", ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas", "wgmma", "matmul")),
+        ("triton (inductor fused)", ("triton",)),
+        ("reduce", ("reduce",)),
+        (
+            "elementwise / copy",
+            ("elementwise", "copy", "cat", "fill", "index", "gather", "scatter"),
+        ),
+    ):
+        if any(key in n for key in keys):
+            return fam
+    return "other"
+
+
 def guarded(fn, base: dict, device: torch.device, cleanup=None) -> dict:
     """`fn()`'s row (`base` keys win); an out-of-memory or any failure becomes a row with
     `oom` / `error`; `cleanup()` runs after either."""
@@ -285,7 +390,9 @@ def guarded(fn, base: dict, device: torch.device, cleanup=None) -> dict:
     return {**base, "oom": oom, "error": error, "tokens_per_s": None, "peak_gib": None}
 
 
-def peer_row(kind: str, k: int, seq_len: int, args, shapes: dict, device) -> dict:
+def peer_row(
+    kind: str, k: int, seq_len: int, args, shapes: dict, device, optimizer: str = "muon"
+) -> dict:
     import peer_speculators as peer
 
     s = shapes
@@ -305,7 +412,7 @@ def peer_row(kind: str, k: int, seq_len: int, args, shapes: dict, device) -> dic
         seed=args.seed,
     )
     if kind == "eagle3":
-        out = peer.eagle3_train_step_bench(ttt_steps=k, **common)
+        out = peer.eagle3_train_step_bench(ttt_steps=k, optimizer=optimizer, **common)
     else:
         out = peer.peagle_train_step_bench(k=k, **common)
     if out.get("step_ms"):
@@ -314,26 +421,38 @@ def peer_row(kind: str, k: int, seq_len: int, args, shapes: dict, device) -> dic
 
 
 def plan(
-    seqs: list[int], kinds: list[tuple[str, int]], peer_ok: bool, ac_variant: bool
+    seqs: list[int],
+    kinds: list[tuple[str, int]],
+    peer_ok: bool,
+    ac_variant: bool,
+    fh_variant: bool = False,
 ) -> list[tuple]:
     """Row order (most wanted first, in case the budget ends the run): the peer's EAGLE-3 at
     the first length (before ours compile: the peer resets torch.compile), ours grouped by
     kind (one drafter and one compilation per kind; lengths in the given order, ptd's Ks
-    interleaved; eagle3 then again with activation checkpointing at the first two lengths,
-    `ours+ac`, the same compiled blocks), then the rest of the peer's, length by length."""
+    interleaved, each followed by the same step with the head frozen, `ours+fh`, as the peer
+    trains; eagle3 then again with activation checkpointing at the first two lengths,
+    `ours+ac`, the same compiled blocks), then the rest of the peer's, length by length. The
+    peer's EAGLE-3 at the first length runs twice: with its CLI's default optimizer (Muon on
+    the 2-D weights, AdamW on the rest) and with `--optimizer adamw` (`peer+adamw`, the
+    optimizer our trainer uses)."""
     rows = []
     first = ("eagle3", 7, seqs[0])
     if peer_ok and ("eagle3", 7) in kinds:
-        rows.append(("peer", *first))
+        rows += [("peer", *first), ("peer+adamw", *first)]
+    impls = ("ours", "ours+fh") if fh_variant else ("ours",)
     for name in dict.fromkeys(kind for kind, _ in kinds):
         for s in seqs:
-            rows += [("ours", kind, k, s) for kind, k in kinds if kind == name]
+            rows += [(i, kind, k, s) for kind, k in kinds if kind == name for i in impls]
         if ac_variant and name == "eagle3":
             rows += [("ours+ac", kind, k, s) for s in seqs[:2] for kind, k in kinds if kind == name]
     if peer_ok:
         for s in seqs:
             rows += [("peer", kind, k, s) for kind, k in kinds if (kind, k, s) != first]
     return rows
+
+
+VARIANT_LABELS = {"ours+ac": " (act. ckpt)", "ours+fh": " (head frozen, as the peer)"}
 
 
 def markdown(rows: list[dict]) -> str:
@@ -348,12 +467,17 @@ def markdown(rows: list[dict]) -> str:
             return "error"
         return fmt.format(r[key])
 
-    ours = {(r["kind"], r["k"], r["seq_len"], r["impl"]): r for r in rows if r["impl"] != "peer"}
+    ours = {
+        (r["kind"], r["k"], r["seq_len"], r["impl"]): r
+        for r in rows
+        if not r["impl"].startswith("peer")
+    }
     peer = {(r["kind"], r["k"], r["seq_len"]): r for r in rows if r["impl"] == "peer"}
+    adamw = {(r["kind"], r["k"], r["seq_len"]): r for r in rows if r["impl"] == "peer+adamw"}
     lines = [
         "| kind | K | seq | ours tok/s | peer tok/s | speed ours/peer | ours GiB | peer GiB "
-        "| mem ours/peer | ours slots per depth |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| mem ours/peer | peer (AdamW) tok/s | speed ours/peer (AdamW) | ours slots per depth |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def ok(r) -> bool:
@@ -366,14 +490,16 @@ def markdown(rows: list[dict]) -> str:
             speed = f"{o['tokens_per_s'] / p['tokens_per_s']:.2f}x"
             if p.get("peak_gib"):
                 mem = f"{o['peak_gib'] / p['peak_gib']:.2f}x"
+        a = adamw.get(key[:3])
+        speed_a = f"{o['tokens_per_s'] / a['tokens_per_s']:.2f}x" if ok(o) and ok(a) else "-"
         slots = "/".join(str(v) for v in o.get("slots", {}).values()) or "-"
         peer_name = "peagle" if key[0] == "ptd" else "eagle3"
         lines.append(
-            f"| {key[0]}{' (act. ckpt)' if key[3] == 'ours+ac' else ''} | {key[1]} | {key[2]} "
+            f"| {key[0]}{VARIANT_LABELS.get(key[3], '')} | {key[1]} | {key[2]} "
             f"| {cell(o, 'tokens_per_s', '{:.0f}')} "
             f"| {cell(p, 'tokens_per_s', '{:.0f}')} ({peer_name}) | {speed} "
             f"| {cell(o, 'peak_gib', '{:.1f}')} | {cell(p, 'peak_gib', '{:.1f}')} | {mem} "
-            f"| {slots} |"
+            f"| {cell(a, 'tokens_per_s', '{:.0f}')} | {speed_a} | {slots} |"
         )
     return "\n".join(lines)
 
@@ -395,6 +521,17 @@ def main() -> None:
         "--no-ac-variant",
         action="store_true",
         help="skip the eagle3 rows with activation checkpointing on (ours+ac)",
+    )
+    ap.add_argument(
+        "--no-fh-variant",
+        action="store_true",
+        help="skip the rows with the drafter's lm_head frozen, as the peer trains (ours+fh)",
+    )
+    ap.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="after each of our rows, profile one more step: phase times and the top CUDA "
+        "kernels to DIR/profile_<impl>_<kind><k>_<seq>.txt",
     )
     ap.add_argument(
         "--override",
@@ -443,22 +580,27 @@ def main() -> None:
     ac_variant = not args.no_ac_variant and not any(
         c.trainer.activation_checkpointing for c in configs.values()
     )
-    for impl, kind, k, seq in plan(seqs, kinds, peer_ok, ac_variant):
+    fh_variant = not args.no_fh_variant and not any(
+        "lm_head" in c.trainer.freeze for c in configs.values()
+    )
+    for impl, kind, k, seq in plan(seqs, kinds, peer_ok, ac_variant, fh_variant):
         base = {"impl": impl, "kind": kind, "k": k, "seq_len": seq}
         # Seconds a row may need: the peer compiles afresh each call; ours once per kind.
-        need = 90 if impl == "peer" else (30 if kind in ours_by_kind else 120)
+        need = 90 if impl.startswith("peer") else (30 if kind in ours_by_kind else 120)
         if time.perf_counter() - t_start + need > args.budget_s:
             rows.append({**base, "skipped": True, "tokens_per_s": None, "peak_gib": None})
             print(f"skipped (budget): {base}", flush=True)
             continue
         t0 = time.perf_counter()
-        if impl == "peer":
+        if impl.startswith("peer"):
             for other in list(ours_by_kind):  # free our weights before the peer measures
                 ours_by_kind.pop(other).free()
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            row = guarded(partial(peer_row, kind, k, seq, args, shapes, device), base, device)
+            optimizer = "adamw" if impl == "peer+adamw" else "muon"
+            fn = partial(peer_row, kind, k, seq, args, shapes, device, optimizer)
+            row = guarded(fn, base, device)
         else:
             for other in [o for o in ours_by_kind if o != kind]:
                 ours_by_kind.pop(other).free()
@@ -486,13 +628,27 @@ def main() -> None:
                 )
             if impl == "ours+ac":
                 base["settings"]["activation_checkpointing"] = True
-            with checkpointed(ours, impl == "ours+ac"):
+            if impl == "ours+fh":
+                base["settings"]["freeze"] = ["lm_head"]
+                base["settings"]["trainable_params"] -= ours.drafter.lm_head.weight.numel()
+            with checkpointed(ours, impl == "ours+ac"), head_frozen(ours, impl == "ours+fh"):
                 row = guarded(
                     partial(time_ours, ours, k, seq, args.steps, args.warmup, args.seed + seq),
                     base,
                     device,
                     cleanup=partial(ours.optimizer.zero_grad, set_to_none=True),
                 )
+                if args.profile and not row.get("error"):
+                    name = f"profile_{impl.replace('+', '_')}_{kind}{k}_{seq}.txt"
+                    text = guarded(
+                        partial(profile_ours, ours, k, seq, args.seed + seq),
+                        {},
+                        device,
+                        cleanup=partial(ours.optimizer.zero_grad, set_to_none=True),
+                    )
+                    Path(args.profile).mkdir(parents=True, exist_ok=True)
+                    (Path(args.profile) / name).write_text(text.get("text") or str(text))
+                    print(text.get("summary") or text.get("error"), flush=True)
         row["wall_s"] = time.perf_counter() - t0
         rows.append(row)
         brief = {

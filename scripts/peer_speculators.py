@@ -196,8 +196,10 @@ def _batch(*, seq_len, hidden, vocab, dtype, seed):
     return collate([raw])
 
 
-def _optimizers(model, total_steps):
-    """`build_optimizers` + the linear warmup scheduler, with the CLI's default arguments."""
+def _optimizers(model, total_steps, optimizer="muon"):
+    """`build_optimizers` + the linear warmup scheduler, with the CLI's default arguments
+    (`optimizer`: its `--optimizer`, "muon" by default, or "adamw": one AdamW over all
+    trainable parameters)."""
     from speculators.train.optimizers import build_optimizers
     from speculators.train.trainer import TrainerConfig
     from transformers import get_linear_schedule_with_warmup
@@ -206,7 +208,7 @@ def _optimizers(model, total_steps):
         lr=1e-3,
         num_epochs=1,
         save_path="",
-        optimizer="muon",
+        optimizer=optimizer,
         weight_decay=0.01,
         muon_lr=1e-3,
         muon_momentum=0.95,
@@ -219,9 +221,9 @@ def _optimizers(model, total_steps):
     return opts, scheds
 
 
-def _time_steps(model, batch, call_kwargs, *, device, dtype, steps, warmup):
+def _time_steps(model, batch, call_kwargs, *, device, dtype, steps, warmup, optimizer="muon"):
     """Runs warmup + steps of `Trainer.train_epoch`'s step on one device-resident batch."""
-    opts, scheds = _optimizers(model, warmup + steps)
+    opts, scheds = _optimizers(model, warmup + steps, optimizer)
     gpu_batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     cuda = device.type == "cuda"
     step_ms, peaks, loss_value = [], [], float("nan")
@@ -329,12 +331,14 @@ def eagle3_train_step_bench(
     dtype=torch.bfloat16,
     seed=0,
     sliding_window: int | None = None,
+    optimizer: str = "muon",
 ) -> dict[str, Any]:
     """Times speculators 0.9.0's EAGLE-3 training step on one packed sequence of seq_len tokens.
 
     dtype is speculators' `hidden_states_dtype` (batch hidden states and autocast); weights are
     fp32 masters as in its trainer. sliding_window=None is full causal draft attention;
-    2048 is the 0.9.0 CLI default. Returns {"peer", "seq_len", "ttt_steps", "tokens_per_s",
+    2048 is the 0.9.0 CLI default. optimizer: the CLI's `--optimizer` ("muon", its default,
+    or "adamw"). Returns {"peer", "seq_len", "ttt_steps", "tokens_per_s",
     "step_ms", "peak_gib", "param_dtype", "notes", ...}, or the same with "oom": True.
     """
     device = torch.device(device)
@@ -402,6 +406,7 @@ def eagle3_train_step_bench(
             dtype=dtype,
             steps=steps,
             warmup=warmup,
+            optimizer=optimizer,
         )
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         return {
@@ -535,7 +540,7 @@ def peagle_train_step_bench(
 
 def _notes(device, kind) -> str:
     common = (
-        "speculators 0.9.0 model, collate, loss, build_optimizers (Muon+AdamW) and linear "
+        "speculators 0.9.0 model, collate, loss, build_optimizers (the row's optimizer) and linear "
         "scheduler; Trainer.train_epoch step (autocast bf16 fwd, zero_grad, backward, "
         "clip 1.0, opt, sched); fp32 master weights; frozen lm_head/embeddings"
         + (" (embeddings trainable for peagle)" if kind == "peagle" else "")

@@ -57,6 +57,12 @@ def test_eagle3_step_on_cpu():
     assert len(r["step_ms"]) == 2 and all(ms > 0 for ms in r["step_ms"])
     assert r["tokens_per_s"] > 0 and r["peak_gib"] == 0.0
     assert r["param_dtype"] == "float32" and r["optimizer"] == "Muon+AdamW"
+    assert (
+        peer.eagle3_train_step_bench(seq_len=37, ttt_steps=2, optimizer="adamw", **TINY)[
+            "optimizer"
+        ]
+        == "AdamW"
+    )  # the CLI's --optimizer adamw: one AdamW over every trainable parameter
     assert math.isfinite(r["loss"]) and r["loss"] > 0  # KL of a random draft is positive
     assert r["trainable_params"] == _eagle3_trainable(64, 128, 4, 2, 16)
 
