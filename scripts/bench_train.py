@@ -56,41 +56,32 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-# Llama-3.1-8B target, EAGLE-3 draft shapes (draft vocab 32000).
+import benchlib  # noqa: E402
+
+
+def _shapes(target: dict, draft_vocab: int, **override) -> dict:
+    """A benchlib target's dimensions (`NativeConfig` field names) under this script's names."""
+    names = dict(
+        hidden="hidden_size",
+        heads="num_heads",
+        kv_heads="num_kv_heads",
+        head_dim="head_dim",
+        intermediate="intermediate_size",
+        vocab="vocab_size",
+        target_layers="num_layers",
+        rms_norm_eps="rms_norm_eps",
+        rope_theta="rope_theta",
+        rope_scaling="rope_scaling",
+        max_position_embeddings="max_position_embeddings",
+    )
+    return {**{k: target[v] for k, v in names.items()}, "draft_vocab": draft_vocab, **override}
+
+
+# Llama-3.1-8B target, EAGLE-3 draft shapes (draft vocab 32000); a tiny one for CPU smoke runs.
 SHAPES = {
-    "llama3.1-8b": dict(
-        hidden=4096,
-        heads=32,
-        kv_heads=8,
-        head_dim=128,
-        intermediate=14336,
-        vocab=128256,
-        draft_vocab=32000,
-        target_layers=32,
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-        max_position_embeddings=131072,
-    ),
-    "tiny": dict(
-        hidden=64,
-        heads=4,
-        kv_heads=2,
-        head_dim=16,
-        intermediate=128,
-        vocab=512,
-        draft_vocab=128,
-        target_layers=8,
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        rope_scaling=None,
-        max_position_embeddings=4096,
+    "llama3.1-8b": _shapes(benchlib.LLAMA31_8B, benchlib.DRAFT_VOCAB["llama3.1-8b"]),
+    "tiny": _shapes(
+        benchlib.TINY, 128, target_layers=8, rope_scaling=None, max_position_embeddings=4096
     ),
 }
 PRESETS = {"eagle3": "eagle3_llama3_8b", "ptd": "ptd_eagle3_llama3_8b"}
