@@ -108,6 +108,10 @@ def _cli(env, out: Path, *extra: str) -> list[str]:
         "conf=eagle3",
         *small_overrides(env, out),
         "export.enabled=false",
+        # One intra-op thread: with two, torch 2.13.0+cpu computes `cos` on the worker
+        # thread's half of a tensor with errors up to 1.5e-4 in about one process in five
+        # (the target's RoPE), so two processes differ before any resume is involved.
+        "trainer.num_threads=1",
         *extra,
     ]
 
