@@ -37,9 +37,8 @@ _EAGER: set[Callable] = set()
 def cuda_compiled_call(fn: Callable, *args):
     """`fn(*args)`: compiled (`dynamic=True`, once per function) when `args[0]` is on CUDA,
     eager elsewhere. Used for fused elementwise / reduction pieces (training's loss chunks,
-    target distribution, TTT attention merge) whose eager form is several memory passes. A
-    compiler failure must not stop training: it is reported once and `fn` runs eagerly from
-    then on."""
+    the optimizer update) whose eager form is several memory passes. A compiler failure must
+    not stop training: it is reported once and `fn` runs eagerly from then on."""
     if args[0].device.type != "cuda" or fn in _EAGER:
         return fn(*args)
     try:
