@@ -14,7 +14,7 @@ process. What the training loop needs from it:
 - `shard_batch`: each rank's rows of the global batch (`rank::world`; a row's images and
   their pixel patches go with it), so N processes see exactly the batch one process would, and `drafttrain.losses.data_parallel` normalises the
   loss by the global counts: per-step losses match a one-process run with the same global
-  batch (test: `tests/test_distributed.py`, two gloo processes on the CPU);
+  batch (test: `tests/train/test_distributed.py`, two gloo processes on the CPU);
 - `shards_state(accelerator)`: whether the drafter and its optimizer are sharded across ranks
   (ZeRO / FSDP), in which case checkpoints hold the engine's own state (`engine/`) and the
   full drafter is gathered on rank 0 (`full_drafter_state`).

@@ -16,10 +16,10 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$OUT/
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/suite.log"
 
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py \
-    tests/test_native_target.py 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_rejection_sampler.py \
-    tests/test_parallel_layout.py tests/test_chain_inputs.py 2>&1 | tee -a "$OUT/pytest_gpu.log" | tail -3
+  timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu.py \
+    tests/infer/test_native_target.py 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_rejection_sampler.py \
+    tests/kernels/test_parallel_layout.py tests/kernels/test_chain_inputs.py 2>&1 | tee -a "$OUT/pytest_gpu.log" | tail -3
 fi
 for b in 1 8; do
   if [ "$what" = "bench-$b" ] || [ "$what" = all ]; then

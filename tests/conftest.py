@@ -40,21 +40,21 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def tiny_llama3_dir(tmp_path_factory):
-    from tests.tiny_models import llama3_config, save_tiny_target
+    from tests.support.tiny_models import llama3_config, save_tiny_target
 
     return save_tiny_target(llama3_config(), tmp_path_factory.mktemp("llama3"))
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_dir(tmp_path_factory):
-    from tests.tiny_models import qwen3_config, save_tiny_target
+    from tests.support.tiny_models import qwen3_config, save_tiny_target
 
     return save_tiny_target(qwen3_config(), tmp_path_factory.mktemp("qwen3"))
 
 
 @pytest.fixture(scope="session")
 def train_env(tmp_path_factory):
-    from tests.tiny_models import make_train_env
+    from tests.support.tiny_models import make_train_env
 
     return make_train_env(tmp_path_factory.mktemp("train_env"))
 
@@ -96,7 +96,7 @@ def zoo_target():
 def zoo_run(tmp_path_factory):
     """`zoo_run(kind)` -> the job summary of the zoo recipe for `kind` (trained once)."""
     from drafttrain.job import run_job
-    from tests.test_config import compose_preset
+    from tests.support.presets import compose_preset
 
     runs: dict[str, dict] = {}
 

@@ -13,7 +13,7 @@ each turn's randomness is keyed by its own seed and positions, so a row's sample
 depend on the batch). `HFBackend` runs `transformers`' `generate` on left-padded batches
 (sampling seeded once per batch with `torch.manual_seed`, so reproducible for the same
 batches, which the shard layout fixes). Greedy outputs of the two agree token for token
-(tests/test_regenerate.py).
+(tests/train/test_regenerate.py).
 """
 
 from __future__ import annotations
