@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from draftinfer.models import greedy_generate, load_native_target  # noqa: E402
+from draftinfer.baseline import greedy_generate  # noqa: E402
+from draftinfer.loading import load_native_target  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -58,7 +58,7 @@ def build_vl_target(hf_kwargs: dict, device, dtype, max_batch: int, max_len: int
     """The native Qwen3-VL target (our decoder + transformers' vision tower), random weights."""
     from transformers import Qwen3VLConfig
 
-    from draftinfer.models.qwen3_vl import Qwen3VLForConditionalGeneration as VL
+    from draftinfer.families.qwen3_vl.model import Qwen3VLForConditionalGeneration as VL
 
     cfg = VL.config_from_hf(Qwen3VLConfig(**hf_kwargs), [])
     with torch.device("meta"):

@@ -227,7 +227,8 @@ def random_llama_target(shape: dict, device, dtype, max_batch: int, max_len: int
     (norms 1, the rest N(0, 0.02), seed 0) and caches for `max_batch` x `max_len`."""
     import torch
 
-    from draftinfer.models.llama import LlamaForCausalLM, NativeConfig
+    from draftinfer.families.causal_lm.models import LlamaForCausalLM
+    from draftinfer.models.decoder import NativeConfig
 
     cfg = NativeConfig(architecture="LlamaForCausalLM", **shape)
     with torch.device("meta"):

@@ -86,7 +86,7 @@ ZOO_KIND_OVERRIDES: dict[str, list[str]] = {
 
 @pytest.fixture(scope="session")
 def zoo_target():
-    from draftinfer.models import load_native_target
+    from draftinfer.loading import load_native_target
     from draftinfer.paths import resolve_path
 
     return load_native_target(resolve_path("zoo:llama-tiny"), max_batch=16, max_seq_len=384)

@@ -1,5 +1,7 @@
 """The seams hold (DESIGN 2.1): shared code names no drafter kind and reads no kind-specific
-attribute; each kind lives in its own folder; dependencies point one way
+attribute, code outside a target family's folders names no family and touches no
+family-specific input or attribute; each kind and each family lives in its own folders,
+registered on both sides under the same names; dependencies point one way
 (`drafttrain -> draftinfer -> kernels`) and the job has no import circle."""
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from draftinfer.families import DEFAULT_FAMILY, registered_families
 from draftinfer.registry import registered_kinds
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,16 +33,40 @@ KIND_ATTRIBUTES = {
 }
 
 
-def _shared_files() -> list[Path]:
-    """Python files of the packages outside `kinds/<kind>/` folders."""
+# Inputs and attributes only a target family's own files may touch (Qwen3-VL's vision inputs,
+# DeepStack and M-RoPE delta bookkeeping); shared code sees them as `TargetInputs.extra`,
+# `TargetOutput.mm_mask` and `Slots.rope_pos`.
+FAMILY_ATTRIBUTES = {
+    "deepstack",
+    "num_deepstack",
+    "image_token_id",
+    "video_token_id",
+    "vision_config",
+    "visual",
+    "encode_images",
+    "set_mrope_delta",
+    "mrope_delta",
+    "rope_index",
+}
+FAMILY_KEYS = {"pixel_values", "image_grid_thw", "mm_token_type_ids", "image_rows"}
+
+
+def _files_outside(folder: str) -> list[Path]:
+    """Python files of the packages outside `<folder>/<name>/` folders (a kind's or a
+    family's own files)."""
     out = []
     for pkg in PACKAGES:
         for path in (REPO / pkg).rglob("*.py"):
             parts = path.relative_to(REPO).parts
-            if "kinds" in parts and parts.index("kinds") < len(parts) - 2:
-                continue  # drafttrain/kinds/<kind>/... or draftinfer/kinds/<kind>/...
+            if folder in parts and parts.index(folder) < len(parts) - 2:
+                continue  # e.g. drafttrain/kinds/<kind>/... or draftinfer/families/<family>/...
             out.append(path)
     return out
+
+
+def _shared_files() -> list[Path]:
+    """Python files outside `kinds/<kind>/` folders."""
+    return _files_outside("kinds")
 
 
 def test_shared_code_names_no_kind():
@@ -61,6 +88,35 @@ def test_shared_code_reads_no_kind_specific_attribute():
             if isinstance(node, ast.Attribute) and node.attr in KIND_ATTRIBUTES:
                 hits.append(f"{path.relative_to(REPO)}:{node.lineno}: .{node.attr}")
     assert not hits, "kind-specific attributes in shared code:\n" + "\n".join(hits)
+
+
+def test_code_outside_families_names_no_family():
+    """No family name (the default family aside: it is the fallback by name) as a string, and
+    no family-specific attribute or input key, outside `families/<family>/` folders (kinds
+    included: a kind meets a family only through declared capabilities)."""
+    names = set(registered_families()) - {DEFAULT_FAMILY}
+    hits = []
+    for path in _files_outside("families"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            where = f"{path.relative_to(REPO)}:{getattr(node, 'lineno', '?')}"
+            if isinstance(node, ast.Constant) and node.value in names | FAMILY_KEYS:
+                hits.append(f"{where}: {node.value!r}")
+            if isinstance(node, ast.Attribute) and node.attr in FAMILY_ATTRIBUTES:
+                hits.append(f"{where}: .{node.attr}")
+    assert not hits, "family-specific names outside the family folders:\n" + "\n".join(hits)
+
+
+def test_both_family_registries_name_the_same_families():
+    from drafttrain.families import TRAIN_FAMILIES
+
+    assert sorted(TRAIN_FAMILIES.load()) == registered_families()
+    assert DEFAULT_FAMILY in registered_families()
+
+
+def test_every_family_has_its_own_folders():
+    for family in registered_families():
+        for side in ("draftinfer", "drafttrain"):
+            assert (REPO / side / "families" / family / "__init__.py").is_file(), (side, family)
 
 
 def _imports(path: Path) -> set[str]:

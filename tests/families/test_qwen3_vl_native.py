@@ -15,8 +15,14 @@ import functools
 import pytest
 import torch
 
-from draftinfer.models import TARGET_MODELS, greedy_generate, load_native_target
-from draftinfer.models.qwen3_vl import Qwen3VLForConditionalGeneration, encode_images, rope_index
+from draftinfer.baseline import greedy_generate
+from draftinfer.families import FAMILIES
+from draftinfer.families.qwen3_vl.model import (
+    Qwen3VLForConditionalGeneration,
+    encode_images,
+    rope_index,
+)
+from draftinfer.loading import load_native_target
 from draftinfer.slots import Slots
 from draftinfer.target import FeatureSpec, TargetInputs
 from tests.support.utils import assert_close
@@ -111,12 +117,17 @@ def hf_greedy_logits(path, b: int, steps: int) -> list[torch.Tensor]:
 
 
 def test_registered_and_config_facts(vl_dir):
-    assert TARGET_MODELS["Qwen3VLForConditionalGeneration"] is Qwen3VLForConditionalGeneration
+    assert FAMILIES.native_class({"architectures": ["Qwen3VLForConditionalGeneration"]}) is (
+        Qwen3VLForConditionalGeneration
+    )
     model = native(vl_dir)
     c = model.config
     assert (c.num_layers, c.hidden_size, c.num_deepstack, c.head_dim) == (N_LAYERS, H, N_DS, 16)
     assert c.rope_scaling["mrope_section"] == [4, 2, 2] and c.qk_norm
-    assert model.info.rope_axes == 3 and model.info.family == "Qwen3VLForConditionalGeneration"
+    assert (
+        model.info.rope_axes == 3 and model.info.architecture == "Qwen3VLForConditionalGeneration"
+    )
+    assert model.info.family == "qwen3_vl"
     assert model.lm_head.weight is model.embed_tokens.weight  # top-level tie_word_embeddings
     hf = hf_model(str(vl_dir))
     assert torch.equal(model.embed_tokens.weight, hf.get_input_embeddings().weight)

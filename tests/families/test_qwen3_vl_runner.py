@@ -27,9 +27,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from draftinfer.baseline import greedy_generate
 from draftinfer.engine import Request, SpecDecoder
+from draftinfer.families import family_spec
+from draftinfer.loading import load_native_target
 from draftinfer.metrics import acceptance_length
-from draftinfer.models import greedy_generate, load_native_target
 from draftinfer.proposer import FirstPass
 from draftinfer.reference import reference_generate
 from draftinfer.registry import drafter_spec
@@ -37,11 +39,14 @@ from draftinfer.sampling import SamplingParams
 from draftinfer.slots import Slots
 from draftinfer.window import TokenEmbeds
 from drafttrain.registry import InitContext, train_spec
-from tests.support.kind_factories import randomized
+from tests.support.kind_factories import kinds_for_family, randomized, servable
 from tests.support.utils import assert_close
 from tests.support.vl_fixtures import IMG, MERGE, image_tokens, mm_inputs, save_tiny_vl
 
-KINDS = ("eagle3", "ptd")
+# Every registered kind that fits the family (the kind x family pairs), and the kinds whose
+# proposer the recording spies below understand (`_run(ids, feature, rope_pos, rows, ...)`).
+KINDS = kinds_for_family("qwen3_vl")
+RECORDED_KINDS = ("eagle3", "ptd")
 MAX_LEN = 96
 N_NEW = 24
 CHUNK = 5  # prefill chunk: images straddle chunk boundaries in the left-padded batch
@@ -159,6 +164,7 @@ class AsTrainTarget:
     def __init__(self, target):
         self.target, self.info = target, target.info
         self.config = target.config.hf_config.text_config
+        self.layers = target.model.layers
 
     def shared_weights(self) -> dict[str, torch.Tensor]:
         return self.target.shared_weights()
@@ -453,7 +459,7 @@ def test_plain_greedy_with_images_equals_transformers(target, plain, vl_dir):
         assert plain[b][:8] == ref[0, ids.shape[1] :].tolist()
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", RECORDED_KINDS)
 def test_m1_positions_everywhere(target, drafters, kind, monkeypatch):
     """`[3, N]` positions with the values of convention 3 in the chunked prefills, the verify
     forwards, the drafter's admission rows, its first passes, and its chain steps (eagle3) or
@@ -482,7 +488,7 @@ def test_m1_positions_everywhere(target, drafters, kind, monkeypatch):
         assert any(bool(((c.ids == mask_id) & (c.cache_pos >= 0)).any()) for c in drafted)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", RECORDED_KINDS)
 def test_m2_shifted_vision_embeddings_and_untouched_positions(target, drafters, kind, monkeypatch):
     """Drafter rows consuming an image placeholder get that placeholder's vision embedding
     (the shifted window), including images cut by a prefill chunk boundary; proposing never
@@ -513,16 +519,19 @@ def test_m2_shifted_vision_embeddings_and_untouched_positions(target, drafters, 
 AL_FLOOR = {1: 1.5, 3: 2.5, 4: 2.5}
 
 
-@pytest.mark.parametrize(
-    "kind, k", [("eagle3", 1), ("eagle3", 3), ("ptd", 1), ("ptd", 3), ("ptd", 4)]
-)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("k", ["min", "max"])
 @pytest.mark.parametrize("max_batch", [2, 4])
 def test_m3_t1_lossless_greedy_with_images(target, plain, drafters, kind, k, max_batch):
     """Speculative greedy == plain greedy on image+text prompts (chunked prefill; batch 4, and
-    batch 2 so rows are reused with a new request's mrope_delta), with drafts accepted."""
+    batch 2 so rows are reused with a new request's mrope_delta), with drafts accepted, for
+    every kind that fits the family, at the smallest and the largest K <= 4 it serves."""
+    d = drafters(kind)
+    ks = [k for k in (1, 2, 3, 4) if servable(kind, d.config, k)]
+    k = ks[0] if k == "min" else ks[-1]
     dec = SpecDecoder(
         target,
-        drafters(kind),
+        d,
         k,
         max_batch=max_batch,
         max_model_len=MAX_LEN,
@@ -624,7 +633,7 @@ def test_run_eval_with_image_prompts(tmp_path):
     tdir = make_vl_target(tmp_path / "target")
     data = write_vl_chat(tmp_path / "data", n_train=1, n_test=6)
     target = load_native_target(tdir, "cpu", torch.float32, 6, 256)
-    prompts, _ = load_prompts(str(data), "test", 6, str(tdir), target.uses_processor, 254)
+    prompts, _ = load_prompts(str(data), "test", 6, family_spec("qwen3_vl"), str(tdir), 254)
     mm = [p.mm_inputs for p in prompts]
     assert sum(m is not None for m in mm) == 5  # one text-only row
     eos = target.config.eos_token_ids

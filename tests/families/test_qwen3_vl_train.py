@@ -19,8 +19,8 @@ import torch
 
 from draftinfer.chat import normalize_messages, row_messages
 from draftinfer.errors import ConfigError, DataError
+from draftinfer.families.qwen3_vl.processor import conversation_inputs, load_processor
 from draftinfer.target import FeatureSpec
-from draftinfer.vision_inputs import conversation_inputs, load_processor
 from drafttrain.config import DataConfig, TargetConfig
 from drafttrain.target_head import target_logits
 from tests.support.utils import assert_close
@@ -63,14 +63,14 @@ def processor(path: str):
 
 @functools.lru_cache(maxsize=1)
 def frozen(path: str):
-    from drafttrain.targets_qwen3_vl import Qwen3VLFrozenTarget
+    from drafttrain.families.qwen3_vl.target import Qwen3VLFrozenTarget
 
     cfg = TargetConfig(name_or_path=path, dtype="float32", attn_implementation="eager")
     return Qwen3VLFrozenTarget(cfg, torch.device("cpu"))
 
 
 def vl_split(vl, split="train", **kw):
-    from drafttrain.data.vl import VLChatData
+    from drafttrain.families.qwen3_vl.data import VLChatData
 
     cfg = DataConfig(
         path=vl["data"], split=split, cache_dir=str(vl["root"] / "cache"), batch_size=4, **kw
@@ -94,13 +94,14 @@ def conversation(*images: str, system: bool = True) -> list[dict]:
 
 
 def test_family_is_chosen_by_architecture(vl, tiny_llama3_dir):
-    from drafttrain.families import TargetFamily, target_family
-    from drafttrain.targets_qwen3_vl import Qwen3VLFamily
+    from drafttrain.families import target_family
+    from drafttrain.families.causal_lm import CausalLMTrainFamily
+    from drafttrain.families.qwen3_vl import Qwen3VLTrainFamily
 
-    assert isinstance(target_family(vl["target"]), Qwen3VLFamily)
+    assert isinstance(target_family(vl["target"]), Qwen3VLTrainFamily)
     text_family = target_family(str(tiny_llama3_dir))
-    assert type(text_family) is TargetFamily and text_family.feature_cache
-    assert not Qwen3VLFamily.feature_cache
+    assert type(text_family) is CausalLMTrainFamily and text_family.feature_cache
+    assert not Qwen3VLTrainFamily.feature_cache
 
 
 def test_normalize_keeps_image_parts_and_text_rows_unchanged():
@@ -251,7 +252,7 @@ def generation_mask(vl, tmp_path, msgs, counts: list[int]) -> list[int]:
 def test_loss_mask_token_by_token(vl, tmp_path):
     """R2 for the VL template: the mask found by spans on the processor's rendering equals
     transformers' own `{% generation %}` mask, token by token, with images expanded."""
-    from drafttrain.data.vl import tokenize_vl_conversation
+    from drafttrain.families.qwen3_vl.data import tokenize_vl_conversation
 
     proc = processor(vl["target"])
     msgs = conversation("images/train_0003_0.png", "images/train_0003_1.png")
@@ -275,7 +276,7 @@ def test_loss_mask_token_by_token(vl, tmp_path):
 
 
 def test_truncation_never_cuts_an_image(vl):
-    from drafttrain.data.vl import image_runs, tokenize_vl_conversation
+    from drafttrain.families.qwen3_vl.data import image_runs, tokenize_vl_conversation
 
     proc = processor(vl["target"])
     msgs = conversation("images/train_0003_0.png", "images/train_0003_1.png")
@@ -354,7 +355,7 @@ def test_shard_batch_keeps_images_with_their_rows(vl):
     batch = split.collate(rows, 0)
     for world in (2, 3):
         for rank in range(world):
-            got = shard_batch(batch, rank, world)
+            got = shard_batch(batch, rank, world, split)
             mine = rows[rank::world]
             ref = split.collate(mine, 0)
             T = ref["input_ids"].shape[1]
@@ -366,11 +367,11 @@ def test_shard_batch_keeps_images_with_their_rows(vl):
                     assert torch.equal(got[k], ref[k]), k
     bad = {k: v for k, v in batch.items() if k != "image_rows"}
     with pytest.raises(ConfigError, match="image_rows"):
-        shard_batch(bad, 0, 2)
+        shard_batch(bad, 0, 2, split)
 
 
 def test_bad_images_are_one_line_errors_naming_the_sample(vl, tmp_path):
-    from drafttrain.data.vl import VLChatData
+    from drafttrain.families.qwen3_vl.data import VLChatData
 
     data = write_vl_chat(tmp_path / "bad", n_train=6, n_test=1)
     (data / "images/train_0002_0.png").unlink()
@@ -433,7 +434,7 @@ def test_trl_parquet_with_image_features(vl, tmp_path):
     )
     path = tmp_path / "trl.parquet"
     datasets.Dataset.from_dict(rows, features=features).to_parquet(str(path))
-    from drafttrain.data.vl import VLChatData
+    from drafttrain.families.qwen3_vl.data import VLChatData
 
     split = VLChatData(processor(vl["target"])).tokenize(
         DataConfig(path=str(path), cache_dir=str(tmp_path / "c"))
@@ -579,7 +580,8 @@ def test_target_info_and_drafter_rope(vl):
 
     target = frozen(vl["target"])
     assert target.info.rope_axes == 3 and target.info.num_layers == N_LAYERS
-    assert target.info.family == "Qwen3VLForConditionalGeneration"
+    assert target.info.architecture == "Qwen3VLForConditionalGeneration"
+    assert target.info.family == "qwen3_vl"
     assert target.layers is target.model.model.language_model.layers
     assert target.final_norm is target.model.model.language_model.norm
     arch = drafter_config_from_target(Eagle3TrainConfig(draft_vocab_size=64), target)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from draftinfer.baseline import greedy_generate
 from draftinfer.engine import Request, SpecDecoder
-from draftinfer.models import greedy_generate, load_native_target
+from draftinfer.loading import load_native_target
 from draftinfer.registry import registered_kinds
 from draftinfer.sampling import SamplingParams
 from draftinfer.slots import Slots

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from draftinfer.engine import Request
-from draftinfer.models import load_native_target
+from draftinfer.loading import load_native_target
 from draftinfer.paths import resolve_path
 from draftinfer.registry import drafter_spec, registered_kinds
 from draftinfer.sampling import SamplingParams

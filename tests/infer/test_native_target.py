@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from draftinfer.baseline import greedy_generate
 from draftinfer.errors import CheckpointError, ConfigError
-from draftinfer.models import TARGET_MODELS, greedy_generate, load_native_target
+from draftinfer.families import FAMILIES
+from draftinfer.loading import load_native_target
 from draftinfer.slots import Slots
 from draftinfer.target import FeatureSpec
 
@@ -414,7 +416,7 @@ def test_unsupported_architecture_is_one_line_config_error(tmp_path):
         native(tmp_path)
     msg = str(e.value)
     assert "GPT2LMHeadModel" in msg and "\n" not in msg
-    assert all(name in msg for name in TARGET_MODELS)
+    assert all(name in msg for name in FAMILIES.native_architectures())
 
 
 def _broken_copy(src: Path, dst: Path) -> Path:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from draftinfer.baseline import greedy_generate
 from draftinfer.kv_cache import (
     ATTENTION,
     cached_attention,
@@ -16,8 +17,8 @@ from draftinfer.kv_cache import (
     visibility_mask,
     write_index,
 )
-from draftinfer.models import greedy_generate, load_native_target, load_weights
-from draftinfer.models.llama import NativeCausalLM, NativeConfig
+from draftinfer.loading import load_native_target, load_weights
+from draftinfer.models.decoder import NativeCausalLM, NativeConfig
 from draftinfer.models.transforms import (
     FusedQKVAttention,
     FusedSwiGLU,

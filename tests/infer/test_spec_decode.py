@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from draftinfer.baseline import greedy_generate
 from draftinfer.checkpoint import load_drafter
 from draftinfer.engine import Request, SpecDecoder
 from draftinfer.metrics import acceptance_length
-from draftinfer.models import greedy_generate
 from draftinfer.registry import registered_kinds
 from draftinfer.sampling import SamplingParams
 from tests.support.prompts import random_prompts, zoo_prompts

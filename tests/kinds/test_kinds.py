@@ -15,10 +15,11 @@ from dataclasses import replace
 import pytest
 import torch
 
+from draftinfer.baseline import greedy_generate
 from draftinfer.checkpoint import load_drafter, write_drafter
 from draftinfer.engine import Request, SpecDecoder, _Active
 from draftinfer.errors import CheckpointError
-from draftinfer.models import greedy_generate, load_native_target
+from draftinfer.loading import load_native_target
 from draftinfer.paths import resolve_path
 from draftinfer.proposer import FirstPass
 from draftinfer.reference import reference_generate

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from draftinfer.baseline import greedy_generate
 from draftinfer.checkpoint import load_drafter, read_drafter_config, write_drafter
 from draftinfer.engine import Request, SpecDecoder
 from draftinfer.errors import CheckpointError
-from draftinfer.models import greedy_generate
 from draftinfer.proposer import FirstPass
 from draftinfer.registry import drafter_spec
 from tests.support.kind_factories import small_drafter, small_embeddings
@@ -153,7 +153,7 @@ def test_k_must_be_a_multiple_of_n(kind_env):
 
 
 def test_family_and_hidden_size_must_match_the_target(kind_env, tiny_qwen3_dir, tiny_llama3_dir):
-    from draftinfer.models import load_native_target
+    from draftinfer.loading import load_native_target
 
     spec, arch, _ = read_drafter_config(kind_env("mtp")["export"])
     for path, needle in (
@@ -169,7 +169,7 @@ def test_family_and_hidden_size_must_match_the_target(kind_env, tiny_qwen3_dir, 
 def test_stitch_round_trip_and_missing_layer(kind_env, zoo_target, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from draftinfer.models import load_native_target
+    from draftinfer.loading import load_native_target
     from draftinfer.paths import resolve_path
 
     export = kind_env("mtp")["export"]

@@ -102,3 +102,20 @@ def servable(kind: str, arch, k: int) -> bool:
     except CheckpointError:
         return False
     return True
+
+
+def kinds_for_family(family: str) -> list[str]:
+    """The registered kinds that pair with target family `family` (`check_pair`): the kind x
+    family pairs the catalogue runs."""
+    from draftinfer.errors import ConfigError
+    from draftinfer.families import check_pair, family_spec
+    from draftinfer.registry import drafter_spec, registered_kinds
+
+    fits = []
+    for kind in registered_kinds():
+        try:
+            check_pair(drafter_spec(kind), family_spec(family))
+        except ConfigError:
+            continue
+        fits.append(kind)
+    return fits

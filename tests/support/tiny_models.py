@@ -143,7 +143,7 @@ def train_tiny_export(kind: str, train_env: dict[str, str], out: Path, steps: in
     """Briefly train a drafter of `kind` on the tiny target, export it (no runner verification),
     and load target + export back natively: (native target, drafter, meta, export dir, summary)."""
     from draftinfer.checkpoint import load_drafter
-    from draftinfer.models import load_native_target
+    from draftinfer.loading import load_native_target
     from drafttrain.job import run_job
     from tests.support.presets import compose_preset
 

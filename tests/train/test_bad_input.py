@@ -16,7 +16,7 @@ import torch
 from draftinfer.checkpoint import write_drafter
 from draftinfer.config import InferConfig
 from draftinfer.errors import DraftError
-from draftinfer.models import load_native_target
+from draftinfer.loading import load_native_target
 from draftinfer.run import run_eval
 from drafttrain.export import export_run
 from drafttrain.job import run_job

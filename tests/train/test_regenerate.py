@@ -201,7 +201,7 @@ def test_native_sampling_is_seeded_per_turn_not_per_batch(tokenizer):
     assert a == b
     assert run(4, 1) != a  # another seed samples other text
     # Sampled plain decoding at temperature 0 is greedy decoding, token for token.
-    from draftinfer.models import greedy_generate, sample_generate
+    from draftinfer.baseline import greedy_generate, sample_generate
 
     prompts = [render_prompt(tokenizer, c[:1]) for c in convs]
     greedy = [SamplingParams(0.0, seed=i) for i in range(5)]

@@ -71,7 +71,7 @@ class MTPConfig:
 
     def _native_block(self) -> None:
         """Block and RoPE fields from the target family's config (the native targets' rules)."""
-        from draftinfer.models import native_class_for
+        from draftinfer.loading import native_class_for
 
         c = self.target_config
         cls = native_class_for(c)  # a one-line ConfigError for a family we cannot run

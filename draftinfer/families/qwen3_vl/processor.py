@@ -1,5 +1,5 @@
 """Image+text conversations -> the inputs of a vision-language target (Qwen3-VL), through the
-target's own processor: shared by training (`drafttrain.data.vl`) and the runner's prompts.
+target's own processor: shared by training (`drafttrain.families.qwen3_vl.data`) and the runner's prompts.
 
     processor = load_processor("zoo:qwen3-vl-tiny")
     enc = conversation_inputs(processor, messages, add_generation_prompt=True,

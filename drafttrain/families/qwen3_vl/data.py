@@ -27,7 +27,7 @@ batch (`drafttrain.data.batching.collate`) plus
 - `mm_token_type_ids` `[B, T]` long: 0 text, 1 image (0 at padding);
 - with at least one image: `pixel_values` `[sum(t*h*w), D]` (images in row-major order),
   `image_grid_thw` `[n_images, 3]` and `image_rows` `[n_images]` (the batch row of each
-  image; `drafttrain.distributed.shard_batch` splits a batch by it).
+  image; `shard_images` splits a batch by it, for `drafttrain.distributed.shard_batch`).
 """
 
 from __future__ import annotations
@@ -39,11 +39,11 @@ from typing import Any
 import torch
 
 from draftinfer.chat import data_base_dir, row_messages
-from draftinfer.vision_inputs import conversation_images, encode_conversation
+from draftinfer.families.qwen3_vl.processor import conversation_images, encode_conversation
 from drafttrain.config import DataConfig
 from drafttrain.data.batching import TokenizedSplit, collate, eval_batches, held_out_config
 from drafttrain.data.chat import assistant_spans, end_of_turn_marker, load_data
-from drafttrain.errors import DataError
+from drafttrain.errors import ConfigError, DataError
 
 
 def image_runs(types: list[int]) -> list[tuple[int, int]]:
@@ -108,7 +108,7 @@ def tokenize_vl_conversation(
     """One image+text conversation: `input_ids`, `loss_mask`, `mm_token_type_ids` (each
     `[T]`, `T <= max_length`, no image run cut) and `image_grid_thw` (`[n_kept_images, 3]`
     as lists)."""
-    from draftinfer.vision_inputs import render_conversation
+    from draftinfer.families.qwen3_vl.processor import render_conversation
 
     enc = encode_conversation(
         processor,
@@ -204,8 +204,8 @@ def _features():
 
 
 class VLChatData:
-    """The data adapter of a vision-language family (`drafttrain.families`): image+text chat
-    through the target's processor (`draftinfer.vision_inputs.load_processor`)."""
+    """The Qwen3-VL family's data adapter: image+text chat through the target's processor
+    (`draftinfer.families.qwen3_vl.processor.load_processor`)."""
 
     def __init__(self, processor):
         self.processor = processor
@@ -247,7 +247,7 @@ class VLChatData:
             lambda n: n > 0, input_columns="num_loss_tokens", desc="dropping rows without loss"
         ).remove_columns(["num_assistant_turns", "num_loss_tokens"])
         collate = Collator(self.processor, kept, source, field, base_dir, where)
-        return TokenizedSplit(kept, collate, self.held_out)
+        return TokenizedSplit(kept, collate, self.held_out, PER_IMAGE + PER_PATCH, shard_images)
 
     def held_out(self, cfg: DataConfig, seed: int) -> tuple[TokenizedSplit, list[list[int]]]:
         split = self.tokenize(held_out_config(cfg))
@@ -293,3 +293,40 @@ class Collator:
             batch["image_grid_thw"] = torch.tensor(grids, dtype=torch.long)  # [n_images, 3]
             batch["image_rows"] = torch.tensor(owners, dtype=torch.long)  # [n_images]
         return batch
+
+
+# Batch keys whose first axis is not the batch row :
+# per image, and per image patch. `image_rows [n_images]` names each image's batch row, and
+# image k owns `prod(image_grid_thw[k])` consecutive rows of `pixel_values`.
+PER_IMAGE = ("image_grid_thw", "image_rows")
+PER_PATCH = ("pixel_values",)
+
+
+def shard_images(batch: dict[str, torch.Tensor], idx: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The image keys of the rows `idx` (ascending), `image_rows` renumbered to the shard's
+    rows; images and patches keep their order (row-major, as the target consumes them)."""
+    present = [k for k in PER_IMAGE + PER_PATCH if k in batch]
+    missing = [k for k in PER_IMAGE + PER_PATCH if k not in batch]
+    if missing:
+        raise ConfigError(
+            f"cannot shard a batch with {present} but without {missing}: images must name "
+            "their batch rows (image_rows) and grids (image_grid_thw)"
+        )
+    owner = batch["image_rows"]  # [n_images]
+    keep = torch.isin(owner, idx)  # [n_images]
+    patches = batch["image_grid_thw"].prod(-1)  # [n_images]
+    keep_patch = keep.repeat_interleave(patches)  # [sum(t*h*w)]
+    if keep_patch.numel() != batch["pixel_values"].shape[0]:
+        raise ConfigError(
+            f"pixel_values has {batch['pixel_values'].shape[0]} rows, the image grids "
+            f"{int(patches.sum())} patches"
+        )
+    new_row = torch.full_like(owner, -1)
+    new_row[keep] = torch.searchsorted(idx, owner[keep])
+    if not keep.any():
+        return {}  # a shard without images gets no image keys (a text batch)
+    return {
+        "image_grid_thw": batch["image_grid_thw"][keep],
+        "image_rows": new_row[keep],
+        "pixel_values": batch["pixel_values"][keep_patch],
+    }

@@ -1,4 +1,5 @@
-"""Native Llama-family targets (Llama 2/3, Qwen2, Qwen3) with a static KV cache, gpt-fast style.
+"""The native decoder every target family builds on: a Llama-shaped causal LM with a static KV
+cache, gpt-fast style (the families under `draftinfer/families/` subclass it).
 
 One single-device, uncompiled `nn.Module` the runner owns end to end: the decode loop calls
 `forward` on a padded batch, `torch.compile` / CUDA graphs are applied from outside (STYLE
@@ -161,9 +162,8 @@ class NativeCausalLM(nn.Module):
     """
 
     hf_model_types: tuple[str, ...] = ()
-    # Whether prompts go through the checkpoint's processor (chat messages with images ->
-    # ids + `mm_inputs`) rather than its tokenizer alone (`draftinfer.prompts`).
-    uses_processor: ClassVar[bool] = False
+    # The target family (`draftinfer.families`) whose registration serves this class.
+    family: ClassVar[str] = ""
 
     def __init__(self, config: NativeConfig):
         super().__init__()
@@ -235,7 +235,8 @@ class NativeCausalLM(nn.Module):
             num_layers=c.num_layers,
             max_position_embeddings=c.max_position_embeddings,
             rope_axes=rope_axes(c.rope_scaling),
-            family=c.architecture,
+            architecture=c.architecture,
+            family=self.family,
         )
 
     def setup_caches(self, max_batch: int, max_seq_len: int) -> None:
@@ -385,30 +386,3 @@ class NativeCausalLM(nn.Module):
             )
         logits = self.lm_head(normed).float()
         return TargetOutput(logits, feats, rope_pos, embeds)
-
-
-class LlamaForCausalLM(NativeCausalLM):
-    """Llama 2 / 3 / 3.1 (llama3 RoPE scaling), untied or tied head, optional biases."""
-
-    hf_model_types = ("llama",)
-
-
-class Qwen2ForCausalLM(NativeCausalLM):
-    """Qwen2 / Qwen2.5: bias on q/k/v (always), none on o_proj or the MLP."""
-
-    hf_model_types = ("qwen2",)
-
-    @classmethod
-    def block_flags(cls, attention_bias: bool, mlp_bias: bool) -> tuple[bool, bool, bool, bool]:
-        return True, False, False, False
-
-
-class Qwen3ForCausalLM(NativeCausalLM):
-    """Qwen3 (dense): per-head RMSNorm on q and k before RoPE; `attention_bias` on all four
-    projections when set; usually a tied head."""
-
-    hf_model_types = ("qwen3",)
-
-    @classmethod
-    def block_flags(cls, attention_bias: bool, mlp_bias: bool) -> tuple[bool, bool, bool, bool]:
-        return attention_bias, attention_bias, False, True

@@ -58,7 +58,7 @@ from torch import nn
 
 from draftinfer.errors import ConfigError
 from draftinfer.kv_cache import resolve_attn_len, visibility_mask, write_index
-from draftinfer.models.llama import Backbone, NativeCausalLM, NativeConfig, PrefillPlan
+from draftinfer.models.decoder import Backbone, NativeCausalLM, NativeConfig, PrefillPlan
 from draftinfer.slots import Slots
 from draftinfer.target import FeatureSpec, TargetInputs, TargetOutput, as_inputs
 
@@ -194,7 +194,7 @@ class Qwen3VLForConditionalGeneration(NativeCausalLM):
     """Qwen3-VL (dense): a Qwen3 decoder (q/k norm) with interleaved M-RoPE and DeepStack."""
 
     hf_model_types = ("qwen3_vl",)
-    uses_processor = True
+    family = "qwen3_vl"
 
     def __init__(self, config: Qwen3VLNativeConfig):
         super().__init__(config)
