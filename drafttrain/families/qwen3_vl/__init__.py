@@ -45,19 +45,33 @@ class Qwen3VLTrainFamily(TrainFamily):
         return {"target_model_type": target_config.model_type}
 
     def card_notes(self, spec) -> list[str]:
+        taps = "layer_inputs" in spec.needs  # an EAGLE-style drafter over aux taps
         notes = [
             "Target family Qwen3-VL: the drafter was trained on the target's own `[3, N]` "
-            "interleaved M-RoPE positions, with DeepStack-inclusive aux taps (the input each "
-            "tapped decoder layer receives) and, at rows that consume an image token, that "
-            "token's vision embedding.",
-            "`config.json` carries the target's `mrope_section` with `mrope_interleaved: true` "
-            "under `rope_scaling` and `rope_parameters`: vLLM gives an EAGLE-3 drafter 3-D "
-            "positions only when the *draft* config declares M-RoPE "
-            f"(`uses_mrope`, `{VLLM_SOURCES['proposer']}`), and its M-RoPE rotary defaults to "
-            f"the non-interleaved (Qwen2-VL) layout (`{VLLM_SOURCES['rope']}`).",
-            "vLLM loads `LlamaForCausalLMEagle3` and `Eagle3Qwen3vlForCausalLM` with the same "
-            f"class, `Eagle3LlamaForCausalLM` (`{VLLM_SOURCES['registry']}`).",
+            "interleaved M-RoPE positions"
+            + (
+                ", with DeepStack-inclusive aux taps (the input each tapped decoder layer receives)"
+                if taps
+                else ""
+            )
+            + " and, at rows that consume an image token, that token's vision embedding."
         ]
+        if taps:
+            notes += [
+                "`config.json` carries the target's `mrope_section` with `mrope_interleaved: "
+                "true` under `rope_scaling` and `rope_parameters`: vLLM gives an EAGLE-3 drafter "
+                "3-D positions only when the *draft* config declares M-RoPE "
+                f"(`uses_mrope`, `{VLLM_SOURCES['proposer']}`), and its M-RoPE rotary defaults "
+                f"to the non-interleaved (Qwen2-VL) layout (`{VLLM_SOURCES['rope']}`).",
+                "vLLM loads `LlamaForCausalLMEagle3` and `Eagle3Qwen3vlForCausalLM` with the same "
+                f"class, `Eagle3LlamaForCausalLM` (`{VLLM_SOURCES['registry']}`).",
+            ]
+        else:
+            notes.append(
+                "vLLM and SGLang load next-token (MTP) modules only as part of a target "
+                "architecture that ships them, and no Qwen3-VL architecture does: serve this "
+                "drafter with `draftinfer`."
+            )
         if spec.parallel_drafting:
             notes.append(
                 "vLLM refuses parallel drafting with an M-RoPE drafter (`_raise_if_mrope`: "
