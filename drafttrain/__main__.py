@@ -17,6 +17,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from draftinfer.errors import DraftError, run_or_exit
+from draftinfer.threads import resolve_cli_threads
 from drafttrain.config import TrainConfig
 from drafttrain.registry import load_train_kinds
 
@@ -62,7 +63,9 @@ def to_train_config(cfg: DictConfig) -> TrainConfig:
 def _hydra_main(cfg: DictConfig) -> None:
     from drafttrain.job import run_job
 
-    summary = run_or_exit(run_job, to_train_config(cfg))
+    config = to_train_config(cfg)
+    config.trainer.num_threads = resolve_cli_threads(config.trainer.num_threads, "trainer")
+    summary = run_or_exit(run_job, config)
     if summary.get("main_process", True):
         print(summary.get("export_dir") or summary["run_dir"])
 

@@ -28,6 +28,7 @@ import torch
 import yaml
 
 from draftinfer.registry import drafter_spec
+from draftinfer.threads import torch_threads
 from drafttrain.checkpoint import (
     begin_checkpoint,
     finish_checkpoint,
@@ -55,7 +56,6 @@ from drafttrain.losses import data_parallel, metric_values
 from drafttrain.optim import build_optimizer, dtype_of, with_master_weights
 from drafttrain.registry import InitContext, train_spec
 from drafttrain.target import load_tokenizer
-from drafttrain.threads import torch_threads
 from drafttrain.ttt import pick_backend
 from drafttrain.wrap import apply_training_wrappers
 

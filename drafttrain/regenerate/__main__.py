@@ -16,6 +16,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from draftinfer.errors import DraftError, run_or_exit
+from draftinfer.threads import resolve_cli_threads
 from drafttrain.regenerate.config import RegenConfig
 
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
@@ -38,7 +39,10 @@ def to_regen_config(cfg: DictConfig) -> RegenConfig:
 def _hydra_main(cfg: DictConfig) -> None:
     from drafttrain.regenerate.job import format_summary, regenerate
 
-    summary = run_or_exit(regenerate, to_regen_config(cfg))
+    config = to_regen_config(cfg)
+    r = config.regenerate
+    r.num_threads = resolve_cli_threads(r.num_threads, "regenerate")
+    summary = run_or_exit(regenerate, config)
     print(format_summary(summary))
 
 
