@@ -1,7 +1,7 @@
 """Data-parallel training through `accelerate`, applied from outside the model code.
 
 One process per device, launched by `accelerate launch` (shipped configs under
-`configs/accelerate/`: DDP, DeepSpeed ZeRO-2 / ZeRO-3, FSDP2), `torchrun` or `deepspeed`
+`launch/accelerate/`: DDP, DeepSpeed ZeRO-2 / ZeRO-3, FSDP2), `torchrun` or `deepspeed`
 (`trainer.deepspeed=<json>` picks DeepSpeed without an accelerate config), or a single plain
 process. What the training loop needs from it:
 

@@ -9,7 +9,8 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
-# `kernels/` is imported as `draftkernels` (pyproject package-dir); mirror that without installing.
+# The checkout's packages are imported from $PWD without installing them; `kernels/` is
+# imported as `draftkernels` (setup.py's package_dir): mirror that with a link.
 mkdir -p /tmp/pp && ln -sfn "$PWD/kernels" /tmp/pp/draftkernels
 export PYTHONPATH=/tmp/site:/tmp/pp:$PWD
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$OUT/suite.log"
@@ -23,7 +24,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
 fi
 for b in 1 8; do
   if [ "$what" = "bench-$b" ] || [ "$what" = all ]; then
-    timeout 560 python3 scripts/bench_round.py --batches "$b" \
+    timeout 560 python3 -m draftbench.round --batches "$b" \
       --out "$OUT/bench_round_b$b.json" 2>&1 | tee "$OUT/bench_round_b$b.log" | tail -12
   fi
 done

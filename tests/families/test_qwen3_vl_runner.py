@@ -1,7 +1,7 @@
 """Qwen3-VL through the runner (issue 9): M1, M2, M3, T1 and S9 on image+text prompts, and
 wrong conventions injected to show that each check can fail.
 
-A tiny random Qwen3-VL (`tests/vl_fixtures.py`) runs as the native target on four prompts:
+A tiny random Qwen3-VL (`tests/support/vl_fixtures.py`) runs as the native target on four prompts:
 text only; one `[1, 4, 6]` image (6 tokens, positions advance by `max(4, 6) // 2 = 3`); two
 images; an image in the first slots. The prefill is chunked by 5 so images straddle chunk
 boundaries. Every position check is against convention 3 written out by hand here (and that
@@ -16,7 +16,7 @@ are accepted (and rejected), not a quality number.
 
 Also: plain greedy with images == transformers' `generate`; fast path == reference loop with
 sampling; `run_eval` (`python -m draftinfer`) on image+text `messages` data through a target
-that ships a processor (`tests/vl_data_fixtures.py`); one-line errors for bad `mm_inputs`.
+that ships a processor (`tests/support/vl_data_fixtures.py`); one-line errors for bad `mm_inputs`.
 """
 
 from __future__ import annotations

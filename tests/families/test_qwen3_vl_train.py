@@ -5,7 +5,7 @@ M1 on the training side), the drafters' M-RoPE and shifted vision embeddings (S9
 training side), the export's vLLM fields and the cache refusal.
 
 Everything runs on a tiny random Qwen3-VL with a real processor layout and a chat template that
-renders like the released one (tests/vl_data_fixtures.py).
+renders like the released one (tests/support/vl_data_fixtures.py).
 """
 
 from __future__ import annotations

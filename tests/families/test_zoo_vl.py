@@ -1,5 +1,6 @@
-"""The zoo's tiny Qwen3-VL target (`zoo/qwen3-vl-tiny`) and its data (`zoo/vl_caption`),
-built by `scripts/build_zoo_vl.py`, load through the public entry points and are trained.
+"""The zoo's tiny Qwen3-VL target (`draftinfer/zoo/qwen3-vl-tiny`) and its data
+(`draftinfer/zoo/vl_caption`), built by `python -m drafttrain.zoo.build_vl`, load through the
+public entry points and are trained.
 
 Checks: the config meets DESIGN 5's Qwen3-VL constraints; the chat template renders Qwen3-VL's
 layout; a held-out row goes through the processor encoding (one `<|image_pad|>` per 2x2
@@ -9,7 +10,7 @@ byte for byte and its split holds out whole scenes; the model answers held-out q
 (a random-init model would not); a two-step build runs end to end.
 
 Without torchvision, transformers 5 cannot build a `Qwen3VLProcessor` (its video processor
-needs it), so the processor encoding is `zoo_vl_data.encode_chat` (tokenizer + image
+needs it), so the processor encoding is `vl_data.encode_chat` (tokenizer + image
 processor); where torchvision is installed, `AutoProcessor` is checked against it.
 """
 
@@ -18,20 +19,17 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import sys
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-ZOO = ROOT / "zoo"
+from draftinfer.paths import ZOO_DIR as ZOO
+from drafttrain.zoo import vl_data as vd
+
 MODEL = ZOO / "qwen3-vl-tiny"
 DATA = ZOO / "vl_caption"
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import zoo_vl_data as vd  # noqa: E402
 
 SPECIALS = vd.SPECIAL_TOKENS
 
@@ -342,7 +340,7 @@ def test_model_is_trained(model, tok, image_processor, test_rows):
     """Teacher-forced greedy accuracy on held-out answer tokens is far above chance (shipped
     model: 0.785 on the whole test split; random init ~1/640), and greedy generation closes
     its answers with `<|im_end|>`. The answers' templates are learned; their visual content
-    mostly is not (zoo/README.md gives the exact-match per question kind)."""
+    mostly is not (draftinfer/zoo/README.md gives the exact-match per question kind)."""
     correct = total = ended = 0
     rows = test_rows[:16]
     for r in rows:
@@ -363,11 +361,12 @@ def test_model_is_trained(model, tok, image_processor, test_rows):
 
 
 def test_two_step_build(tmp_path):
-    import build_zoo_vl
     from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
 
+    from drafttrain.zoo import build_vl
+
     threads = torch.get_num_threads()
-    report = build_zoo_vl.main(
+    report = build_vl.main(
         ["--out", str(tmp_path), "--steps", "2", "--train-images", "30", "--test-images", "6"]
         + ["--gen-rows", "2", "--eval-train-rows", "8", "--no-progress"]
     )

@@ -1,21 +1,16 @@
-"""The speculators 0.9.0 training-step peer (scripts/peer_speculators.py) on CPU, tiny shapes.
+"""The speculators 0.9.0 training-step peer (draftbench/peer_speculators.py) on CPU, tiny shapes.
 
 CI does not install speculators: the bench tests skip there with the reason; the OOM contract
 needs no peer and always runs."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
-_PATH = Path(__file__).resolve().parents[2] / "scripts" / "peer_speculators.py"
-_spec = importlib.util.spec_from_file_location("peer_speculators", _PATH)
-peer = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(peer)
+from draftbench import peer_speculators as peer
 
 # hidden 64 = 4 heads x 16; prime-ish sequence length (not a multiple of flex's 128 blocks).
 TINY = dict(

@@ -1,4 +1,5 @@
-"""The shipped target zoo (`zoo/`, built by `scripts/build_zoo.py`) loads and is trained.
+"""The shipped target zoo (`draftinfer/zoo/`, built by `python -m drafttrain.zoo.build_text`)
+loads and is trained.
 
 Fast (a few seconds): loads the committed assets through the public `from_pretrained`
 entry points, checks the config is Llama-3.1-shaped, the chat data is split cleanly, the chat
@@ -9,12 +10,12 @@ references (a random-init model would not).
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-ZOO = Path(__file__).resolve().parents[2] / "zoo"
+from draftinfer.paths import ZOO_DIR as ZOO
+
 MODEL = ZOO / "llama-tiny"
 SPECIALS = [
     "<|begin_of_text|>",

@@ -1,12 +1,19 @@
 """DESIGN section 5: our `kernels/` folder must never be picked up as Hugging Face's
-hub-kernels library (import name `kernels`), which transformers probes for."""
+hub-kernels library (import name `kernels`), which transformers probes for: not from the
+checkout (editable install, the repository root as working directory) and not from the
+installed wheel (`tests/wheel_install.py`)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import pytest
+
+from tests.support.wheel_install import installed_wheel, run_installed
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -62,3 +69,34 @@ def test_real_hub_kernels_package_wins_over_our_folder(tmp_path):
     )
     first, second = out.splitlines()
     assert first == str(fake / "__init__.py") and second == "x"
+
+
+@pytest.mark.slow
+def test_installed_wheel_has_draftkernels_and_no_kernels(tmp_path):
+    _, site = installed_wheel()
+    assert (site / "draftkernels" / "runtime.py").is_file()
+    assert not (site / "kernels").exists()
+    code = """
+import importlib.metadata, importlib.util, json
+import draftkernels.runtime
+from transformers.utils import is_kernels_available
+spec = importlib.util.find_spec("kernels")
+try:
+    importlib.metadata.version("kernels")
+    hub_kernels = True
+except importlib.metadata.PackageNotFoundError:
+    hub_kernels = False
+print(json.dumps({
+    "ours": draftkernels.runtime.__file__,
+    "kernels": None if spec is None else [spec.origin, *(spec.submodule_search_locations or [])],
+    "hub_kernels_installed": hub_kernels,
+    "transformers_sees_kernels": is_kernels_available(),
+}))
+"""
+    r = run_installed(["-c", code], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert Path(got["ours"]).resolve() == (site / "draftkernels" / "runtime.py").resolve()
+    for location in got["kernels"] or []:  # only a real hub-kernels install may answer
+        assert location is None or site.resolve() not in Path(location).resolve().parents
+    assert got["transformers_sees_kernels"] == got["hub_kernels_installed"]

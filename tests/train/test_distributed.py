@@ -108,7 +108,7 @@ def test_zero3_config_does_not_partition_the_target():
 
     from drafttrain.distributed import replicated_loading
 
-    plugin = DeepSpeedPlugin(hf_ds_config=str(REPO / "configs" / "deepspeed" / "zero3.json"))
+    plugin = DeepSpeedPlugin(hf_ds_config=str(REPO / "launch" / "deepspeed" / "zero3.json"))
     plugin.set_deepspeed_weakref()
     try:
         assert is_deepspeed_zero3_enabled()
@@ -124,7 +124,7 @@ def test_deepspeed_on_cpu_is_a_one_line_error(train_env, tmp_path):
 
     cfg = compose_preset(
         "eagle3",
-        _overrides(train_env, tmp_path / "ds") + ["trainer.deepspeed=configs/deepspeed/zero2.json"],
+        _overrides(train_env, tmp_path / "ds") + ["trainer.deepspeed=launch/deepspeed/zero2.json"],
     )
     with pytest.raises(ConfigError, match="needs CUDA GPUs") as e:
         train(cfg)

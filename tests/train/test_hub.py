@@ -122,7 +122,6 @@ def _env(tmp_path: Path, hub, token: bool = True) -> dict[str, str]:
         HF_HUB_DISABLE_PROGRESS_BARS="1",
         WANDB_MODE="disabled",
         TRITON_INTERPRET="1",
-        PYTHONPATH=str(REPO),
     )
     if token:
         env["HF_TOKEN"] = FAKE_TOKEN

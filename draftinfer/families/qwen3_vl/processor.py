@@ -3,7 +3,7 @@ target's own processor: shared by training (`drafttrain.families.qwen3_vl.data`)
 
     processor = load_processor("zoo:qwen3-vl-tiny")
     enc = conversation_inputs(processor, messages, add_generation_prompt=True,
-                              base_dir=Path("zoo/vl_caption"), sample="test row 3")
+                              base_dir=Path(resolve_path("zoo:vl_caption")), sample="test row 3")
     enc["input_ids"]          # list[int] [T], image pads already expanded by the processor
     enc["pixel_values"]       # Tensor [sum(t*h*w), C * temporal_patch * patch**2] or None
     enc["image_grid_thw"]     # Tensor [n_images, 3] or None
