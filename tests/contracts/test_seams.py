@@ -96,7 +96,12 @@ def test_code_outside_families_names_no_family():
     included: a kind meets a family only through declared capabilities)."""
     names = set(registered_families()) - {DEFAULT_FAMILY}
     hits = []
+    # drafttrain/zoo/ builds the shipped zoo targets, each of a named family by design (a
+    # Llama, a Qwen3-VL); it is a tool beside the training and serving path, not shared code.
+    zoo = REPO / "drafttrain" / "zoo"
     for path in _files_outside("families"):
+        if zoo in path.parents:
+            continue
         for node in ast.walk(ast.parse(path.read_text())):
             where = f"{path.relative_to(REPO)}:{getattr(node, 'lineno', '?')}"
             if isinstance(node, ast.Constant) and node.value in names | FAMILY_KEYS:
