@@ -11,12 +11,17 @@ vllm-project/speculators' layout, when the kind has one), the target's tokenizer
 typed schema and the tensors come from the run's checkpoint on disk, so the export is exactly
 what training saved. `--push-to-hub` uploads it afterwards (`drafttrain.hub`); every check of
 the upload (repository id, the card's `base_model`, the token) runs before anything is written. Nothing here names a drafter kind (`draftinfer.registry`).
+
+Files an engine or loader reads hold no path of the training machine (`training_args.yaml` and
+the card, the user's own record, may): the target is recorded by a name that resolves anywhere
+(`recorded_target`), and speculators' verifier by `speculators_verifier`'s rule.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -29,15 +34,64 @@ from draftinfer.checkpoint import (
     write_drafter,
     write_speculators,
 )
+from draftinfer.paths import ZOO_PREFIX, resolve_path
 from draftinfer.registry import drafter_spec
 from drafttrain.card import write_model_card
 from drafttrain.checkpoint import latest_checkpoint, load_checkpoint
 from drafttrain.config import load_train_config
 from drafttrain.errors import CheckpointError, DraftError
 from drafttrain.families import family_for
-from drafttrain.target import load_target_config, load_tokenizer, read_input_embedding
+from drafttrain.target import is_hub_id, load_target_config, load_tokenizer, read_input_embedding
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# The verifier copy inside `speculators/` when the target has no hub id (`speculators_verifier`).
+VERIFIER_DIR = "verifier"
+
+
+def recorded_target(cfg) -> str | None:
+    """The target's name as `config.json` records it (`drafttrain.target`, which the runner
+    loads when no `target=` is given): a hub id or a `zoo:` name as trained, the hub id
+    `export.hub_base_model` names for a local directory, else None (a local directory is a
+    path of the training machine; the runner then asks for `target=`)."""
+    name = cfg.target.name_or_path
+    if name.startswith(ZOO_PREFIX) or is_hub_id(name):
+        return name
+    return cfg.export.hub_base_model
+
+
+def speculators_verifier(cfg) -> str:
+    """`speculators_config.verifier.name_or_path`, which speculators 0.9.0 resolves as a local
+    directory or else a hub id (it reads the verifier's `config.json` and its `embed_tokens` /
+    `lm_head` at load): the target's hub id when it has one (`export.hub_base_model`, or the
+    target's own name); otherwise (a `zoo:` target or a local directory) the relative path
+    `verifier`, a copy of the target inside the speculators folder (`copy_verifier`). It
+    resolves when that folder is the working directory
+    (`cd EXPORT/speculators; Eagle3DraftModel.from_pretrained(".")`): speculators resolves a
+    relative name from the working directory, not from the config's folder, and a relative
+    name is all a file can hold without naming a path of the training machine."""
+    hub = cfg.export.hub_base_model or cfg.target.name_or_path
+    return hub if is_hub_id(hub) else VERIFIER_DIR
+
+
+def copy_verifier(cfg, speculators_dir: Path) -> Path:
+    """The target's files in `speculators_dir/verifier/`: hard links where the filesystem
+    allows (no bytes copied), else copies; `config.json` rewritten without `_name_or_path`
+    (a saved config may carry the path it was loaded from)."""
+    src = Path(resolve_path(cfg.target.name_or_path)).expanduser()
+    dest = speculators_dir / VERIFIER_DIR
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    for f in sorted(p for p in src.iterdir() if p.is_file()):
+        if f.name == "config.json":
+            config = json.loads(f.read_text())
+            config.pop("_name_or_path", None)
+            atomic_write_text(dest / f.name, json.dumps(config, indent=2, sort_keys=True) + "\n")
+            continue
+        try:
+            os.link(f, dest / f.name)
+        except OSError:  # another filesystem
+            shutil.copy2(f, dest / f.name)
+    return dest
 
 
 def export_run(
@@ -73,7 +127,7 @@ def export_run(
     out.mkdir(parents=True, exist_ok=True)
     target_name = cfg.target.name_or_path
     meta = {
-        "target": target_name,
+        "target": recorded_target(cfg),
         "trained_steps": state["step"],
         "preset": cfg.preset,
         **objective_meta,
@@ -87,15 +141,18 @@ def export_run(
         written = json.loads(path.read_text())
         atomic_write_text(path, json.dumps({**written, **extra}, indent=2, sort_keys=True) + "\n")
     if cfg.export.speculators_config:
-        write_speculators(
+        verifier = speculators_verifier(cfg)
+        sub = write_speculators(
             out,
             drafter,
-            target_name,
+            verifier,
             archs,
             serving_k,
             lambda: read_input_embedding(target_name),
             _DTYPES[dtype_name],
         )
+        if sub is not None and verifier == VERIFIER_DIR:
+            copy_verifier(cfg, sub)
     load_tokenizer(target_name).save_pretrained(str(out))
     shutil.copyfile(run / "training_args.yaml", out / "training_args.yaml")
     plot = run / "training_curves.png"

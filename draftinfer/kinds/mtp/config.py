@@ -31,7 +31,10 @@ from draftinfer.rope import rope_axes, rope_from_hf
 from draftinfer.target import FINAL_HIDDEN, FeatureSpec
 
 # Fields of a target config.json that are not the architecture (dropped when re-read).
-_NOT_ARCH = ("drafttrain", "num_nextn_predict_layers", "torch_dtype", "dtype")
+_NOT_ARCH = ("drafttrain", "num_nextn_predict_layers", "torch_dtype", "dtype", "_name_or_path")
+# Bookkeeping transformers adds to a loaded config's dict: `_name_or_path` is the directory the
+# target was loaded from, a path of the training machine that no engine reads.
+_NOT_SERVED = ("_name_or_path",)
 OURS = ("n_predict", "mtp_feature_tap", "mtp_chain", "mtp_carry", "mask_pos0_embedding", "block")
 
 
@@ -106,7 +109,8 @@ class MTPConfig:
 
     def to_hf(self) -> dict[str, Any]:
         """The target family's config with the module count engines read."""
-        return {**self.target_config, "num_nextn_predict_layers": self.n_predict}
+        arch = {k: v for k, v in self.target_config.items() if k not in _NOT_SERVED}
+        return {**arch, "num_nextn_predict_layers": self.n_predict}
 
     @classmethod
     def from_hf(cls, d: dict[str, Any], where: str = "config.json") -> MTPConfig:
