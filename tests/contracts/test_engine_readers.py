@@ -16,14 +16,9 @@ import torch
 from draftinfer.paths import ZOO_DIR
 from draftinfer.registry import drafter_spec, registered_kinds
 from draftinfer.slots import Slots
-from draftinfer.target import FeatureSpec
-from tests.support.engine_readers import LAYOUTS, run_record
+from tests.support.engine_readers import LAYOUTS, files_naming, machine_paths, run_record
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[2]
-# The user's own record (the resolved training config, the human-readable card with local
-# launch commands) and pictures; every other exported file is read by an engine or a loader.
-OWN_RECORD = ("training_args.yaml", "README.md")
 
 
 def test_every_registered_kind_has_its_layouts_read():
@@ -105,24 +100,6 @@ def test_engine_feeds_what_training_fed(zoo_run, hf_zoo, kind):
         assert not torch.allclose(ref.hidden_states[j + 1][0], feats[:, :H], atol=1e-3)
 
 
-def machine_paths(*extra: str | Path) -> list[str]:
-    """Absolute paths of this machine an export must not name."""
-    paths = {str(REPO), str(ZOO_DIR), *map(str, extra)}
-    return sorted({p for p in paths if p and p != "/"}, key=len)
-
-
-def files_naming(folder: Path, paths: list[str]) -> list[str]:
-    """`grep -r` for `paths` over every file an engine or loader reads (text and the headers
-    and metadata of safetensors files alike: all read as bytes)."""
-    hits = []
-    for f in sorted(folder.rglob("*")):
-        if not f.is_file() or f.name in OWN_RECORD or f.suffix == ".png":
-            continue
-        data = f.read_bytes()
-        hits += [f"{f.relative_to(folder)}: {p}" for p in paths if p.encode() in data]
-    return hits
-
-
 @pytest.mark.parametrize("kind", registered_kinds())
 def test_no_machine_path_in_what_engines_read(zoo_run, kind, tmp_path_factory):
     summary = zoo_run(kind)
@@ -132,6 +109,7 @@ def test_no_machine_path_in_what_engines_read(zoo_run, kind, tmp_path_factory):
     print(f"{kind}: scanned {sum(1 for _ in export.rglob('*'))} entries for {paths}")
     assert not hits, hits
     # The check can fail: the resolved config the user keeps does name the run directory.
-    assert files_naming(export, paths) == [] and str(summary["run_dir"]).encode() in (
-        export / "training_args.yaml"
-    ).read_bytes()
+    assert (
+        files_naming(export, paths) == []
+        and str(summary["run_dir"]).encode() in (export / "training_args.yaml").read_bytes()
+    )

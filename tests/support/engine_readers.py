@@ -452,6 +452,38 @@ def mtp_stitched(export: Path, rec: RunRecord) -> EngineView:
     return _mtp_check(cfg, mtp, rec, "vllm-mtp-stitched")
 
 
+# ---- paths of the training machine ------------------------------------------------------------
+REPO = Path(__file__).resolve().parents[2]
+# The user's own record (the resolved training config, the human-readable card with local
+# launch commands, the runner's reports of where it ran) and pictures; every other exported
+# file is read by an engine or a loader.
+OWN_RECORD = ("training_args.yaml", "README.md", "runner_report*.json", "*.png")
+
+
+def machine_paths(*extra: str | Path) -> list[str]:
+    """Absolute paths of this machine an export must not name."""
+    paths = {str(REPO), str(_zoo_dir()), *map(str, extra)}
+    return sorted({p for p in paths if p and p != "/"}, key=len)
+
+
+def files_naming(folder: Path, paths: list[str]) -> list[str]:
+    """`grep -r` for `paths` over every file an engine or loader reads (text and the headers
+    and metadata of safetensors files alike: all read as bytes)."""
+    hits = []
+    for f in sorted(folder.rglob("*")):
+        if not f.is_file() or any(f.match(pattern) for pattern in OWN_RECORD):
+            continue
+        data = f.read_bytes()
+        hits += [f"{f.relative_to(folder)}: {p}" for p in paths if p.encode() in data]
+    return hits
+
+
+def _zoo_dir() -> Path:
+    from draftinfer.paths import ZOO_DIR
+
+    return ZOO_DIR
+
+
 Reader = Callable[[Path, RunRecord], EngineView]
 # Every export layout of every registered kind, read as its engine reads it.
 LAYOUTS: dict[str, tuple[Reader, ...]] = {

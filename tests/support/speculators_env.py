@@ -54,7 +54,7 @@ def run_speculators_side(
     assert py is not None, "no speculators interpreter"
     work.mkdir(parents=True, exist_ok=True)
     src, out = work / f"{kind}_inputs.safetensors", work / f"{kind}_out.safetensors"
-    save_file({k: v.contiguous() for k, v in inputs.items()}, str(src))
+    save_file({k: v.contiguous() for k, v in inputs.items()}, str(src))  # {}: load only
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
     env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     r = subprocess.run(
@@ -70,3 +70,39 @@ def run_speculators_side(
     with safe_open(str(out), "pt") as f:
         meta = json.loads(f.metadata()["info"])
     return load_file(str(out)), meta
+
+
+def load_speculators_folder(speculators_dir: Path, work: Path) -> dict:
+    """Load a speculators folder as written (its own `speculators_model_type`) with no forward;
+    -> the side's metadata (versions, verifier, keys not in / unused from the folder)."""
+    stype = json.loads((speculators_dir / "config.json").read_text())["speculators_model_type"]
+    return run_speculators_side(stype, speculators_dir, {}, work)[1]
+
+
+def run_peer_bench(name: str, **kwargs) -> dict:
+    """`scripts/peer_speculators.py`'s `name(**kwargs)` (a training-step bench of speculators
+    0.9.0's own models) run by the speculators venv's python; -> its result dict."""
+    py = speculators_python()
+    assert py is not None, "no speculators interpreter"
+    code = (
+        "import importlib.util, json, sys\n"
+        f"spec = importlib.util.spec_from_file_location('peer', {str(REPO / 'scripts' / 'peer_speculators.py')!r})\n"
+        "peer = importlib.util.module_from_spec(spec); spec.loader.exec_module(peer)\n"
+        "why = peer.available()\n"
+        "assert why is None, why\n"
+        f"r = peer.{name}(**json.loads(sys.argv[1]))\n"
+        "print('RESULT' + json.dumps(r))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    r = subprocess.run(
+        [str(py), "-c", code, json.dumps(kwargs)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if r.returncode != 0:
+        raise AssertionError(f"peer bench failed ({py}):\n{(r.stdout + r.stderr)[-3000:]}")
+    line = next(x for x in r.stdout.splitlines() if x.startswith("RESULT"))
+    return json.loads(line[len("RESULT") :])

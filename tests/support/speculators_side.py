@@ -89,7 +89,9 @@ def main(kind: str, inputs: str, out: str) -> None:
 
     x = load_file(inputs)
     model = _load(kind)
-    result = (_forward_eagle3 if kind == "eagle3" else _forward_peagle)(model, x)
+    result = {}
+    if x:  # no inputs: load only
+        result = (_forward_eagle3 if kind == "eagle3" else _forward_peagle)(model, x)
     state = {f"state.{k}": v.detach().clone().contiguous() for k, v in model.state_dict().items()}
     on_disk = set(load_file("model.safetensors"))
     cfg = model.config
