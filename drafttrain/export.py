@@ -100,11 +100,16 @@ def export_run(
     checkpoint: str | None = None,
     dtype: str | None = None,
     card: bool = True,
+    hub_base_model: str | None = None,
 ) -> Path:
     """Write the export of `run_dir`'s checkpoint (default: the latest). `card=False` leaves
-    the model card to the caller (the job writes it once, after verification)."""
+    the model card to the caller (the job writes it once, after verification);
+    `hub_base_model` overrides the run's `export.hub_base_model` (the target's hub id, which
+    the exported files then name the target by)."""
     run = Path(run_dir)
     cfg = load_train_config(run / "training_args.yaml")
+    if hub_base_model:
+        cfg.export.hub_base_model = hub_base_model
     ckpt = (
         (run / "checkpoints" / checkpoint) if checkpoint else latest_checkpoint(run / "checkpoints")
     )
@@ -204,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             if dry == "":
                 dry = str(Path(a.run_dir) / "hub_dry_run" / a.push_to_hub.replace("/", "--"))
             push = (check_push(a.push_to_hub, cfg.target, cfg.export, dry), dry)
-        out = export_run(a.run_dir, a.out, a.checkpoint, a.dtype)
+        out = export_run(a.run_dir, a.out, a.checkpoint, a.dtype, hub_base_model=a.base_model)
         if push is not None:
             from drafttrain.hub import push_to_hub
 

@@ -92,6 +92,14 @@ class RunRecord:
     def num_layers(self) -> int:
         return int(text_config(self.target_config)["num_hidden_layers"])
 
+    def target_head(self) -> torch.Tensor:
+        """The target's output embedding: `lm_head.weight`, or the input embedding a tied
+        target shares (what HF, vLLM and speculators read when no head is stored)."""
+        if any(k.endswith("lm_head.weight") for k in self.target_weights):
+            return self.target_tensor("lm_head.weight")
+        assert text_config(self.target_config).get("tie_word_embeddings", True)
+        return self.target_tensor("embed_tokens.weight")
+
     def target_tensor(self, suffix: str) -> torch.Tensor:
         """The target's tensor whose name ends in `suffix` (shortest match, like speculators'
         `load_model_layers`)."""
@@ -396,7 +404,7 @@ def _mtp_check(cfg: dict, tensors: dict, rec: RunRecord, layout: str) -> EngineV
         for n in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight"):
             assert tuple(tensors[p + n].shape) == (H,)
         head = tensors[p + "shared_head.head.weight"]
-        _close(head, rec.target_tensor("lm_head.weight"), p + "shared_head.head.weight")
+        _close(head, rec.target_head(), p + "shared_head.head.weight")
         for n in ("self_attn.q_proj.weight", "self_attn.o_proj.weight", "mlp.down_proj.weight"):
             assert p + n in tensors, p + n
     emb = tensors[f"model.layers.{L}.embed_tokens.weight"]  # vLLM lifts it to the shared one

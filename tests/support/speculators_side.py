@@ -84,7 +84,8 @@ def _forward_peagle(model, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 
 def main(kind: str, inputs: str, out: str) -> None:
-    import speculators
+    import importlib.metadata
+
     import transformers
 
     x = load_file(inputs)
@@ -96,7 +97,7 @@ def main(kind: str, inputs: str, out: str) -> None:
     on_disk = set(load_file("model.safetensors"))
     cfg = model.config
     meta = {
-        "speculators": speculators.__version__,
+        "speculators": importlib.metadata.version("speculators"),
         "transformers": transformers.__version__,
         "torch": torch.__version__,
         "verifier": cfg.speculators_config.verifier.name_or_path,
