@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -46,6 +47,58 @@ from drafttrain.target import is_hub_id, load_target_config, load_tokenizer, rea
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # The verifier copy inside `speculators/` when the target has no hub id (`speculators_verifier`).
 VERIFIER_DIR = "verifier"
+
+
+class TargetShared(Mapping):
+    """The target weights drafters share (`"input_embeddings"`, `"output_embeddings"`, the
+    roles of `target.shared_weights()`), read from the target's safetensors on first use (no
+    model is built; a kind that shares nothing reads nothing). The output embedding is
+    `lm_head.weight`, or the input embedding of a target that ties them."""
+
+    ROLES = ("input_embeddings", "output_embeddings")
+
+    def __init__(self, name_or_path: str):
+        self.name, self._read = name_or_path, {}
+
+    def __getitem__(self, role: str) -> torch.Tensor:
+        if role not in self.ROLES:
+            raise KeyError(role)
+        if role not in self._read:
+            if role == "input_embeddings":
+                self._read[role] = read_input_embedding(self.name)
+            else:
+                self._read[role] = self._output_embedding()
+        return self._read[role]
+
+    def __iter__(self):
+        return iter(self.ROLES)
+
+    def __len__(self) -> int:
+        return len(self.ROLES)
+
+    def _output_embedding(self) -> torch.Tensor:
+        from safetensors import safe_open
+
+        from draftinfer.files import resolve_checkpoint_dir, weight_files
+
+        ckpt = resolve_checkpoint_dir(resolve_path(self.name))
+        for path in weight_files(ckpt):
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                names = [
+                    n for n in f.keys() if n.endswith("lm_head.weight") and ".layers." not in n
+                ]
+                if names:
+                    return f.get_tensor(min(names, key=len))
+        config = json.loads((ckpt / "config.json").read_text())
+        tied = config.get(
+            "tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings")
+        )
+        if not tied:
+            raise CheckpointError(
+                f"no output embedding (lm_head.weight) in the weights of {self.name!r}, which does "
+                "not tie it to the input embedding"
+            )
+        return self["input_embeddings"]
 
 
 def recorded_target(cfg) -> str | None:
@@ -125,6 +178,11 @@ def export_run(
     arch = spec.config_class(**require(state, "drafter_config", where))
     drafter = spec.build(arch)
     drafter.load_own_state(ck["drafter"])
+    # The weights the drafter shares with its target are not in its checkpoint; a layout that
+    # stores copies of them (an MTP module's `shared_head.head` and `embed_tokens`, which vLLM's
+    # DeepSeek MTP loader reads) must hold the target's, not the module's initial values.
+    shared = TargetShared(cfg.target.name_or_path)
+    spec.attach_shared(drafter, shared)
     objective_meta = require(state, "objective", where)
     serving_k = int(require(objective_meta, "serving_k", where))
 
@@ -153,7 +211,7 @@ def export_run(
             verifier,
             archs,
             serving_k,
-            lambda: read_input_embedding(target_name),
+            lambda: shared["input_embeddings"],
             _DTYPES[dtype_name],
         )
         if sub is not None and verifier == VERIFIER_DIR:

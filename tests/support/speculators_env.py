@@ -35,6 +35,11 @@ PINNED = (
     "jiter==0.19.0",
 )
 
+# Tensors of speculators' models that are its own copies of verifier weights, used only by its
+# training loss and filled from the verifier at load; every other tensor must come from the
+# folder.
+VERIFIER_OWNED = frozenset({"verifier_lm_head.weight", "verifier_norm.weight"})
+
 
 def speculators_python() -> Path | None:
     """The interpreter that has speculators 0.9.0, or None when there is none here."""
