@@ -35,7 +35,12 @@ from drafttrain.checkpoint import latest_checkpoint, load_checkpoint
 from drafttrain.config import load_train_config
 from drafttrain.errors import CheckpointError, DraftError
 from drafttrain.families import family_for
-from drafttrain.target import load_target_config, load_tokenizer, read_input_embedding
+from drafttrain.target import (
+    load_target_config,
+    load_tokenizer,
+    read_input_embedding,
+    read_output_embedding,
+)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -95,6 +100,7 @@ def export_run(
             serving_k,
             lambda: read_input_embedding(target_name),
             _DTYPES[dtype_name],
+            lambda: read_output_embedding(target_name),
         )
     load_tokenizer(target_name).save_pretrained(str(out))
     shutil.copyfile(run / "training_args.yaml", out / "training_args.yaml")

@@ -112,6 +112,27 @@ def read_input_embedding(name_or_path: str) -> torch.Tensor:
     )
 
 
+def read_output_embedding(name_or_path: str) -> torch.Tensor:
+    """The target's output head `[V, H]` from its safetensors alone: `lm_head.weight` (outside
+    any decoder layer), or the input embedding when the config ties them. One-line errors
+    when absent."""
+    from safetensors import safe_open
+
+    from draftinfer.models import resolve_checkpoint_dir, weight_files
+
+    config = load_target_config(name_or_path)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    ckpt = resolve_checkpoint_dir(resolve_target_path(name_or_path))
+    for path in weight_files(ckpt):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            names = [n for n in f.keys() if n.endswith("lm_head.weight") and ".layers." not in n]
+            if names:
+                return f.get_tensor(min(names, key=len))
+    if getattr(text, "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False):
+        return read_input_embedding(name_or_path)
+    raise TargetError(f"no output head (lm_head.weight) in the weights of {name_or_path!r}")
+
+
 def load_target_model(
     cfg: TargetConfig, device: torch.device, auto_class: str = "AutoModelForCausalLM"
 ) -> nn.Module:
