@@ -215,3 +215,39 @@ def test_rounds_equal_a_from_scratch_reference(
             assert ref_drafts == drafts[b, :n].tolist()
             checked += 1
     assert checked > 10
+
+
+# ---- GPU (run by the integrator; skipped without CUDA) ---------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["dflash2", "sliding", "causal"])
+def test_every_option_rounds_without_host_sync_and_replay_from_graphs(tiny_llama3_dir, variant):
+    """Every option's round (the selector's top-k walk and sampled q included) makes no host
+    sync, compiled; rounds replayed from CUDA graphs emit what the eager rounds emit."""
+    from draftinfer.sampling import SamplingParams
+    from tests.prompts import random_prompts
+
+    target = load_native_target(
+        tiny_llama3_dir, "cuda", torch.float32, max_batch=4, max_seq_len=256
+    )
+    d = drafter_for("dflash", str(tiny_llama3_dir), **VARIANTS[variant])
+    drafter_spec("dflash").attach_shared(d, target.shared_weights())
+    d = d.to("cuda")
+    ps = random_prompts(4, seed=33)
+    reqs = [
+        Request(ps[0], max_tokens=24),
+        Request(ps[1], SamplingParams(1.0, seed=1), max_tokens=20),
+        Request(ps[2], SamplingParams(0.8, top_k=20, seed=2), max_tokens=16),
+        Request(ps[3], max_tokens=12),
+    ]
+    dec = SpecDecoder(target, d, 4, max_batch=4, max_model_len=256, compile=True, verify="full")
+    dec.generate([Request(p, max_tokens=6) for p in ps])  # warm-up: compiles (may sync)
+    dec.sync_check = True
+    eager = dec.generate(reqs)[0]
+    graphed = SpecDecoder(
+        target, d, 4, max_batch=4, max_model_len=256, compile="all", verify="full", cuda_graphs=True
+    )
+    graphed.generate(reqs)  # first use of each bucket captures
+    again = graphed.generate(reqs)[0]
+    assert graphed._graphed.replays > 0
+    assert [o.token_ids for o in again] == [o.token_ids for o in eager]
+    assert [o.accepted for o in again] == [o.accepted for o in eager]

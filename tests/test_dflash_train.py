@@ -201,3 +201,54 @@ def test_activation_checkpointing_keeps_loss_and_grads(weights):
     )
     for n in g0:
         torch.testing.assert_close(g1[n], g0[n], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_flex_equals_eager_on_cuda_values_and_gradients(variant):
+    """The CUDA training path (compiled create_block_mask, flex attention) against the eager
+    dense mask: block outputs and the drafter's gradients."""
+    d = variant_drafter(variant).cuda()
+    spec = train_spec("dflash")
+    B, T, n = 2, 300, 16
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, d.config.vocab_size, (B, T), generator=g).cuda()
+    feats = torch.randn(B, T, d.config.features.width(d.config.hidden_size), generator=g).cuda()
+    pos = torch.arange(T, device="cuda")[None].expand(B, T)
+    anchors = torch.tensor([[3, 40, 41, 200, 290], [5, 17, 100, -1, -1]], device="cuda")
+    up = torch.randn(B, anchors.shape[1], n, d.config.hidden_size, generator=g).cuda()
+    res = {}
+    for backend in ("eager", "flex"):
+        d.zero_grad()
+        out = spec.objective(d, spec.config_class(), backend).forward_blocks(
+            ids, feats, pos, anchors, n
+        )
+        valid = (anchors >= 0)[..., None, None]
+        (out * up * valid).sum().backward()
+        res[backend] = (
+            out[anchors >= 0],
+            {k: p.grad.clone() for k, p in d.named_parameters() if p.grad is not None},
+        )
+    torch.testing.assert_close(res["flex"][0], res["eager"][0], rtol=2e-4, atol=2e-4)
+    for k, grad in res["eager"][1].items():
+        torch.testing.assert_close(res["flex"][1][k], grad, rtol=1e-3, atol=1e-3)
+
+
+def test_presets_compose_with_the_published_recipe():
+    from tests.dflash_support import compose_preset
+
+    for name, target in (
+        ("dflash_qwen3_8b", "Qwen/Qwen3-8B"),
+        ("dflash_llama3_8b", "meta-llama/Llama-3.1-8B-Instruct"),
+    ):
+        cfg = compose_preset(name)
+        d, t = cfg.drafter, cfg.trainer
+        assert cfg.target.name_or_path == target and d.kind == "dflash"
+        assert (d.num_layers, d.block_size, d.num_anchors, d.gamma) == (5, 16, 512, 7.0)
+        assert (t.lr, cfg.data.max_length) == (6e-4, 3072)
+        assert t.warmup_steps == 0.04 * t.max_steps
+        assert cfg.data.batch_size * t.grad_accum == 32  # SpecForge: 4 per GPU x 8 GPUs
+        assert cfg.data.path.startswith("outputs/regen_")  # drafttrain.regenerate's output
+        assert cfg.data.eval_path == "HuggingFaceH4/ultrachat_200k"
+    assert compose_preset("dflash_llama3_8b").drafter.mask_token_id == 128002
+    assert compose_preset("dflash").drafter.kind == "dflash"
