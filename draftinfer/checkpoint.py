@@ -148,7 +148,7 @@ def read_drafter_tensors(
     with MTP modules stitched in); only the names the kind claims are loaded."""
     from safetensors import safe_open
 
-    from draftinfer.models import weight_files
+    from draftinfer.files import weight_files
 
     tensors: dict[str, torch.Tensor] = {}
     for path in weight_files(Path(ckpt_dir)):

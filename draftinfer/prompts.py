@@ -2,11 +2,10 @@
 uses, `draftinfer.chat`), or a `.txt` file with one prompt per line, rendered with the
 target's chat template.
 
-Text targets render with their tokenizer. A target that declares `uses_processor` (Qwen3-VL)
-renders through its processor (`draftinfer.vision_inputs`): the messages may hold image parts
-(paths relative to the data file's folder, or `datasets` images), and each prompt carries the
-processor's `pixel_values`, `image_grid_thw` and `mm_token_type_ids` as its `mm_inputs`
-(`draftinfer.engine.Request`).
+The target's family renders them (`FamilySpec.render_prompts`): text families with their
+tokenizer; a multimodal family through its processor, where the messages may hold image parts
+(paths relative to the data file's folder, or `datasets` images) and each prompt carries the
+family's extra inputs as its `mm_inputs` (`draftinfer.engine.Request`).
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftinfer.chat import data_base_dir, load_chat_dataset, row_messages
-from draftinfer.errors import ConfigError, DataError
+from draftinfer.errors import ConfigError
 from draftinfer.paths import resolve_path
 
 
@@ -69,43 +68,24 @@ def render_prompts(convs: list[list[dict]], tokenizer, max_len: int) -> list[lis
     return out
 
 
-def render_vision_prompts(
-    named: list[tuple[str, list[dict]]], processor, max_len: int, base_dir: Path | None
-) -> list[Prompt]:
-    """Each conversation through the processor with the generation prompt. A prompt longer
-    than `max_len` is a one-line `DataError` naming it (cutting it could split an image)."""
-    from draftinfer.vision_inputs import conversation_inputs
-
-    out = []
-    for name, conv in named:
-        enc = conversation_inputs(
-            processor, conv, add_generation_prompt=True, base_dir=base_dir, sample=name
-        )
-        ids = [int(t) for t in enc.pop("input_ids")]
-        if len(ids) > max_len:
-            raise DataError(
-                f"{name}: prompt of {len(ids)} tokens (image tokens included) does not fit "
-                f"max_model_len (at most {max_len})"
-            )
-        mm = enc if enc["pixel_values"] is not None else None
-        out.append(Prompt(ids, mm, name))
-    return out
-
-
-def load_prompts(
-    source: str, split: str, limit: int, target_path: str, uses_processor: bool, max_len: int
+def render_text_prompts(
+    named: list[tuple[str, list[dict]]], target_path: str, max_len: int
 ) -> tuple[list[Prompt], object]:
-    """(prompts, tokenizer) for a target: through its processor when it `uses_processor`
-    (image parts allowed), else its tokenizer's chat template (text only, cut to `max_len`)."""
-    named = _conversations(source, split, limit)
-    if uses_processor:
-        from draftinfer.vision_inputs import load_processor
-
-        processor = load_processor(target_path)
-        base_dir = None if resolve_path(source).endswith(".txt") else data_base_dir(source)
-        return render_vision_prompts(named, processor, max_len, base_dir), processor.tokenizer
+    """(prompts, tokenizer) of a text target: each conversation through its tokenizer's chat
+    template with the generation prompt, cut to `max_len` tokens."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(target_path)
     ids = render_prompts([c for _, c in named], tokenizer, max_len)
     return [Prompt(p, None, name) for p, (name, _) in zip(ids, named)], tokenizer
+
+
+def load_prompts(
+    source: str, split: str, limit: int, family, target_path: str, max_len: int
+) -> tuple[list[Prompt], object]:
+    """(prompts, tokenizer) for a target of `family` (`draftinfer.families.FamilySpec`): its
+    `render_prompts` (the tokenizer's chat template for text families; the processor, image
+    parts allowed, for a multimodal one). Image paths are relative to the data file's folder."""
+    named = _conversations(source, split, limit)
+    base_dir = None if resolve_path(source).endswith(".txt") else data_base_dir(source)
+    return family.render_prompts(named, target_path, max_len, base_dir)

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import yaml
 
+from draftinfer.registry import drafter_spec
+from draftinfer.threads import torch_threads
 from drafttrain.checkpoint import (
     begin_checkpoint,
     finish_checkpoint,
@@ -54,7 +56,6 @@ from drafttrain.losses import data_parallel, metric_values
 from drafttrain.optim import build_optimizer, dtype_of, with_master_weights
 from drafttrain.registry import InitContext, train_spec
 from drafttrain.target import load_tokenizer
-from drafttrain.threads import torch_threads
 from drafttrain.ttt import pick_backend
 from drafttrain.wrap import apply_training_wrappers
 
@@ -134,7 +135,7 @@ def losses_of(step_losses: list[torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def prepare_data(cfg: TrainConfig, adapter):
     """The tokenized training split (a `drafttrain.data.TokenizedSplit`) of a data adapter
-    (`TargetFamily.data`: text chat, image+text chat)."""
+    (`TrainFamily.data`: text chat, image+text chat)."""
     split = adapter.tokenize(cfg.data)
     if len(split.data) == 0:
         raise DataError(f"dataset {cfg.data.path!r} has no usable conversations")
@@ -158,7 +159,7 @@ def evaluate(
     for ids in batches:
         batch = split.collate(ids, pad_id)
         batch["index"] = torch.tensor(ids, dtype=torch.long)
-        batch = {k: v.to(device) for k, v in shard_batch(batch, rank, world).items()}
+        batch = {k: v.to(device) for k, v in shard_batch(batch, rank, world, split).items()}
         with accelerator.autocast(), data_parallel(reduce_sum(accelerator), world):
             _, m = wrapped(batch)
         m = metric_values(m)
@@ -210,6 +211,7 @@ def _setup(cfg: TrainConfig, run_dir: Path, device):
     dtype_of(cfg.trainer.param_dtype, "param_dtype")
     dtype_of(cfg.trainer.optimizer_dtype, "optimizer_dtype")
     family = target_family(cfg.target.name_or_path)
+    family.check_kind(drafter_spec(spec.name))  # the kind x family pair, before any output
     if cfg.data.cache:
         from drafttrain.cache import check_family
 
@@ -366,7 +368,7 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
         wrapped.train()
         step_metrics: dict[str, torch.Tensor | float] = {}
         for _ in range(tc.grad_accum):
-            batch = shard_batch(stream.next(), rank, world)
+            batch = shard_batch(stream.next(), rank, world, split)
             batch = {k: to_device(v, device) for k, v in batch.items()}
             with accelerator.accumulate(wrapped), accelerator.autocast():
                 with data_parallel(reduce_sum(accelerator), world):

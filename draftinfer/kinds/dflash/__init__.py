@@ -22,6 +22,11 @@ class DFlashSpec(DrafterSpec):
     mode = "block drafting"
     # The context's own norm (top level; EAGLE-3's `hidden_norm` lives inside layer 0).
     mode_tensors = frozenset({"hidden_norm.weight"})
+    parallel_drafting = True  # one forward drafts the whole block
+    needs = frozenset({"layer_inputs"})
+    # Text targets only for now: block slots at M-RoPE positions and multimodal context rows
+    # (issue 22 item 5) are not built, so a Qwen3-VL target is refused by `check_pair`.
+    handles: frozenset[str] = frozenset()
 
     def conventions(self, arch) -> dict[str, str]:
         # Convention 2 (our taps are layer inputs; the checkpoint's `target_layer_ids` are

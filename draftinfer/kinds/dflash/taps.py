@@ -14,7 +14,7 @@
 So `j = t + 1`. The last layer's output (`t = L - 1`) is not captured inside any engine's
 layer loop (sglang #32204) and is never a tap; `t >= 0` (DFlash cannot name the embeddings).
 vLLM read `target_layer_ids` as capture slots until #40727, feeding every drafter the layer
-before the one it was trained on: `tests/test_dflash_taps.py` pins this mapping against HF
+before the one it was trained on: `tests/kinds/test_dflash_taps.py` pins this mapping against HF
 `output_hidden_states` and an independent reader of the exported files.
 """
 

@@ -10,7 +10,7 @@ Backends (`drafter.attention_backend`):
   (CPU training);
 - `flex`: `flex_attention` with a `BlockMask` built from the same predicate as a `mask_mod`
   (compiled `create_block_mask` on CUDA, so the dense grid is never materialised there).
-  Forward equality with `eager` is tested on the CPU (`tests/test_dflash_train.py`); flex has
+  Forward equality with `eager` is tested on the CPU (`tests/kinds/test_dflash_train.py`); flex has
   no backward on the CPU, which is why `auto` picks eager there.
 """
 
