@@ -235,7 +235,7 @@ def test_flex_equals_eager_on_cuda_values_and_gradients(variant):
 
 
 def test_presets_compose_with_the_published_recipe():
-    from tests.support.dflash import compose_preset
+    from tests.support.presets import compose_preset
 
     for name, target in (
         ("dflash_qwen3_8b", "Qwen/Qwen3-8B"),

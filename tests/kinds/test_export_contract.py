@@ -82,7 +82,7 @@ def test_export_contract_against_its_target(zoo_run, zoo_target, kind):
         assert shapes[f"model.layers.{L}.embed_tokens.weight"] == (V, H)
         assert not (export / SPECULATORS_DIR).exists()  # speculators has no such MTP layout
     if cfg["architectures"] in (["DFlashDraftModel"], ["DFlash2DraftModel"]):
-        # z-lab layout (vLLM `method: dflash`, SGLang `DFLASH`); tests/test_dflash_export.py
+        # z-lab layout (vLLM `method: dflash`, SGLang `DFLASH`); tests/kinds/test_dflash_export.py
         # checks every field and tensor name of each option.
         dc = cfg["dflash_config"]
         assert cfg["model_type"] == "qwen3" and cfg["num_target_layers"] == L
@@ -96,7 +96,9 @@ def test_export_contract_against_its_target(zoo_run, zoo_target, kind):
         spec_cfg = json.loads((export / SPECULATORS_DIR / "config.json").read_text())
         assert spec_cfg["speculators_model_type"] == "dflash"
         assert spec_cfg["aux_hidden_state_layer_ids"] == cfg["eagle_aux_hidden_state_layer_ids"]
-        assert spec_cfg["speculators_config"]["verifier"]["name_or_path"] == "zoo:llama-tiny"
+        # A zoo target has no hub id: the verifier is the copy inside the folder.
+        assert spec_cfg["speculators_config"]["verifier"]["name_or_path"] == "verifier"
+        assert (export / SPECULATORS_DIR / "verifier" / "model.safetensors").is_file()
         with safe_open(str(export / SPECULATORS_DIR / "model.safetensors"), "pt") as f:
             spec_shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
         assert spec_shapes["embed_tokens.weight"] == spec_shapes["lm_head.weight"] == (V, H)

@@ -54,17 +54,6 @@ def runner_logits(d, ids, feats, pos, anchor: int, k: int, choose_ids=None) -> t
     return torch.cat(seen)
 
 
-def compose_preset(name: str, overrides: list[str] | None = None):
-    """The typed config of preset `name` (as `python -m drafttrain conf=<name>` composes it)."""
-    from hydra import compose, initialize_config_dir
-
-    from drafttrain.__main__ import CONF_DIR, register_configs, to_train_config
-
-    register_configs()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return to_train_config(compose(config_name=name, overrides=overrides or []))
-
-
 # ---- the engines' reading rules (REFERENCES A3), independent of our loader ------------------
 def read_export(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """config.json and every tensor of an export, read with json and safetensors only."""

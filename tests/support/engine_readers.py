@@ -592,7 +592,9 @@ def speculators_dflash(export: Path, rec: RunRecord) -> EngineView:
         ref = rec.target_tensor(want) if want else rec.target_head()
         assert torch.equal(tensors.pop(name), ref.to(tensors["fc.weight"].dtype)), name
     assert "d2t" not in tensors and "t2d" not in tensors
-    return _dflash_common(layer, tensors, rec, slots, stype == "dflash2", f"speculators-{stype}")
+    view = _dflash_common(layer, tensors, rec, slots, stype == "dflash2", f"speculators-{stype}")
+    view.mask_token_id = cfg["mask_token_id"]
+    return view
 
 
 # ---- paths of the training machine ------------------------------------------------------------

@@ -1,8 +1,9 @@
 """The block drafter in vllm-project/speculators' layout (the export's `speculators/` folder).
 
 What speculators reads, from its source (`src/speculators/models/dflash/{config,core,dflash2}.py`
-on main, read 2026-09; REFERENCES A3; speculators is not installed here, so no test loads
-this folder with it):
+on main, read 2026-09; REFERENCES A3). speculators 0.9.0's own `DFlashDraftModel.from_pretrained`
+loads a plain DFlash folder as written and its blocks give our runner's logits
+(`tests/jobs/test_third_party_loaders.py`); the DFlash2 layout is not loaded by any test.
 
 - `config.json`: `speculators_model_type` `dflash` (`dflash2` with the conv and the selector),
   `architectures` (`DFlashSpeculator` / `DFlash2DraftModel`), `transformer_layer_config` (a
