@@ -209,10 +209,12 @@ class DFlashProposer(Proposer):
 
     @staticmethod
     @torch.no_grad()
-    def reference_drafts(drafter, ids, features, rope_pos, n, choose):
+    def reference_drafts(drafter, ids, features, rope_pos, n, choose, mm=None):
         """No-cache reference for one request: context = every row's feature (rows `[R]`),
         the block `[t_R, MASK x n]` at `pos_{R-1} + 1 + s`, one forward over the context keys
-        and the block with the dense mask of `attention.visible` in token indices."""
+        and the block with the dense mask of `attention.visible` in token indices. `mm` (the
+        multimodal rows' input embeddings) is not read: the context is target features only,
+        and the anchor, the last committed token, is text."""
         d = drafter
         if n == 0:
             return [], []
