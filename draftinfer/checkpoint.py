@@ -86,14 +86,16 @@ def write_speculators(
     k: int,
     input_embeddings: Callable[[], torch.Tensor],
     dtype: torch.dtype = torch.bfloat16,
+    output_embeddings: Callable[[], torch.Tensor] | None = None,
 ) -> Path | None:
     """Write `out_dir/speculators/` (`config.json` + `model.safetensors`): the same drafter in
     vllm-project/speculators' layout, when its kind has one (`DrafterSpec.speculators_layout`).
     A folder of its own because speculators and the engines disagree on `config.json` (its
     `speculators_model_type` / `speculators_config`) and on tensor names.
-    `input_embeddings()` reads the target's input embedding (called only if the layout holds it)."""
+    `input_embeddings()` / `output_embeddings()` read the target's input embedding and output
+    head (called only if the layout holds them)."""
     layout = spec_of(drafter).speculators_layout(
-        drafter, verifier, verifier_architectures, k, input_embeddings
+        drafter, verifier, verifier_architectures, k, input_embeddings, output_embeddings
     )
     if layout is None:
         return None

@@ -98,11 +98,13 @@ class DrafterSpec:
         verifier_architectures: list[str],
         k: int,
         input_embeddings: Callable[[], torch.Tensor],
+        output_embeddings: Callable[[], torch.Tensor] | None = None,
     ) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
         """The checkpoint in vllm-project/speculators' layout: (its `config.json`, tensors under
         its names), written to the export's `speculators/` folder; None if the kind has none.
         `verifier` is the target's name as recorded, `k` the drafts per round, and
-        `input_embeddings()` reads the target's input embedding `[V, H]` (only if needed)."""
+        `input_embeddings()` / `output_embeddings()` read the target's input embedding and
+        output head `[V, H]` (only if needed)."""
         return None
 
     def serving_hint(self, arch: Any, k: int, target: str, drafter: str) -> str:

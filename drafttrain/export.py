@@ -212,6 +212,7 @@ def export_run(
             serving_k,
             lambda: shared["input_embeddings"],
             _DTYPES[dtype_name],
+            lambda: shared["output_embeddings"],
         )
         if sub is not None and verifier == VERIFIER_DIR:
             copy_verifier(cfg, sub)

@@ -33,6 +33,8 @@ i+1+k) passes an index, never a shifted copy of the table.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -223,3 +225,88 @@ def linear_soft_ce_ref(hidden, weight, probs, rows, top1, group, groups: int = 1
         hits.append((hit & counted).sum().float())
         count.append(counted.sum().float())
     return torch.stack(loss), torch.stack(hits), torch.stack(count)
+
+
+# ---- per-row losses: weights decided after the forward (D-PACE) ------------------------------
+class RowCE(NamedTuple):
+    """`linear_soft_ce_rows`' outputs, one entry per hidden row."""
+
+    ce: torch.Tensor  # [N] fp32 soft cross-entropy, differentiable w.r.t. the hidden rows
+    hit: torch.Tensor  # [N] bool: argmax z == the label row's top-1
+    logp_top1: torch.Tensor  # [N] fp32 log-probability the draft gives the label's top-1
+    cand: torch.Tensor | None  # [N, topk] int64: the draft's top-k ids (None when topk=0)
+
+
+class _LinearSoftCERows(torch.autograd.Function):
+    """Per-row soft cross-entropy of a *frozen* head, logits never kept: forward makes the
+    unscaled `d ce[n] / d h[n] = (softmax(z) * sum(p) - p) @ W` per chunk, backward scales
+    row n by its incoming gradient (any per-row weight, known only after the forward)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, probs, rows, top1, topk, chunk, dtype, grads):
+        N, dev = hidden.shape[0], hidden.device
+        ce = torch.empty(N, dtype=torch.float32, device=dev)
+        hit = torch.empty(N, dtype=torch.float32, device=dev)
+        logp1 = torch.empty(N, dtype=torch.float32, device=dev)
+        cand = torch.empty(N, topk, dtype=torch.long, device=dev)
+        grad_h = torch.empty_like(hidden) if grads else None
+        w = weight.to(dtype)
+        with torch.autocast(dev.type, enabled=False):
+            for lo in range(0, N, chunk):
+                hi = min(N, lo + chunk)
+                z = F.linear(hidden[lo:hi].to(dtype), w)  # [c, V]
+                r = rows[lo:hi]
+                lse, ce[lo:hi], hit[lo:hi] = cuda_compiled_call(_forward_chunk, z, probs, r, top1)
+                logp1[lo:hi] = z.gather(1, top1[r][:, None])[:, 0].float() - lse
+                if topk:
+                    cand[lo:hi] = z.topk(topk, dim=-1).indices
+                if grads:
+                    ones = torch.ones(hi - lo, dtype=torch.float32, device=dev)
+                    dz = cuda_compiled_call(_backward_chunk, z, lse, probs, r, ones)
+                    grad_h[lo:hi] = dz @ w
+        ctx.save_for_backward(grad_h)
+        ctx.mark_non_differentiable(hit, logp1, cand)
+        return ce, hit, logp1, cand
+
+    @staticmethod
+    def backward(ctx, grad_ce, _hit, _logp1, _cand):
+        (grad_h,) = ctx.saved_tensors
+        return ((grad_h * grad_ce[:, None].to(grad_h.dtype)),) + (None,) * 8
+
+
+def linear_soft_ce_rows(
+    hidden: torch.Tensor,  # [N, H]
+    weight: torch.Tensor,  # [V, H] a frozen head (no gradient)
+    probs: torch.Tensor,  # [M, V] soft labels
+    rows: torch.Tensor,  # [N] int64 label row of each hidden row
+    top1: torch.Tensor,  # [M] int64 argmax of each label row
+    topk: int = 0,
+    chunk_elements: int = CHUNK_ELEMENTS,
+) -> RowCE:
+    """Per-row soft cross-entropy (differentiable w.r.t. `hidden`), top-1 agreement, the
+    draft's log-probability of the label's top-1 and (with `topk`) the draft's top-k ids,
+    without keeping `[N, V]` logits. The caller weights and sums the rows itself (per-row
+    weights that depend on the forward, e.g. D-PACE). Small problems run the plain formula
+    (`linear_soft_ce_rows_ref`); larger ones need a frozen head."""
+    if hidden.shape[0] * weight.shape[0] <= min(chunk_elements, PLAIN_ELEMENTS):
+        return linear_soft_ce_rows_ref(hidden, weight, probs, rows, top1, topk)
+    if weight.requires_grad:
+        raise ValueError("linear_soft_ce_rows: the chunked path needs a frozen head")
+    chunk = max(1, chunk_elements // weight.shape[0])
+    dtype = _compute_dtype(hidden, weight)
+    grads = torch.is_grad_enabled() and hidden.requires_grad
+    ce, hit, logp1, cand = _LinearSoftCERows.apply(
+        hidden, weight, probs, rows, top1, topk, chunk, dtype, grads
+    )
+    return RowCE(ce, hit.bool(), logp1, cand if topk else None)
+
+
+def linear_soft_ce_rows_ref(hidden, weight, probs, rows, top1, topk: int = 0) -> RowCE:
+    """The plain formula of `linear_soft_ce_rows` (same arguments), logits materialized."""
+    logits = F.linear(hidden, weight)  # [N, V]
+    logp = F.log_softmax(logits.float(), dim=-1)
+    ce = -(probs[rows].float() * logp).sum(-1)
+    hit = logits.argmax(-1) == top1[rows]
+    logp1 = logp.detach().gather(1, top1[rows][:, None])[:, 0]
+    cand = logits.detach().topk(topk, dim=-1).indices if topk else None
+    return RowCE(ce, hit, logp1, cand)

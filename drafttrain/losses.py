@@ -81,10 +81,14 @@ class DraftLoss:
         hits: torch.Tensor,  # [] counted rows whose top-1 agrees
         count: torch.Tensor,  # [] counted rows
         weight: float,
+        reported: torch.Tensor | None = None,
     ) -> None:
-        """Position k from sums over its counted rows (`drafttrain.fused_ce.linear_soft_ce`)."""
+        """Position k from sums over its counted rows (`drafttrain.fused_ce.linear_soft_ce`).
+        `reported`: the sum logged as `loss_k` when it is not `loss_sum` itself (an objective
+        whose per-row weights live inside `loss_sum` logs its plain per-row loss)."""
         self._sums.append(loss_sum)
-        self._stats.append(torch.stack([loss_sum.detach().double(), hits.double(), count.double()]))
+        shown = (loss_sum if reported is None else reported).detach().double()
+        self._stats.append(torch.stack([shown, hits.double(), count.double()]))
         self._weights.append(weight)
         self._keys.append(k)
 

@@ -176,9 +176,12 @@ def probs_dtype(logits_dtype: torch.dtype) -> torch.dtype:
 
 
 @torch.no_grad()
-def target_distribution(tgt: TargetOutput, vocab_ids: torch.Tensor | None = None) -> TargetDist:
+def target_distribution(
+    tgt: TargetOutput, vocab_ids: torch.Tensor | None = None, temperature: float = 1.0
+) -> TargetDist:
     """The target's distribution over `vocab_ids [Dv]` (ascending target ids, e.g. a drafter's
-    `draft_vocab_ids()`; None: the whole vocabulary) for every row of `tgt` (module docstring)."""
+    `draft_vocab_ids()`; None: the whole vocabulary) for every row of `tgt` (module docstring),
+    at `temperature` (a distillation temperature: `softmax(z / T)`; `top1` is the same)."""
     src = logit_source(tgt)
     B, T = src.shape
     V, N = src.vocab_size, B * T
@@ -203,5 +206,7 @@ def target_distribution(tgt: TargetOutput, vocab_ids: torch.Tensor | None = None
             in_vocab[lo:hi] = member[z.argmax(-1)]
             z = z.index_select(-1, vocab_ids)  # [c, Dv]
         top1[lo:hi] = z.argmax(-1)
+        if temperature != 1.0:
+            z = z.float() / temperature
         probs[lo:hi] = torch.softmax(z, dim=-1, dtype=torch.float32)
     return TargetDist(probs, top1, in_vocab, (B, T))

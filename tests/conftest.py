@@ -97,11 +97,14 @@ ZOO_RECIPE = [
     "export.verify_max_new_tokens=32",
 ]
 # Per-kind additions: a chain drafter unrolls 3 TTT steps; a parallel drafter serves K <= 7
-# (the T1 grid) and gets a few more steps for its K-1 extra depths.
+# (the T1 grid) and gets a few more steps for its K-1 extra depths; a block drafter's block of 8
+# serves K <= 7.
 ZOO_KIND_OVERRIDES: dict[str, list[str]] = {
     "eagle3": ["drafter.ttt_steps=3"],
     "ptd": ["drafter.parallel_k=7", "trainer.max_steps=150"],
     "mtp": [],
+    # A block of 8 serves K <= 7 (the T1 grid); two layers keep the session's runs short.
+    "dflash": ["drafter.block_size=8", "drafter.num_layers=2", "drafter.num_anchors=32"],
 }
 
 

@@ -33,11 +33,24 @@ def test_capabilities_are_declared_in_the_shared_vocabulary():
         assert fam.provides <= FEATURES and fam.requires <= INPUT_FORMS, name
 
 
+# The shipped pairs that do not fit yet, each with the work that would make it fit: a pair is
+# listed here on purpose (and refused in one line), never dropped from the catalogue silently.
+NOT_YET: dict[tuple[str, str], str] = {
+    ("dflash", "qwen3_vl"): "block slots at M-RoPE positions, issue 22 item 5",
+}
+
+
 @pytest.mark.parametrize("family", registered_families())
 def test_every_registered_kind_pairs_with_every_family(family):
-    """The shipped kinds all run on every shipped family (the catalogue runs each pair:
-    `tests/kinds` on text targets, `tests/families` on Qwen3-VL)."""
-    assert kinds_for_family(family) == registered_kinds()
+    """The shipped kinds all run on every shipped family but the pairs of `NOT_YET` (the
+    catalogue runs each pair: `tests/kinds` on text targets, `tests/families` on Qwen3-VL),
+    and those are refused by `check_pair` in one line naming both."""
+    unfit = [k for k in registered_kinds() if (k, family) in NOT_YET]
+    assert kinds_for_family(family) == [k for k in registered_kinds() if k not in unfit]
+    for kind in unfit:
+        with pytest.raises(ConfigError) as e:
+            check_pair(drafter_spec(kind), family_spec(family))
+        assert "\n" not in str(e.value) and kind in str(e.value) and family in str(e.value)
 
 
 @dataclass

@@ -168,7 +168,15 @@ def test_flex_ttt_attention_matches_eager_on_cuda():
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
 
 
-@pytest.mark.parametrize("preset", ["eagle3", "ptd_eagle3"])
+# Per-preset sizes of the tiny GPU training run (a block drafter has no draft vocabulary).
+GPU_TRAIN_OVERRIDES = {
+    "eagle3": ["drafter.draft_vocab_size=96"],
+    "ptd_eagle3": ["drafter.draft_vocab_size=96"],
+    "dflash": ["drafter.block_size=8", "drafter.num_layers=2", "drafter.num_anchors=16"],
+}
+
+
+@pytest.mark.parametrize("preset", list(GPU_TRAIN_OVERRIDES))
 def test_training_steps_on_cuda_with_flex_and_bf16(train_env, tmp_path, preset):
     """The GPU training path: bf16 target, bf16 autocast, flex attention (auto backend)."""
     from drafttrain.loggers import read_metrics
@@ -186,9 +194,9 @@ def test_training_steps_on_cuda_with_flex_and_bf16(train_env, tmp_path, preset):
             "trainer.save_every=0",
             "trainer.log_every=4",
             "data.batch_size=4",
-            "drafter.draft_vocab_size=96",
             "data.eval_split=null",
             "export.verify=false",
+            *GPU_TRAIN_OVERRIDES[preset],
         ],
     )
     assert cfg.drafter.attention_backend == "auto"

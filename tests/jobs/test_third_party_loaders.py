@@ -40,9 +40,11 @@ def _inputs(drafter, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids `[1, T + 1]` (row i consumes ids[i + 1]) and aux features `[1, T, 3H]` of the
     size real taps have."""
     g = torch.Generator().manual_seed(seed)
-    V = drafter.config.vocab_size
+    c = drafter.config
+    V = c.vocab_size
     ids = torch.randint(0, V, (1, T + 1), generator=g)
-    feats = 4 * torch.randn(1, T, 3 * drafter.config.target_hidden_size, generator=g)
+    width = c.features.width(getattr(c, "target_hidden_size", c.hidden_size))
+    feats = 4 * torch.randn(1, T, width, generator=g)
     return ids, feats
 
 
@@ -112,8 +114,36 @@ def _check_peagle(d, theirs: dict, record_property, kind: str) -> None:
     assert diff <= LOGIT_TOL
 
 
+def _check_dflash(d, theirs: dict, record_property, kind: str) -> None:
+    """DFlash: speculators' block of every anchor a >= 1 (token x_a, context f_j for j < a:
+    its rows pair token j with feature j) against our runner's first pass after committing
+    rows 0..a-1 (row i consumes `(x_{i+1}, f_i)`, so its anchor token is x_a): the B - 1 mask
+    slots' logits and drafts. Anchor 0 has no context, which the runner never drafts from."""
+    B = d.config.block_size
+    anchors = [int(a) for a in theirs["anchor"]]
+    assert len(anchors) >= 3
+    ids, feats = _inputs(d, SPECULATORS_CHECKS["dflash"][0])
+    logits = theirs["logits"][0].view(len(anchors), B, -1)
+    diffs = []
+    for j, a in enumerate(anchors):
+        if a == 0:
+            continue
+        ours, drafts = _runner_first_pass(d, ids, feats, a - 1, B - 1)  # [B-1, V], [B-1]
+        got = logits[j, 1:]
+        diffs.append((ours - got).abs().max().item())
+        assert torch.equal(got.argmax(-1), drafts)  # drafts equal
+    assert len(diffs) >= 2
+    diff = max(diffs)
+    _report(record_property, kind, diff)
+    assert diff <= LOGIT_TOL
+
+
 # Per speculators model type: the seed of the shared inputs and our side's comparison.
-SPECULATORS_CHECKS = {"eagle3": (0, _check_eagle3), "peagle": (1, _check_peagle)}
+SPECULATORS_CHECKS = {
+    "eagle3": (0, _check_eagle3),
+    "peagle": (1, _check_peagle),
+    "dflash": (2, _check_dflash),
+}
 
 
 def _side_inputs(d, stype: str) -> dict[str, torch.Tensor]:
@@ -121,6 +151,9 @@ def _side_inputs(d, stype: str) -> dict[str, torch.Tensor]:
     side uses (row i consumes ids[i + 1] and feature i, at position i)."""
     ids, feats = _inputs(d, SPECULATORS_CHECKS[stype][0])
     x = {"input_ids": ids[:, 1:], "hidden_states": feats, "position_ids": torch.arange(T)[None]}
+    if stype == "dflash":  # DFlash rows pair token j with the target's feature of token j
+        x["input_ids"] = ids[:, :T]
+        x["verifier_hidden_size"] = torch.tensor(d.config.hidden_size)
     if stype == "peagle":
         x["num_depths"] = torch.tensor(d.config.parallel_k)
         x["verifier_hidden_size"] = torch.tensor(d.config.target_hidden_size)

@@ -81,6 +81,27 @@ def test_export_contract_against_its_target(zoo_run, zoo_target, kind):
             assert p + "self_attn.q_proj.weight" in shapes and p + "mlp.down_proj.weight" in shapes
         assert shapes[f"model.layers.{L}.embed_tokens.weight"] == (V, H)
         assert not (export / SPECULATORS_DIR).exists()  # speculators has no such MTP layout
+    if cfg["architectures"] in (["DFlashDraftModel"], ["DFlash2DraftModel"]):
+        # z-lab layout (vLLM `method: dflash`, SGLang `DFLASH`); tests/kinds/test_dflash_export.py
+        # checks every field and tensor name of each option.
+        dc = cfg["dflash_config"]
+        assert cfg["model_type"] == "qwen3" and cfg["num_target_layers"] == L
+        assert dc["target_layer_ids"] == [j - 1 for j in arch.tap_layer_ids]  # convention 13
+        assert all(0 <= t <= L - 2 for t in dc["target_layer_ids"])
+        assert cfg["eagle_aux_hidden_state_layer_ids"] == [t + 1 for t in dc["target_layer_ids"]]
+        assert cfg["block_size"] == dc["block_size"] == ours["serving_k"] + 1
+        assert 0 <= dc["mask_token_id"] < V
+        assert not any(k.startswith(("model.", "lm_head", "mask_hidden")) for k in shapes)
+        assert shapes["fc.weight"] == (H, len(dc["target_layer_ids"]) * H)
+        spec_cfg = json.loads((export / SPECULATORS_DIR / "config.json").read_text())
+        assert spec_cfg["speculators_model_type"] == "dflash"
+        assert spec_cfg["aux_hidden_state_layer_ids"] == cfg["eagle_aux_hidden_state_layer_ids"]
+        # A zoo target has no hub id: the verifier is the copy inside the folder.
+        assert spec_cfg["speculators_config"]["verifier"]["name_or_path"] == "verifier"
+        assert (export / SPECULATORS_DIR / "verifier" / "model.safetensors").is_file()
+        with safe_open(str(export / SPECULATORS_DIR / "model.safetensors"), "pt") as f:
+            spec_shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        assert spec_shapes["embed_tokens.weight"] == spec_shapes["lm_head.weight"] == (V, H)
     if cfg["architectures"] == ["LlamaForCausalLMEagle3"]:
         assert cfg["hidden_size"] == cfg["target_hidden_size"]
         Dd = cfg["draft_vocab_size"]

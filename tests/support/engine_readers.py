@@ -301,13 +301,31 @@ def _verifier_dir(folder: Path, name: str) -> Path | None:
     return local if local.is_dir() else None
 
 
+def _check_verifier(folder: Path, cfg: dict[str, Any], rec: RunRecord) -> None:
+    """speculators' verifier: a hub id, or the copy inside the folder that is the target."""
+    from drafttrain.target import is_hub_id
+
+    verifier = cfg["speculators_config"]["verifier"]
+    assert verifier["architectures"] == rec.target_config["architectures"]
+    name = verifier["name_or_path"]
+    vdir = _verifier_dir(folder, name)
+    if vdir is None:  # a hub id; `export.hub_base_model` or the target's own name
+        assert is_hub_id(name), f"verifier {name!r} is neither inside the folder nor a hub id"
+        return
+    vcfg = read_json(vdir / "config.json")
+    assert vcfg["architectures"] == verifier["architectures"]
+    assert {k: v for k, v in vcfg.items() if k != "_name_or_path"} == {
+        k: v for k, v in rec.target_config.items() if k != "_name_or_path"
+    }
+    for k, v in read_weights(vdir).items():
+        assert torch.equal(v, rec.target_weights[k]), k
+
+
 def speculators_eagle3(export: Path, rec: RunRecord, stype: str = "eagle3") -> EngineView:
     """vllm-project/speculators 0.9.0 `Eagle3DraftModel` (`speculators/config.py`, `model.py`,
     `models/eagle3/{config,core}.py`): `speculators_model_type`, `transformer_layer_config`,
     `speculators_config.verifier{name_or_path, architectures}`, tensors under module names
     (`layers.0.*`, no `midlayer.*`), the target's `embed_tokens`, `d2t`/`t2d` when pruned."""
-    from drafttrain.target import is_hub_id
-
     folder = export / "speculators"
     cfg = read_json(folder / "config.json")
     tensors = read_tensors(folder / "model.safetensors")
@@ -324,20 +342,7 @@ def speculators_eagle3(export: Path, rec: RunRecord, stype: str = "eagle3") -> E
     assert len(set(aux)) == len(aux) and all(0 <= j <= rec.num_layers for j in aux)
     proposal = cfg["speculators_config"]["proposal_methods"][0]
     assert proposal["speculative_tokens"] == rec.state["objective"]["serving_k"]
-    verifier = cfg["speculators_config"]["verifier"]
-    assert verifier["architectures"] == rec.target_config["architectures"]
-    name = verifier["name_or_path"]
-    vdir = _verifier_dir(folder, name)
-    if vdir is None:  # a hub id; `export.hub_base_model` or the target's own name
-        assert is_hub_id(name), f"verifier {name!r} is neither inside the folder nor a hub id"
-    else:  # the copy inside the folder is the target
-        vcfg = read_json(vdir / "config.json")
-        assert vcfg["architectures"] == verifier["architectures"]
-        assert {k: v for k, v in vcfg.items() if k != "_name_or_path"} == {
-            k: v for k, v in rec.target_config.items() if k != "_name_or_path"
-        }
-        for k, v in read_weights(vdir).items():
-            assert torch.equal(v, rec.target_weights[k]), k
+    _check_verifier(folder, cfg, rec)
     # The shared embedding speculators would otherwise fetch from the verifier.
     assert torch.equal(
         tensors["embed_tokens.weight"],
@@ -460,6 +465,138 @@ def mtp_stitched(export: Path, rec: RunRecord) -> EngineView:
     return _mtp_check(cfg, mtp, rec, "vllm-mtp-stitched")
 
 
+# ---- block drafters (DFlash) --------------------------------------------------------------------
+_DFLASH_ARCHS = (["DFlashDraftModel"], ["DFlash2DraftModel"])
+
+
+def _dflash_tensor_names(cfg: dict[str, Any], n_taps: int, dflash2: bool) -> dict[str, tuple]:
+    """The tensors vLLM's `qwen3_dflash.py` / SGLang's DFlash model load (REFERENCES A3), with
+    shapes: `fc` (n taps -> H), `hidden_norm`, `norm`, Qwen3 layers with q/k norms; DFlash2
+    adds each layer's `{attention,mlp}_conv` and the `candidate_selector`. No `model.` prefix
+    (vLLM prepends it), no `mask_hidden` (vLLM asserts its absence), no embedding or head."""
+    H, ffn = cfg["hidden_size"], cfg["intermediate_size"]
+    nq, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    names: dict[str, tuple] = {
+        "fc.weight": (H, n_taps * H),
+        "hidden_norm.weight": (H,),
+        "norm.weight": (H,),
+    }
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"layers.{i}."
+        names.update(
+            {
+                p + "self_attn.q_proj.weight": (nq * hd, H),
+                p + "self_attn.k_proj.weight": (nkv * hd, H),
+                p + "self_attn.v_proj.weight": (nkv * hd, H),
+                p + "self_attn.o_proj.weight": (H, nq * hd),
+                p + "self_attn.q_norm.weight": (hd,),
+                p + "self_attn.k_norm.weight": (hd,),
+                p + "mlp.gate_proj.weight": (ffn, H),
+                p + "mlp.up_proj.weight": (ffn, H),
+                p + "mlp.down_proj.weight": (H, ffn),
+                p + "input_layernorm.weight": (H,),
+                p + "post_attention_layernorm.weight": (H,),
+            }
+        )
+        if dflash2:
+            for conv in ("attention_conv", "mlp_conv"):
+                names[p + conv + ".base_kernel"] = None  # shape: the conv's own fields
+                names[p + conv + ".kernel_projection.weight"] = None
+    if dflash2:
+        for t in ("predecessor_codebook", "successor_codebook", "hidden_projection.weight"):
+            names["candidate_selector." + t] = None
+    return names
+
+
+def _dflash_common(cfg, tensors, rec: RunRecord, slots: list[int], dflash2: bool, layout: str):
+    """What both DFlash layouts must agree with the trained drafter on: the Qwen3 sizes, the
+    taps (HF `hidden_states` slots: never the last layer's, which no engine captures inside
+    its layer loop), every tensor name and shape, and the trained values."""
+    a, tc, L = rec.arch, text_config(rec.target_config), rec.num_layers
+    assert cfg["model_type"] == "qwen3" and cfg["vocab_size"] == tc["vocab_size"]
+    assert cfg["hidden_size"] == tc["hidden_size"]  # the target's embedding and head are shared
+    for key in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
+        assert cfg[key] == a[key], key
+    assert cfg["num_hidden_layers"] == a["num_hidden_layers"]
+    assert cfg["max_position_embeddings"] >= tc["max_position_embeddings"]
+    _check_rope(cfg, rec, rope_parameters=False)
+    assert len(set(slots)) == len(slots) and all(1 <= j <= L - 1 for j in slots), slots
+    want = _dflash_tensor_names(cfg, len(slots), dflash2)
+    assert set(tensors) == set(want), sorted(set(tensors) ^ set(want))
+    for name, shape in want.items():
+        if shape is not None:
+            assert tuple(tensors[name].shape) == shape, (name, tensors[name].shape, shape)
+    for name, t in tensors.items():
+        own = name.removesuffix(".weight") if name.endswith("_codebook.weight") else name
+        _close(t, rec.drafter[own], name)
+    return EngineView(layout, layer_taps=slots, tensors=tensors)
+
+
+def vllm_sglang_dflash(export: Path, rec: RunRecord) -> EngineView:
+    """The z-lab layout at the export's root, read by vLLM (`method: dflash`) and SGLang
+    (`DFLASH`). Taps (REFERENCES A3): vLLM `get_eagle3_aux_layers_from_config` takes
+    `eagle_aux_hidden_state_layer_ids` as is, else `dflash_config.target_layer_ids` + 1;
+    SGLang reads only `dflash_config.target_layer_ids` (else top-level), checks `0 <= t < L`
+    and adds 1; both capture slot k before layer k runs (HF `hidden_states[k]`). The two
+    readings must name the same slots."""
+    cfg = read_json(export / "config.json")
+    tensors = read_tensors(export / "model.safetensors")
+    assert cfg["architectures"] in _DFLASH_ARCHS, cfg["architectures"]
+    dc, L = cfg["dflash_config"], rec.num_layers
+    assert cfg["num_target_layers"] == L
+    ids = dc.get("target_layer_ids", cfg.get("target_layer_ids"))
+    assert all(0 <= t < L for t in ids), ids  # SGLang's check
+    sglang = [t + 1 for t in ids]
+    vllm = cfg.get("eagle_aux_hidden_state_layer_ids")
+    vllm = list(vllm) if vllm is not None else sglang
+    assert vllm == sglang, (vllm, sglang)
+    B = dc.get("block_size", cfg.get("block_size"))
+    assert B == cfg.get("block_size", B) == rec.arch["block_size"]
+    assert rec.state["objective"]["serving_k"] <= B - 1
+    mask = dc["mask_token_id"]
+    assert mask == rec.arch["mask_token_id"] and 0 <= mask < cfg["vocab_size"]
+    assert bool(dc.get("causal", False)) == rec.arch["causal_block"]
+    dflash2 = cfg["architectures"] == ["DFlash2DraftModel"]
+    if dflash2:
+        for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            assert dc[key] == rec.arch[key], key
+    assert cfg["torch_dtype"] == str(next(iter(_floats(tensors))).dtype).removeprefix("torch.")
+    view = _dflash_common(cfg, tensors, rec, sglang, dflash2, "vllm-sglang-dflash")
+    view.mask_token_id = mask
+    return view
+
+
+def speculators_dflash(export: Path, rec: RunRecord) -> EngineView:
+    """speculators `dflash` / `dflash2` (`models/dflash/config.py`; REFERENCES A3) and vLLM's
+    `update_dflash` of it: `aux_hidden_state_layer_ids` are capture *slots* (vLLM sets
+    `eagle_aux_hidden_state_layer_ids = aux` and `target_layer_ids = aux - 1`), the Qwen3
+    sizes under `transformer_layer_config`, the full vocabulary (no `d2t` / `t2d`), the
+    target's `embed_tokens` and `lm_head` stored, codebooks as `nn.Embedding` (`.weight`)."""
+    folder = export / "speculators"
+    cfg = read_json(folder / "config.json")
+    tensors = read_tensors(folder / "model.safetensors")
+    stype = cfg["speculators_model_type"]
+    assert stype in ("dflash", "dflash2") and cfg["speculators_config"]["algorithm"] == stype
+    layer = cfg["transformer_layer_config"]
+    assert layer["model_type"] == "qwen3"
+    assert cfg["draft_vocab_size"] == layer["vocab_size"]  # not pruned
+    assert cfg["target_hidden_size"] == text_config(rec.target_config)["hidden_size"]
+    assert cfg["block_size"] == rec.arch["block_size"]
+    assert cfg["mask_token_id"] == rec.arch["mask_token_id"]
+    assert cfg["sample_from_anchor"] is False  # proposals are the B - 1 mask slots
+    proposal = cfg["speculators_config"]["proposal_methods"][0]
+    assert proposal["speculative_tokens"] == rec.state["objective"]["serving_k"]
+    _check_verifier(folder, cfg, rec)
+    slots = list(cfg["aux_hidden_state_layer_ids"])  # slots as is (`update_dflash`)
+    for name, want in (("embed_tokens.weight", "embed_tokens.weight"), ("lm_head.weight", None)):
+        ref = rec.target_tensor(want) if want else rec.target_head()
+        assert torch.equal(tensors.pop(name), ref.to(tensors["fc.weight"].dtype)), name
+    assert "d2t" not in tensors and "t2d" not in tensors
+    view = _dflash_common(layer, tensors, rec, slots, stype == "dflash2", f"speculators-{stype}")
+    view.mask_token_id = cfg["mask_token_id"]
+    return view
+
+
 # ---- paths of the training machine ------------------------------------------------------------
 REPO = Path(__file__).resolve().parents[2]
 # The user's own record (the resolved training config, the human-readable card with local
@@ -498,6 +635,7 @@ LAYOUTS: dict[str, tuple[Reader, ...]] = {
     "eagle3": (vllm_eagle3, speculators_eagle3),
     "ptd": (vllm_ptd, speculators_peagle),
     "mtp": (mtp_standalone, mtp_stitched),
+    "dflash": (vllm_sglang_dflash, speculators_dflash),
 }
 
 

@@ -8,7 +8,7 @@ It loads the folder *as it is* with vllm-project/speculators 0.9.0's own `from_p
 (the export's recorded verifier resolves from this working directory), in fp32, runs its
 forward on the inputs our side wrote (`INPUTS`, safetensors) and writes what it computed to
 `OUT` (safetensors): the `lm_head` outputs (`logits`), every tensor of its state dict
-(`state.<name>`) and, for P-EAGLE, the (anchor, depth) slots it sampled. Metadata (versions,
+(`state.<name>`) and, for P-EAGLE and DFlash, the anchors (and depths) of its slots. Metadata (versions,
 the verifier it resolved, keys it loaded from nowhere) goes into the file's metadata.
 Only torch, safetensors and speculators are imported: this runs beside transformers 5.19.
 """
@@ -28,6 +28,8 @@ def _load(kind: str):
         from speculators.models.eagle3 import Eagle3DraftModel as cls
     elif kind == "peagle":
         from speculators.models.peagle import PEagleDraftModel as cls
+    elif kind == "dflash":
+        from speculators.models.dflash import DFlashDraftModel as cls
     else:
         raise SystemExit(f"unknown speculators kind {kind!r}")
     return cls.from_pretrained(".", dtype=torch.float32).eval()
@@ -83,6 +85,33 @@ def _forward_peagle(model, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     }
 
 
+def _forward_dflash(model, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # speculators draws anchors at random among the loss-mask tokens but the last block; with
+    # every token in the mask and `max_anchors` equal to that count, every one of them is an
+    # anchor (sorted), so the blocks are known in advance.
+    from speculators.losses.eager import kl_div_loss
+
+    T = x["input_ids"].shape[1]
+    n = T - model.block_size
+    seen = _capture_lm_head(model)
+    with torch.no_grad():
+        model(
+            # its own eager loss: the default one is a Triton kernel, which needs a GPU
+            loss_config={"kl_div": (kl_div_loss, 1.0)},
+            hidden_states=x["hidden_states"],
+            input_ids=x["input_ids"],
+            loss_mask=torch.ones(1, T),
+            verifier_last_hidden_states=torch.zeros(1, T, int(x["verifier_hidden_size"])),
+            document_ids=torch.zeros(1, T, dtype=torch.long),
+            position_ids=x["position_ids"],
+            max_anchors=n,
+        )
+    return {"logits": seen[0], "anchor": torch.arange(n)}
+
+
+FORWARDS = {"eagle3": _forward_eagle3, "peagle": _forward_peagle, "dflash": _forward_dflash}
+
+
 def main(kind: str, inputs: str, out: str) -> None:
     import importlib.metadata
 
@@ -92,7 +121,7 @@ def main(kind: str, inputs: str, out: str) -> None:
     model = _load(kind)
     result = {}
     if x:  # no inputs: load only
-        result = (_forward_eagle3 if kind == "eagle3" else _forward_peagle)(model, x)
+        result = FORWARDS[kind](model, x)
     state = {f"state.{k}": v.detach().clone().contiguous() for k, v in model.state_dict().items()}
     on_disk = set(load_file("model.safetensors"))
     cfg = model.config

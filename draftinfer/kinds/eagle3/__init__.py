@@ -62,7 +62,9 @@ class Eagle3Spec(DrafterSpec):
             for k, v in tensors.items()
         }
 
-    def speculators_layout(self, module, verifier, verifier_architectures, k, input_embeddings):
+    def speculators_layout(
+        self, module, verifier, verifier_architectures, k, input_embeddings, output_embeddings=None
+    ):
         """vllm-project/speculators' `Eagle3Speculator` layout (`speculators.py` says what its
         loader reads)."""
         arch = module.config

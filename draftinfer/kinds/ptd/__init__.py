@@ -26,7 +26,9 @@ class PTDSpec(Eagle3Spec):
                 f"k={k} exceeds the K={arch.parallel_k} this parallel drafter was trained for"
             )
 
-    def speculators_layout(self, module, verifier, verifier_architectures, k, input_embeddings):
+    def speculators_layout(
+        self, module, verifier, verifier_architectures, k, input_embeddings, output_embeddings=None
+    ):
         """speculators' P-EAGLE (`PEagleSpeculator`) layout: the EAGLE-3 one plus `mask_hidden`
         (a module tensor) and `mask_token_id` at the top level of its config."""
         config, tensors = super().speculators_layout(

@@ -1,0 +1,112 @@
+"""Block drafters (`dflash`: DFlash, with DFlash2's conv and candidate selector and JetSpec's
+causal block as options): config, module, proposer and the serving adapters, registered as
+the drafter kind `dflash`."""
+
+from __future__ import annotations
+
+import torch
+
+from draftinfer.errors import CheckpointError
+from draftinfer.kinds.dflash.config import DFlashConfig
+from draftinfer.kinds.dflash.module import DFlashDrafter
+from draftinfer.kinds.dflash.proposer import DFlashProposer
+from draftinfer.kinds.dflash.speculators import speculators_config, speculators_tensors
+from draftinfer.registry import DrafterSpec, register_drafter
+
+
+class DFlashSpec(DrafterSpec):
+    name = "dflash"
+    config_class = DFlashConfig
+    module_class = DFlashDrafter
+    proposer_class = DFlashProposer
+    mode = "block drafting"
+    # The context's own norm (top level; EAGLE-3's `hidden_norm` lives inside layer 0).
+    mode_tensors = frozenset({"hidden_norm.weight"})
+    parallel_drafting = True  # one forward drafts the whole block
+    needs = frozenset({"layer_inputs"})
+    # Text targets only for now: block slots at M-RoPE positions and multimodal context rows
+    # (issue 22 item 5) are not built, so a Qwen3-VL target is refused by `check_pair`.
+    handles: frozenset[str] = frozenset()
+
+    def conventions(self, arch) -> dict[str, str]:
+        # Convention 2 (our taps are layer inputs; the checkpoint's `target_layer_ids` are
+        # those minus 1) and 13 (block slot s of the anchor at p_anchor + s).
+        return {
+            **super().conventions(arch),
+            "aux_tap": "layer_input",
+            "block_convention": "anchor_then_mask",
+        }
+
+    def attach_shared(self, module, shared: dict[str, torch.Tensor]) -> None:
+        for role, param in (
+            ("input_embeddings", module.embed_tokens.weight),
+            ("output_embeddings", module.lm_head.weight),
+        ):
+            t = shared.get(role)
+            if t is None or tuple(t.shape) != tuple(param.shape):
+                got = None if t is None else tuple(t.shape)
+                raise CheckpointError(
+                    f"target {role.replace('_', ' ')} {got} do not fit the block drafter "
+                    f"{tuple(param.shape)}"
+                )
+            with torch.no_grad():
+                param.copy_(t)
+
+    def check_fit(self, arch, info) -> None:
+        if info.num_layers != arch.num_target_layers:
+            raise CheckpointError(
+                f"block drafter made for a target of {arch.num_target_layers} layers "
+                f"(num_target_layers); this target has {info.num_layers}"
+            )
+        super().check_fit(arch, info)
+
+    def check_k(self, arch, k: int) -> None:
+        if k > arch.block_size - 1:
+            raise CheckpointError(
+                f"k={k} exceeds the {arch.block_size - 1} drafts of this drafter's block "
+                f"(block_size {arch.block_size})"
+            )
+
+    def speculators_layout(
+        self, module, verifier, verifier_architectures, k, input_embeddings, output_embeddings=None
+    ):
+        config = speculators_config(module.config, verifier, verifier_architectures, k)
+        if config is None or output_embeddings is None:
+            return None
+        return config, speculators_tensors(module, input_embeddings(), output_embeddings())
+
+    def serving_hint(self, arch, k: int, target: str, drafter: str) -> str:
+        B = arch.block_size
+        spec_cfg = f'{{"method": "dflash", "model": "{drafter}", "num_speculative_tokens": {k}}}'
+        notes = [
+            f"Block size {B} (K = {B - 1} drafts per round at most), mask token "
+            f"{arch.mask_token_id}; `dflash_config.target_layer_ids` {arch.target_layer_ids} "
+            f"name the *outputs* of those target layers (HF `hidden_states[t + 1]`), and "
+            f"`eagle_aux_hidden_state_layer_ids` {list(arch.tap_layer_ids)} the same layers as "
+            "vLLM capture slots (vLLM older than #40727 misreads the first: check your version)."
+        ]
+        if arch.dflash2:
+            notes.append(
+                "DFlash2 (`DFlash2DraftModel`): vLLM needs an unquantized target `lm_head` (the "
+                "selector takes a top-k over the full vocabulary)."
+            )
+        if arch.causal_block:
+            notes.append("Causal block (JetSpec, `dflash_config.causal: true`): vLLM only.")
+        if "sliding_attention" in arch.layer_types and "full_attention" in arch.layer_types:
+            notes.append(
+                "Sliding and full layers mixed: vLLM needs its model runner V2 "
+                "(`VLLM_USE_V2_MODEL_RUNNER=1`)."
+            )
+        return (
+            "vLLM:\n\n```bash\n"
+            f"vllm serve {target} --speculative-config '{spec_cfg}'\n```\n\n"
+            "SGLang:\n\n```bash\n"
+            f"python -m sglang.launch_server --model-path {target} "
+            f"--speculative-algorithm DFLASH --speculative-draft-model-path {drafter} "
+            f"--speculative-num-draft-tokens {B}\n```\n\n" + "\n\n".join(notes)
+        )
+
+
+register_drafter(DFlashSpec())
+
+__all__ = ["DFlashConfig", "DFlashDrafter", "DFlashProposer", "DFlashSpec"]

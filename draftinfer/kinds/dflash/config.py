@@ -1,0 +1,280 @@
+"""Block drafter (`dflash`) architecture: what a checkpoint's `config.json` describes.
+
+Serving format: the z-lab native layout that vLLM (`method: dflash`) and SGLang (`DFLASH`) load
+as-is (REFERENCES A3): Qwen3 decoder fields at the top level, `architectures`
+`DFlashDraftModel` (or `DFlash2DraftModel` with the conv and selector), `num_target_layers`,
+`block_size` (top level and in `dflash_config`, as older and newer checkpoints put it),
+`dflash_config{mask_token_id, target_layer_ids, block_size, [causal], [conv_*, selector_*]}`,
+and `eagle_aux_hidden_state_layer_ids` = `target_layer_ids + 1` (what vLLM reads first;
+convention 13, `draftinfer.kinds.dflash.taps`).
+
+Options of the one kind (K2 pins that each default reproduces plain DFlash):
+- `causal_block` (JetSpec): slot i of a block sees slots <= i only (`dflash_config.causal`);
+- `layer_types` / `sliding_window`: sliding-window layers, causal inside the block (the rule
+  vLLM, SpecForge and speculators apply to `sliding_attention` layers);
+- `conv_kernel_size > 0` (DFlash2): a grouped dynamic causal conv around each sublayer;
+- `selector_top_k > 0` (DFlash2): the low-rank candidate selector over the top-k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
+
+from draftinfer.checkfields import require
+from draftinfer.errors import CheckpointError, ConfigError
+from draftinfer.kinds.dflash.taps import (
+    check_dflash_ids,
+    dflash_id_of_tap,
+    tap_of_dflash_id,
+)
+from draftinfer.rope import parse_rope
+from draftinfer.target import FeatureSpec
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# dflash_config fields of other DFlash-family variants this code does not implement: a
+# checkpoint that sets them to anything but the identity is refused, never half-served.
+_IDENTITY_FIELDS = {
+    "output_multiplier": 1.0,
+    "input_embedding_scale": 1.0,
+    "final_logit_softcapping": None,
+    "sample_from_anchor": False,
+    "projector_type": "dflash",
+    "attention_sink_bias": None,
+}
+
+
+@dataclass
+class DFlashConfig:
+    kind: ClassVar[str] = "dflash"
+    speculators_type: ClassVar[str] = "dflash"
+    speculators_architecture: ClassVar[str] = "DFlashSpeculator"
+
+    hidden_size: int  # = the target's (the block embeds with the target's embedding)
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int  # the target's vocabulary (the head is the target's)
+    num_target_layers: int
+    # Our taps: inputs of target layers j (convention 2), concatenated in this order; the
+    # checkpoint writes them as DFlash ids t = j - 1.
+    tap_layer_ids: list[int] = field(default_factory=list)
+    num_hidden_layers: int = 5
+    block_size: int = 16
+    mask_token_id: int = 0
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    # Per layer "full_attention" / "sliding_attention" (empty: all full).
+    layer_types: list[str] = field(default_factory=list)
+    sliding_window: int | None = None
+    causal_block: bool = False
+    conv_kernel_size: int = 0  # 0: no conv (DFlash2: 2)
+    conv_group_size: int = 16
+    selector_top_k: int = 0  # 0: no candidate selector (DFlash2: 16)
+    selector_rank: int = 256
+
+    def __post_init__(self) -> None:
+        self.rope_theta, self.rope_scaling = parse_rope(
+            {"rope_theta": self.rope_theta, **(self.rope_scaling or {})},
+            self.head_dim,
+            f"{self.kind} drafter",
+        )
+        self.tap_layer_ids = [int(j) for j in self.tap_layer_ids]
+        check_dflash_ids(
+            [dflash_id_of_tap(j) for j in self.tap_layer_ids],
+            self.num_target_layers,
+            "target_layer_ids (DFlash ids of the taps)",
+        )
+        if self.num_hidden_layers < 1:
+            raise ConfigError(f"a block drafter needs >= 1 layer, got {self.num_hidden_layers}")
+        if self.block_size < 2:
+            raise ConfigError(f"block_size must be >= 2 (anchor + 1 mask), got {self.block_size}")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ConfigError(
+                f"mask_token_id {self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        self.layer_types = list(self.layer_types) or ["full_attention"] * self.num_hidden_layers
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(
+                f"layer_types has {len(self.layer_types)} entries for "
+                f"{self.num_hidden_layers} layers"
+            )
+        bad = [t for t in self.layer_types if t not in LAYER_TYPES]
+        if bad:
+            raise ConfigError(f"layer_types {bad} not in {LAYER_TYPES}")
+        if "sliding_attention" in self.layer_types and not (self.sliding_window or 0) > 0:
+            raise ConfigError("sliding_attention layers need sliding_window > 0")
+        if self.conv_kernel_size < 0 or (
+            self.conv_kernel_size and self.hidden_size % self.conv_group_size
+        ):
+            raise ConfigError(
+                f"conv_kernel_size {self.conv_kernel_size} / conv_group_size "
+                f"{self.conv_group_size}: the group size must divide hidden_size {self.hidden_size}"
+            )
+        if not 0 <= self.selector_top_k <= self.vocab_size:
+            raise ConfigError(
+                f"selector_top_k {self.selector_top_k} must be in 0..{self.vocab_size}"
+            )
+
+    # -- what every drafter config provides -----------------------------------------------
+    @property
+    def target_hidden_size(self) -> int:
+        return self.hidden_size
+
+    @property
+    def features(self) -> FeatureSpec:
+        """The inputs of the tapped target layers, concatenated (`fc`'s input)."""
+        return FeatureSpec(layer_inputs=tuple(self.tap_layer_ids))
+
+    @property
+    def dflash2(self) -> bool:
+        return bool(self.conv_kernel_size or self.selector_top_k)
+
+    @property
+    def architecture(self) -> str:
+        return "DFlash2DraftModel" if self.dflash2 else "DFlashDraftModel"
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        """The taps in DFlash semantics (what `dflash_config.target_layer_ids` holds)."""
+        return [dflash_id_of_tap(j) for j in self.tap_layer_ids]
+
+    def layer_causal(self, i: int) -> bool:
+        """Whether layer i is causal inside the block: the JetSpec option, or a sliding layer."""
+        return self.causal_block or self.layer_types[i] == "sliding_attention"
+
+    def layer_window(self, i: int) -> int | None:
+        return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_hf(self) -> dict[str, Any]:
+        """The engine-facing config.json fields (ours go under `drafttrain`)."""
+        t = self.target_layer_ids
+        sliding = "sliding_attention" in self.layer_types
+        dflash = {"mask_token_id": self.mask_token_id, "target_layer_ids": t}
+        dflash["block_size"] = self.block_size
+        if self.causal_block:
+            # Only `true` is written: vLLM's precedence (is_causal -> dflash_config.causal ->
+            # sliding layer => causal) would let an explicit `false` override the sliding
+            # layers' causality.
+            dflash["causal"] = True
+        if self.conv_kernel_size:
+            dflash.update(
+                conv_kernel_size=self.conv_kernel_size, conv_group_size=self.conv_group_size
+            )
+        if self.selector_top_k:
+            dflash.update(selector_top_k=self.selector_top_k, selector_rank=self.selector_rank)
+        d = {
+            "architectures": [self.architecture],
+            "model_type": "qwen3",
+            "hidden_act": "silu",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "tie_word_embeddings": False,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "layer_types": list(self.layer_types),
+            "use_sliding_window": sliding,
+            "sliding_window": self.sliding_window if sliding else None,
+            "num_target_layers": self.num_target_layers,
+            "block_size": self.block_size,
+            "dflash_config": dflash,
+            # vLLM reads this first and uses it as capture slots: t + 1 (convention 13).
+            "eagle_aux_hidden_state_layer_ids": [tap_of_dflash_id(x) for x in t],
+        }
+        if self.rope_scaling and "mrope_section" in self.rope_scaling:
+            d["rope_parameters"] = {"rope_theta": self.rope_theta, **self.rope_scaling}
+        return d
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any], where: str = "config.json") -> DFlashConfig:
+        """Parse a z-lab layout config.json: the fields engines read, by their rules."""
+        try:
+            return cls(**cls.hf_fields(d, where))
+        except ConfigError as e:
+            raise CheckpointError(f"{where}: {e}") from None
+
+    @classmethod
+    def hf_fields(cls, d: dict[str, Any], where: str) -> dict[str, Any]:
+        dc = require(d, "dflash_config", where)
+        if not isinstance(dc, dict):
+            raise CheckpointError(f"{where}: dflash_config must be a mapping")
+        for key, identity in _IDENTITY_FIELDS.items():
+            value = dc.get(key, d.get(key, identity))
+            if value != identity:
+                raise CheckpointError(
+                    f"{where}: {key}={value!r} (a DFlash-family variant this code does not run)"
+                )
+        if d.get("is_neox_style", True) is not True:
+            raise CheckpointError(f"{where}: is_neox_style false (GPT-J RoPE) is not supported")
+        L = int(require(d, "num_target_layers", where))
+        t = [int(x) for x in require(dc, "target_layer_ids", f"{where} [dflash_config]")]
+        taps = [tap_of_dflash_id(x) for x in t]
+        aux = d.get("eagle_aux_hidden_state_layer_ids")
+        if aux is not None and [int(x) for x in aux] != taps:
+            raise CheckpointError(
+                f"{where}: eagle_aux_hidden_state_layer_ids {list(aux)} != target_layer_ids + 1 "
+                f"{taps} (vLLM reads the first, SGLang the second: they must name the same layers)"
+            )
+        blocks = {int(x) for x in (d.get("block_size"), dc.get("block_size")) if x is not None}
+        if len(blocks) != 1:
+            raise CheckpointError(
+                f"{where}: block_size missing or inconsistent "
+                f"(top level {d.get('block_size')}, dflash_config {dc.get('block_size')})"
+            )
+        num_layers = int(require(d, "num_hidden_layers", where))
+        layer_types = list(d.get("layer_types") or ["full_attention"] * num_layers)
+        window = d.get("sliding_window")
+        if dc.get("use_swa"):  # vLLM: use_swa / swa_window_size force every layer to SWA
+            layer_types = ["sliding_attention"] * num_layers
+            window = int(require(dc, "swa_window_size", f"{where} [dflash_config]"))
+        elif "sliding_attention" not in layer_types:
+            window = None
+        causal = bool(d.get("is_causal", dc.get("causal", False)))
+        names = (
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "vocab_size",
+            "rms_norm_eps",
+            "rope_theta",
+            "max_position_embeddings",
+        )
+        out = {n: require(d, n, where) for n in names}
+        out["rope_scaling"] = d.get("rope_scaling")
+        return {
+            **out,
+            "num_target_layers": L,
+            "tap_layer_ids": taps,
+            "num_hidden_layers": num_layers,
+            "block_size": blocks.pop(),
+            "mask_token_id": int(require(dc, "mask_token_id", f"{where} [dflash_config]")),
+            "layer_types": layer_types,
+            "sliding_window": window,
+            "causal_block": causal,
+            "conv_kernel_size": int(dc.get("conv_kernel_size", 0)),
+            "conv_group_size": int(dc.get("conv_group_size", 16)),
+            "selector_top_k": int(dc.get("selector_top_k", 0)),
+            "selector_rank": int(dc.get("selector_rank", 256)),
+        }

@@ -1,0 +1,237 @@
+"""Block drafter module (`dflash`): one definition used by training (`drafttrain`) and the runner.
+
+Architecture (z-lab `DFlashDraftModel`, REFERENCES A1): N Qwen3-style decoder layers (q/k
+RMSNorms) that own no embedding and no head: the block is embedded with the target's input
+embedding and scored with the target's `lm_head` (both frozen, never exported). The target
+features of committed tokens (the inputs of `n` tapped target layers, concatenated) become one
+*context* tensor `hidden_norm(fc(concat))` `[..., H]`, shared by every layer, which enters each
+layer only as extra keys and values: `k = k_norm(k_proj(ctx))` RoPE'd at the context row's own
+position, `v = v_proj(ctx)`; no query, no `input_layernorm` on it (`context_kv`). The queries
+are the block slots `[anchor, MASK x (n - 1)]`; which keys a slot sees is
+`draftinfer.kinds.dflash.attention` (the caller's `attn_fn` applies it).
+
+DFlash2 options (identity-initialised, so the defaults are plain DFlash):
+- `GroupedDynamicCausalConv` around each sublayer (`attention_conv`, `mlp_conv`): `prepare`
+  after the pre-norm, `finish` on the sublayer output, both with kernels `base + delta_t`
+  where `delta = kernel_projection(normed sublayer input)` `[2, k, H / group]`, causal along
+  the block and never crossing a block boundary (slot 0 reads zero padding);
+- `CandidateSelector`: over the top-k draft logits `U` of a slot, the score of candidate `b`
+  after predecessor `a` is `U(b) + <A[a] * P h, B[b]>` (`A`, `B` the predecessor / successor
+  codebooks `[V, r]`, `P` the hidden projection `[r, H]`); drafting walks the block from the
+  anchor (`selector_logits`).
+
+Shapes: block rows `[B, S]` with `S = (blocks per row) * n`, blocks contiguous, `n` the block
+length (`block`); RoPE positions `[B, S]` or `[3, B, S]`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftinfer.kinds.dflash.config import DFlashConfig
+from draftinfer.layers import Attention, AttnFn, RMSNorm, SwiGLU
+from draftinfer.rope import RotaryEmbedding, apply_rope
+
+
+def grouped_causal_conv(
+    x: torch.Tensor,  # [B, S, H]
+    dynamic: torch.Tensor,  # [B, S, k, G]: per-slot kernel deltas, one per channel group
+    base: torch.Tensor,  # [k, H]
+    block: int,
+) -> torch.Tensor:
+    """`out_t = sum_o (base[o] + dynamic_t[o, group(c)]) * x_{t-o}`, within each block of
+    `block` rows (offsets before a block's first row read zeros). -> `[B, S, H]`."""
+    B, S, H = x.shape
+    k, G = dynamic.shape[-2:]
+    xb = x.reshape(B * (S // block), block, G, H // G)
+    dyn = dynamic.reshape(B * (S // block), block, k, G, 1).to(x.dtype)
+    out = torch.zeros_like(xb)
+    for o in range(min(k, block)):
+        shifted = xb if o == 0 else F.pad(xb[:, :-o], (0, 0, 0, 0, o, 0))
+        # The reference's order (base product, then the dynamic one): the same bf16 rounding.
+        out = out + base[o].view(1, 1, G, H // G).to(x.dtype) * shifted
+        out = torch.addcmul(out, dyn[:, :, o], shifted)
+    return out.reshape(B, S, H)
+
+
+class GroupedDynamicCausalConv(nn.Module):
+    """DFlash2's two-sided conv around one sublayer; identity at init."""
+
+    def __init__(self, hidden: int, kernel_size: int, group_size: int):
+        super().__init__()
+        self.kernel_size, self.groups = kernel_size, hidden // group_size
+        base = torch.zeros(2, kernel_size, hidden)
+        base[:, 0] = 1.0
+        self.base_kernel = nn.Parameter(base)  # [2 (prepare, finish), k, H]
+        self.kernel_projection = nn.Linear(hidden, 2 * kernel_size * self.groups, bias=False)
+        nn.init.zeros_(self.kernel_projection.weight)
+
+    def prepare(self, x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """x `[B, S, H]` (the normed sublayer input) -> (its conv, the finish side's deltas)."""
+        dyn = self.kernel_projection(x).unflatten(-1, (2, self.kernel_size, self.groups))
+        return grouped_causal_conv(x, dyn[..., 0, :, :], self.base_kernel[0], block), dyn[
+            ..., 1, :, :
+        ]
+
+    def finish(self, y: torch.Tensor, dynamic: torch.Tensor, block: int) -> torch.Tensor:
+        return grouped_causal_conv(y, dynamic, self.base_kernel[1], block)
+
+
+class DFlashLayer(nn.Module):
+    """A pre-norm Qwen3 decoder layer whose attention also reads the context keys/values
+    (through `attn_fn`), with DFlash2's convs when configured."""
+
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        H = c.hidden_size
+        self.input_layernorm = RMSNorm(H, c.rms_norm_eps)
+        self.self_attn = Attention(
+            H,
+            H,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+            False,
+            qk_norm=True,
+            eps=c.rms_norm_eps,
+        )
+        self.post_attention_layernorm = RMSNorm(H, c.rms_norm_eps)
+        self.mlp = SwiGLU(H, c.intermediate_size)
+        if c.conv_kernel_size:
+            self.attention_conv = GroupedDynamicCausalConv(H, c.conv_kernel_size, c.conv_group_size)
+            self.mlp_conv = GroupedDynamicCausalConv(H, c.conv_kernel_size, c.conv_group_size)
+        else:
+            self.attention_conv = self.mlp_conv = None
+
+    def forward(self, x, cos, sin, attn_fn: AttnFn, idx: int, block: int) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.attention_conv is not None:
+            h, dyn = self.attention_conv.prepare(h, block)
+        a = self.self_attn(h, cos, sin, attn_fn, idx)
+        if self.attention_conv is not None:
+            a = self.attention_conv.finish(a, dyn, block)
+        x = x + a
+        h = self.post_attention_layernorm(x)
+        if self.mlp_conv is not None:
+            h, dyn = self.mlp_conv.prepare(h, block)
+        m = self.mlp(h)
+        if self.mlp_conv is not None:
+            m = self.mlp_conv.finish(m, dyn, block)
+        return x + m
+
+    def context_kv(self, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Context rows `[..., T, H]` -> this layer's (k, v) `[..., T, nkv, D]`: k_norm then
+        RoPE at the rows' own positions on k, nothing on v (no input_layernorm: ctx is
+        already `hidden_norm`ed)."""
+        a = self.self_attn
+        lead = ctx.shape[:-1]
+        k = a.k_norm(a.k_proj(ctx).view(*lead, a.n_kv, a.head_dim))
+        v = a.v_proj(ctx).view(*lead, a.n_kv, a.head_dim)
+        return apply_rope(k, cos, sin), v
+
+
+class CandidateSelector(nn.Module):
+    """DFlash2's low-rank candidate selector; identity at init (successor codebook zero)."""
+
+    def __init__(self, hidden: int, vocab: int, rank: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        # Parameters named as the z-lab checkpoints store them (no `.weight` suffix).
+        self.predecessor_codebook = nn.Parameter(torch.randn(vocab, rank) * 0.02)  # [V, r]
+        self.successor_codebook = nn.Parameter(torch.zeros(vocab, rank))  # [V, r]
+        self.hidden_projection = nn.Linear(hidden, rank, bias=False)
+
+    def scores(
+        self,
+        proj: torch.Tensor,  # [..., r] hidden_projection of the slot's normed hidden
+        pred: torch.Tensor,  # [...] predecessor token ids
+        unary: torch.Tensor,  # [..., K] draft logits of the candidates
+        cand: torch.Tensor,  # [..., K] candidate token ids
+    ) -> torch.Tensor:
+        """`U(b) + <A[a] * h', B[b]>` `[..., K]` (fp32)."""
+        left = self.predecessor_codebook[pred] * proj  # [..., r]
+        pair = (left.unsqueeze(-2) * self.successor_codebook[cand]).sum(-1)  # [..., K]
+        return unary.float() + pair.float()
+
+
+def selector_logits(
+    selector: CandidateSelector,
+    proj: torch.Tensor,  # [..., r]
+    pred: torch.Tensor,  # [...]
+    logits: torch.Tensor,  # [..., V] the slot's draft logits
+) -> torch.Tensor:
+    """The selector's draft logits of one slot `[..., V]` fp32: its scores on the top-k
+    candidates, -inf elsewhere, so any sampler's q is a distribution over the candidates
+    (what rejection sampling needs to stay exact)."""
+    unary, cand = logits.topk(selector.top_k, dim=-1)  # [..., K]
+    s = selector.scores(proj, pred, unary, cand)
+    out = torch.full(logits.shape, float("-inf"), dtype=torch.float32, device=logits.device)
+    return out.scatter(-1, cand, s)
+
+
+class DFlashDrafter(nn.Module):
+    """`fc` + `hidden_norm` (context) + decoder layers + `norm`; the target's embedding and
+    head (frozen, `requires_grad=False`, not in `trainable_state_dict`)."""
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        c = self.config = config
+        H, V = c.hidden_size, c.vocab_size
+        self.embed_tokens = nn.Embedding(V, H)
+        self.lm_head = nn.Linear(H, V, bias=False)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.lm_head.weight.requires_grad_(False)
+        self.fc = nn.Linear(len(c.tap_layer_ids) * H, H, bias=False)
+        self.hidden_norm = RMSNorm(H, c.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashLayer(c) for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(H, c.rms_norm_eps)
+        self.rotary = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling)
+        self.candidate_selector = (
+            CandidateSelector(H, V, c.selector_rank, c.selector_top_k) if c.selector_top_k else None
+        )
+
+    # -- the context --------------------------------------------------------------------------
+    def project_context(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features `[..., n * H]` (the taps, concatenated) -> context `[..., H]`."""
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+
+    def context_kv(self, ctx: torch.Tensor, rope_pos: torch.Tensor):
+        """Context `[B, T, H]` at RoPE positions `[B, T]` / `[3, B, T]` -> per layer (k, v)
+        `[B, T, nkv, D]`: what the runner stores in the drafter's KV cache."""
+        cos, sin = self.rotary(rope_pos)
+        return [layer.context_kv(ctx, cos, sin) for layer in self.layers]
+
+    # -- the block ----------------------------------------------------------------------------
+    def forward(
+        self, input_ids: torch.Tensor, rope_pos: torch.Tensor, attn_fn: AttnFn, block: int
+    ) -> torch.Tensor:
+        """Block rows: input_ids `[B, S]` (anchor or mask token per slot), rope_pos `[B, S]` /
+        `[3, B, S]`, `attn_fn(layer, q, k, v)` adding the context keys and the block mask,
+        `block` = slots per block -> normed hidden `[B, S, H]` (the head's input)."""
+        x = self.embed_tokens(input_ids).to(self.fc.weight.dtype)
+        cos, sin = self.rotary(rope_pos)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, attn_fn, i, block)
+        return self.norm(x)
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """`[..., H]` -> full-vocabulary logits `[..., V]` (the target's head)."""
+        return self.lm_head(normed)
+
+    def draft_vocab_ids(self) -> torch.Tensor:
+        """A block drafter scores the target's whole vocabulary."""
+        return torch.arange(self.config.vocab_size, device=self.lm_head.weight.device)
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Everything the drafter owns: not the target's embedding and head."""
+        skip = ("embed_tokens.", "lm_head.")
+        return {k: v for k, v in self.state_dict().items() if not k.startswith(skip)}
+
+    def load_own_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        shared = {
+            "embed_tokens.weight": self.embed_tokens.weight,
+            "lm_head.weight": self.lm_head.weight,
+        }
+        self.load_state_dict({**tensors, **shared})

@@ -1,0 +1,254 @@
+"""Block drafting (`dflash`): ONE drafter forward per round drafts up to B - 1 tokens.
+
+State: the drafter's KV cache holds, per layer and cache row, the *context* keys/values of
+committed tokens: cache index `i` = `k_norm(k_proj(ctx_i))` RoPE'd at `pos_i` and
+`v_proj(ctx_i)`, `ctx_i = hidden_norm(fc(f_i))` from the target's features of token `i`
+(`DFlashDrafter.context_kv`). They depend on target features only, so nothing is recomputed
+after a rejection (convention 13): the entries a block left past the committed length are
+stale, never visible (the mask of `attention.visible`), and the next round's context rows
+overwrite them.
+
+A round (`propose`), for a padded batch with no host sync:
+1. the first pass (the rows the last commit made final: row `i` carries `f_i` at cache index
+   and position `pos_i`) is written to the cache as context (convention 6);
+2. the block `[anchor, MASK x k]`: the anchor is the last committed token (the last live row's
+   id, `t_{L-1}`), at cache index `L - 1` and position `pos_{L-2} + 1`, slot `s` at `+ s` on
+   every RoPE axis; slots past a request's draft cap (`num_drafts`: `max_model_len`,
+   `max_tokens`) are padding, so a block near `max_model_len` is capped, never wrapped;
+3. one forward of the block over the cache (context strictly before the anchor, the block's
+   own slots bidirectionally or causally); slot `s >= 1` gives draft `s`;
+4. drafts are chosen slot by slot (`choose_block`): from the head's logits, or with DFlash2's
+   selector from its scores over the top-k candidates given the previous draft (q over the
+   candidates, so verification stays exact).
+
+K = `k` drafts use a block of `k + 1` slots (vLLM's `1 + num_speculative_tokens`); the training
+block is `block_size` slots, so K = B - 1 serves the trained block exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from draftinfer.compiled import compiled
+from draftinfer.kinds.dflash.attention import CONTEXT, STALE, nonempty, visible
+from draftinfer.kinds.dflash.module import selector_logits
+from draftinfer.kv_cache import (
+    KVCache,
+    cached_attention,
+    resolve_attn_len,
+    write_cache,
+    write_index,
+)
+from draftinfer.layers import causal_attention
+from draftinfer.proposer import DraftChooser, FirstPass, Proposer, greedy_chooser, last_valid
+from draftinfer.slots import Slots
+
+
+def dflash_write_context(
+    drafter,
+    k_cache: list[torch.Tensor],
+    v_cache: list[torch.Tensor],
+    features: torch.Tensor,  # [B, T, F] raw target features
+    rope_pos: torch.Tensor,  # [B, T] / [3, B, T]
+    rows: torch.Tensor,  # [B]
+    cache_pos: torch.Tensor,  # [B, T], -1 = padding (written to the scratch column)
+) -> None:
+    """Context K/V of first-pass rows into every layer's cache."""
+    ctx = drafter.project_context(features)
+    wpos = write_index(cache_pos, k_cache[0].shape[1] - 1)
+    for i, (k, v) in enumerate(drafter.context_kv(ctx, rope_pos)):
+        write_cache(k, v, k_cache[i], v_cache[i], rows, wpos)
+
+
+def block_masks(drafter, cache_pos, anchor, block_end, attn_len: int, group: int):
+    """Per layer, the bool `[B, 1, n * group, attn_len]` mask of block slots at `cache_pos`
+    `[B, n]` (-1 = padding) over cache indices: context before `anchor [B]`, the block's own
+    entries `anchor..block_end [B]`, nothing stale (`attention.visible`); the query axis is
+    repeated per KV group as `cached_attention` folds it."""
+    c = drafter.config
+    B, n = cache_pos.shape
+    keys = torch.arange(attn_len, device=cache_pos.device)[None, None]  # [1, 1, L]
+    a = anchor[:, None, None]
+    in_block = (keys >= a) & (keys <= block_end[:, None, None])
+    k_anchor = torch.where(keys < a, CONTEXT, torch.where(in_block, a, STALE))  # [B, 1, L]
+    masks, out = {}, []
+    for i in range(c.num_hidden_layers):
+        key = (c.layer_causal(i), c.layer_window(i))
+        if key not in masks:
+            m = nonempty(visible(cache_pos[..., None], a, keys, k_anchor, *key))  # [B, n, L]
+            m = m[:, None, :, None, :].expand(B, 1, n, group, attn_len)
+            masks[key] = m.reshape(B, 1, n * group, attn_len)
+        out.append(masks[key])
+    return out
+
+
+def dflash_block_forward(
+    drafter,
+    k_cache: list[torch.Tensor],
+    v_cache: list[torch.Tensor],
+    ids: torch.Tensor,  # [B, n] anchor + mask tokens
+    rope_pos: torch.Tensor,  # [B, n] / [3, B, n]
+    rows: torch.Tensor,  # [B]
+    cache_pos: torch.Tensor,  # [B, n], -1 = padding slot
+    anchor: torch.Tensor,  # [B] cache index of the anchor
+    block_end: torch.Tensor,  # [B] cache index of the last live slot
+    attn_len: int,
+) -> torch.Tensor:
+    """One block forward through the cache (writes the block's K/V, reads context + block)
+    -> normed hidden `[B, n, H]`."""
+    c = drafter.config
+    group = c.num_attention_heads // c.num_key_value_heads
+    masks = block_masks(drafter, cache_pos, anchor, block_end, attn_len, group)
+    wpos = write_index(cache_pos, k_cache[0].shape[1] - 1)
+
+    def attn_fn(layer: int, q, k, v):
+        return cached_attention(
+            q, k, v, k_cache[layer], v_cache[layer], rows, wpos, masks[layer], attn_len
+        )
+
+    return drafter(ids, rope_pos, attn_fn, ids.shape[1])
+
+
+def choose_block(
+    drafter,
+    normed: torch.Tensor,  # [B, k, H] slots 1..k
+    anchor_ids: torch.Tensor,  # [B]
+    pick: Callable[[int, torch.Tensor], torch.Tensor],
+) -> None:
+    """Draft the k slots in order: `pick(step, logits [B, V]) -> chosen ids [B]`. Plain DFlash
+    picks from the head's logits; DFlash2's selector scores the top-k candidates of slot s
+    given the token chosen at slot s - 1 (the anchor for slot 1), -inf elsewhere."""
+    logits = drafter.logits(normed)  # [B, k, V]
+    sel = drafter.candidate_selector
+    if sel is None:
+        for step in range(normed.shape[1]):
+            pick(step, logits[:, step])
+        return
+    proj = sel.hidden_projection(normed)  # [B, k, r]
+    pred = anchor_ids
+    for step in range(normed.shape[1]):
+        pred = pick(step, selector_logits(sel, proj[:, step], pred, logits[:, step]))
+
+
+class DFlashProposer(Proposer):
+    mode = "block drafting"
+
+    def __init__(self, drafter, max_batch, max_seq_len, device, dtype):
+        super().__init__(drafter, max_batch, max_seq_len, device, dtype)
+        c = drafter.config
+        self.cache = KVCache(
+            c.num_hidden_layers,
+            max_batch,
+            max_seq_len,
+            c.num_key_value_heads,
+            c.head_dim,
+            self.device,
+            dtype,
+        )
+        self._write, self._block = dflash_write_context, dflash_block_forward
+
+    def compile(self, **kwargs) -> None:
+        self._write = compiled(dflash_write_context, **kwargs)
+        self._block = compiled(dflash_block_forward, **kwargs)
+
+    def kv_snapshot(self, row: int, n: int) -> list[torch.Tensor]:
+        """The context K/V at cache indices 0..n-1 (the committed prefix but its last token)."""
+        return self.cache.snapshot(row, n)
+
+    def _write_rows(self, fp: FirstPass) -> None:
+        c = self.cache
+        self._write(self.drafter, c.k, c.v, fp.features, fp.rope_pos, fp.rows, fp.cache_pos)
+
+    @torch.no_grad()
+    def admit(self, first_pass: FirstPass, attn_len: int | None = None) -> FirstPass:
+        """Context for every prompt row but the last; the last row stays pending (its id is the
+        first anchor, its feature the first round's last context row)."""
+        if first_pass.width > 1:
+            self._write_rows(first_pass.take(0, -1))
+        return first_pass.take(-1)
+
+    @torch.no_grad()
+    def propose(
+        self,
+        first_pass: FirstPass,
+        num_drafts: torch.Tensor,
+        k: int,
+        choose: DraftChooser = greedy_chooser,
+        attn_len: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        d, fp = self.drafter, first_pass
+        B, dev = fp.ids.shape[0], fp.ids.device
+        self._write_rows(fp)
+        ar = torch.arange(B, device=dev)
+        last = last_valid(fp.cache_pos)  # [B] each request's last committed row
+        live_row = (fp.cache_pos >= 0).any(1)  # rows with no request draft nothing
+        anchor_ids = fp.ids[ar, last]  # [B] t_{L-1}
+        anchor = fp.cache_pos[ar, last] + 1  # [B] cache index L - 1
+        s = torch.arange(k + 1, device=dev)
+        live = live_row[:, None] & (s[None] <= num_drafts[:, None])  # [B, k + 1]
+        cache = torch.where(live, anchor[:, None] + s[None], -1)
+        rope = (fp.rope_pos[..., ar, last] + 1)[..., None] + s  # [B, k+1] / [3, B, k+1]
+        ids = torch.full((B, k + 1), d.config.mask_token_id, dtype=torch.long, device=dev)
+        ids[:, 0] = anchor_ids
+        block_end = anchor + torch.where(live_row, num_drafts, -1)
+        if attn_len is None:  # tests: one host sync to size the read
+            attn_len = resolve_attn_len(Slots(fp.rows, cache), self.max_seq_len)
+        c = self.cache
+        normed = self._block(d, c.k, c.v, ids, rope, fp.rows, cache, anchor, block_end, attn_len)
+        drafts = torch.zeros(B, k, dtype=torch.long, device=dev)
+        qs: list[torch.Tensor | None] = [None]
+
+        def pick(step: int, logits: torch.Tensor) -> torch.Tensor:
+            qs[0] = self._record(drafts, qs[0], step, logits, num_drafts > step, choose)
+            return drafts[:, step]
+
+        choose_block(d, normed[:, 1:], anchor_ids, pick)
+        return drafts, qs[0]
+
+    @staticmethod
+    @torch.no_grad()
+    def reference_drafts(drafter, ids, features, rope_pos, n, choose, mm=None):
+        """No-cache reference for one request: context = every row's feature (rows `[R]`),
+        the block `[t_R, MASK x n]` at `pos_{R-1} + 1 + s`, one forward over the context keys
+        and the block with the dense mask of `attention.visible` in token indices. `mm` (the
+        multimodal rows' input embeddings) is not read: the context is target features only,
+        and the anchor, the last committed token, is text."""
+        d = drafter
+        if n == 0:
+            return [], []
+        R = ids.shape[0]
+        dev = ids.device
+        ctx_kv = d.context_kv(d.project_context(features)[None], rope_pos[..., None, :])
+        s = torch.arange(n + 1, device=dev)
+        q_index = R + s  # the anchor t_R is token index R
+        k_index = torch.cat([torch.arange(R, device=dev), q_index])
+        k_anchor = torch.cat([torch.full((R,), CONTEXT, device=dev), torch.full_like(s, R)])
+        c = d.config
+        masks = [
+            visible(q_index[:, None], R, k_index[None], k_anchor[None], *key)[None, None]
+            for key in ((c.layer_causal(i), c.layer_window(i)) for i in range(c.num_hidden_layers))
+        ]
+
+        def attn_fn(layer: int, q, k, v):
+            kc, vc = ctx_kv[layer]
+            return causal_attention(
+                q, torch.cat([kc, k], 1), torch.cat([vc, v], 1), mask=masks[layer]
+            )
+
+        block = torch.full((1, n + 1), c.mask_token_id, dtype=torch.long, device=dev)
+        block[0, 0] = ids[-1]
+        pos = (rope_pos[..., -1:] + 1 + s)[..., None, :]  # [1, n+1] / [3, 1, n+1]
+        normed = d(block, pos, attn_fn, n + 1)
+        ids_t = d.draft_vocab_ids()
+        drafts, qs = [], []
+
+        def pick(step: int, logits: torch.Tensor) -> torch.Tensor:
+            choice, q = choose(logits, step)
+            drafts.append(int(ids_t[choice][0]))
+            qs.append(q)
+            return ids_t[choice]
+
+        choose_block(d, normed[:, 1:], block[:, 0], pick)
+        return drafts, qs

@@ -1,0 +1,50 @@
+"""Training config of the block-drafter kind (`drafter: dflash` in the config tree)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from drafttrain.config import DrafterTrainConfig
+
+# The paper's decay per block size (DFlash, arXiv 2602.06036; NeMo dflash.mdx).
+PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+@dataclass
+class DFlashTrainConfig(DrafterTrainConfig):
+    kind: str = "dflash"
+    num_layers: int = 5
+    # Slots per block: the anchor + block_size - 1 mask slots (drafts per round at most).
+    block_size: int = 16
+    # Target layers read, in DFlash's semantics ("output of layer t", what the checkpoint's
+    # `dflash_config.target_layer_ids` holds). Empty: z-lab's build_target_layer_ids(L,
+    # num_layers), e.g. [1, 9, 17, 25, 33] for Qwen3-8B.
+    target_layer_ids: list[int] = field(default_factory=list)
+    # The mask slots' token: null = the first embedding row past the tokenizer, else its pad
+    # token when that is not EOS (NeMo: pad often aliases EOS; a reused EOS is refused).
+    mask_token_id: int | None = None
+    # Anchors per sequence (drawn without replacement from the assistant tokens whose next
+    # token is an assistant token too; every block in one forward).
+    num_anchors: int = 512
+    # "ce": soft cross-entropy against the target's distribution; "kl": forward KL at
+    # kd_temperature, T^2-scaled (JetSpec).
+    loss: str = "ce"
+    kd_temperature: float = 1.0
+    # Per-slot weights: "exp_decay" (exp(-(k-1)/gamma)), "dpace" (D-PACE, dpace_alpha),
+    # "uniform" (JetSpec).
+    loss_weights: str = "exp_decay"
+    gamma: float | None = None  # null: the paper's for block_size 16 / 10 / 8
+    dpace_alpha: float = 0.5
+    # JetSpec: causal attention inside the block (exported as dflash_config.causal).
+    causal_block: bool = False
+    # Per layer "full_attention" / "sliding_attention" (empty: all full).
+    layer_types: list[str] = field(default_factory=list)
+    sliding_window: int | None = None
+    # DFlash2: the grouped dynamic causal conv and the candidate selector (both, as the
+    # published DFlash2DraftModel has them).
+    dflash2: bool = False
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_top_k: int = 16
+    selector_rank: int = 256
+    selector_loss_weight: float = 1.0

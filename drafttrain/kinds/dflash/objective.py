@@ -1,0 +1,257 @@
+"""Block-drafter objective (DFlash, REFERENCES A2): every anchor's block in one forward.
+
+Per sequence of tokens `x_0..x_{T-1}` with target features `f_j` and target positions `pos_j`:
+- **anchors**: up to `num_anchors` token indices `a` drawn without replacement (host RNG,
+  checkpointed) among the assistant tokens whose next token is an assistant token too
+  (SpecForge's rule), `a >= 1`, sorted;
+- **block** of anchor `a`: slots `s = 0..n-1` consume `[x_a, MASK x (n-1)]` at token indices
+  `a + s` and RoPE positions `pos_{a-1} + 1 + s` on every axis (the runner's rule: the last
+  committed row's position + 1; for the text anchors training draws it is `pos_a + s`);
+- **context**: `hidden_norm(fc(f_j))` of every token, keys/values of every layer, visible to a
+  slot of anchor `a` iff `j < a` (`draftinfer.kinds.dflash.attention.visible`: bidirectional
+  in the block, or causal with `causal_block` / in sliding layers);
+- **labels**: slot `k >= 1` predicts `x_{a+k}`: it is scored against the target's
+  distribution at row `a + k - 1` (the one that predicts `x_{a+k}`, soft labels as every kind
+  here), counted when `x_{a+k}` is an assistant token inside the sequence; slot 0 is never
+  scored;
+- **loss** per row: soft cross-entropy (`loss: ce`) or forward KL at `kd_temperature`, T^2-
+  scaled (`loss: kl`, JetSpec); per-slot weights `exp(-(k-1)/gamma)`, D-PACE from the draft's
+  probability of the target's top-1 (`drafttrain.loss_weights`), or uniform. With DFlash2's
+  selector, `selector_loss_weight x` its K-way cross-entropy over the draft's top-K candidates
+  (the target's top-1 inserted when missing), scored with the ground-truth predecessor
+  `x_{a+k-1}`, under the same weights.
+
+Metrics (`DraftLoss`): `loss_k` (plain CE / KL of slot k), `acc_k` (the draft, i.e. the head's
+argmax or the selector's choice, equals the target's top-1), `sim_al`; plus `block_al` =
+1 + the mean number of leading correct slots per block (what greedy verification of the block
+would accept given a correct context, without `sim_al`'s independence assumption), `anchors`
+(blocks per sequence) and `sel_loss`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from draftinfer.kinds.dflash import DFlashDrafter
+from draftinfer.kinds.dflash.attention import CONTEXT, PAD
+from draftinfer.kinds.dflash.module import selector_logits
+from draftinfer.target import TargetOutput
+from draftinfer.window import shift_left
+from drafttrain.fused_ce import linear_soft_ce_rows
+from drafttrain.kinds.dflash.blocks import make_block_attention
+from drafttrain.kinds.dflash.config import PAPER_GAMMA, DFlashTrainConfig
+from drafttrain.loss_weights import dpace_weights, exp_decay_weights
+from drafttrain.losses import DraftLoss
+from drafttrain.target_head import target_distribution
+
+LOSSES = ("ce", "kl")
+WEIGHTS = ("exp_decay", "dpace", "uniform")
+
+
+def resolve_gamma(cfg: DFlashTrainConfig) -> float:
+    """`cfg.gamma`, or the paper's for the block size; a one-line error otherwise."""
+    from drafttrain.errors import ConfigError
+
+    if cfg.gamma is not None:
+        if not cfg.gamma > 0:
+            raise ConfigError(f"drafter.gamma must be > 0, got {cfg.gamma}")
+        return float(cfg.gamma)
+    if cfg.block_size not in PAPER_GAMMA:
+        raise ConfigError(
+            f"drafter.gamma has no published value for block_size {cfg.block_size} "
+            f"(7 for 16, 5 for 10, 4 for 8); set drafter.gamma"
+        )
+    return PAPER_GAMMA[cfg.block_size]
+
+
+def sample_anchors(candidates: torch.Tensor, num_anchors: int) -> torch.Tensor:
+    """candidates `[B, T]` bool -> anchors `[B, A]` int64 sorted, -1 padded (A >= 1): up to
+    `num_anchors` per row, uniformly without replacement (the global CPU RNG)."""
+    cand = candidates.cpu()
+    picked = []
+    for row in cand:
+        idx = row.nonzero().flatten()
+        if idx.numel() > num_anchors:
+            idx = idx[torch.randperm(idx.numel())[:num_anchors]].sort().values
+        picked.append(idx)
+    A = max([p.numel() for p in picked] + [1])
+    out = torch.full((len(picked), A), -1, dtype=torch.long)
+    for b, p in enumerate(picked):
+        out[b, : p.numel()] = p
+    return out.to(candidates.device)
+
+
+def gathered_logits(hidden: torch.Tensor, weight: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+    """`z[n, cand[n, i]] = hidden[n] . weight[cand[n, i]]` `[N, K]`, differentiable w.r.t.
+    `hidden`, in row chunks whose `[c, K, H]` weight gather is recomputed in backward (never
+    the `[N, V]` logits)."""
+
+    def part(h, c):
+        return torch.bmm(weight[c].to(h.dtype), h[..., None])[..., 0]
+
+    N, K = cand.shape
+    step = max(1, (1 << 24) // max(1, K * hidden.shape[-1]))
+    if N <= step:
+        return part(hidden, cand)
+    chunks = []
+    for lo in range(0, N, step):
+        h, c = hidden[lo : lo + step], cand[lo : lo + step]
+        chunks.append(
+            checkpoint(part, h, c, use_reentrant=False) if h.requires_grad else part(h, c)
+        )
+    return torch.cat(chunks)
+
+
+class DFlashObjective:
+    """Every block of a batch in one forward; per-slot weighted loss (module docstring)."""
+
+    def __init__(self, drafter: DFlashDrafter, cfg: DFlashTrainConfig, backend: str):
+        self.drafter, self.cfg, self.backend = drafter, cfg, backend
+        self.gamma = resolve_gamma(cfg) if cfg.loss_weights == "exp_decay" else None
+
+    # -- the forward --------------------------------------------------------------------------
+    def forward_blocks(
+        self,
+        input_ids: torch.Tensor,  # [B, T]
+        features: torch.Tensor,  # [B, T, n_taps * H] the target's taps
+        rope_pos: torch.Tensor,  # [B, T] / [3, B, T] the target's positions
+        anchors: torch.Tensor,  # [B, A] token indices, -1 = none
+        block: int,
+    ) -> torch.Tensor:
+        """Normed hidden states of every block slot `[B, A, block, H]`."""
+        d = self.drafter
+        B, T = input_ids.shape
+        A, dev = anchors.shape[1], input_ids.device
+        valid = anchors >= 0
+        a = anchors.clamp(min=1)  # a padding block points at a real row; nobody sees it
+        s = torch.arange(block, device=dev)
+        ids = torch.full((B, A, block), d.config.mask_token_id, dtype=torch.long, device=dev)
+        ids[..., 0] = input_ids.gather(1, a)
+        lead = rope_pos.shape[:-2]
+        prev = rope_pos.gather(-1, (a - 1).expand(*lead, B, A))  # [B, A] / [3, B, A]
+        pos = (prev + 1)[..., None] + s  # slot s at pos_{a-1} + 1 + s
+        q_anchor = torch.where(valid, a, PAD)[..., None].expand(B, A, block).reshape(B, -1)
+        q_index = torch.where(valid[..., None], a[..., None] + s, PAD + s).reshape(B, -1)
+        k_index = torch.cat([torch.arange(T, device=dev).expand(B, T), q_index], 1)
+        k_anchor = torch.cat([torch.full((B, T), CONTEXT, device=dev), q_anchor], 1)
+        ctx_kv = d.context_kv(d.project_context(features), rope_pos)
+        attn = make_block_attention(
+            d.config, ctx_kv, q_index, q_anchor, k_index, k_anchor, self.backend
+        )
+        normed = d(ids.reshape(B, -1), pos.flatten(-2), attn, block)
+        return normed.view(B, A, block, -1)
+
+    def anchor_logits(
+        self, ids: torch.Tensor, features: torch.Tensor, rope_pos: torch.Tensor, anchor: int, k: int
+    ) -> torch.Tensor:
+        """The draft logits training gives for the k drafts after committed row `anchor`
+        (row i consumes `ids[i + 1]`, so the anchor token is `ids[anchor + 1]`), with a block of
+        k + 1 slots as the runner drafts K = k, and (selector) the ground-truth predecessors
+        `[k, V]` (S9)."""
+        d = self.drafter
+        a = torch.tensor([[anchor + 1]], device=ids.device)
+        h = self.forward_blocks(ids, features, rope_pos, a, k + 1)[0, 0, 1:]  # [k, H]
+        logits = d.logits(h)
+        sel = d.candidate_selector
+        if sel is None:
+            return logits
+        pred = ids[0, anchor + 1 : anchor + 1 + k]  # x_{a+s-1} for slot s
+        return selector_logits(sel, sel.hidden_projection(h), pred, logits)
+
+    # -- the loss -----------------------------------------------------------------------------
+    def __call__(
+        self, batch: dict[str, torch.Tensor], tgt: TargetOutput
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        c, d = self.cfg, self.drafter
+        n = d.config.block_size
+        K = n - 1
+        input_ids = batch["input_ids"]
+        B, T = input_ids.shape
+        temp = c.kd_temperature if c.loss == "kl" else 1.0
+        dist = target_distribution(tgt, None, temp)  # full vocabulary, rows b * T + t
+        loss_mask = batch["loss_mask"].bool() & batch["attention_mask"].bool()
+        cand = loss_mask & shift_left(loss_mask, 1, False)
+        cand[:, 0] = False
+        anchors = sample_anchors(cand, c.num_anchors)  # [B, A]
+        A = anchors.shape[1]
+        normed = self.forward_blocks(input_ids, tgt.features, tgt.rope_pos, anchors, n)
+        h = normed[:, :, 1:]  # [B, A, K, H]: slots 1..K
+        lab = anchors.clamp(min=1)[..., None] + torch.arange(1, n, device=h.device)  # x_{a+k}
+        labc = lab.clamp(max=T - 1)
+        bidx = torch.arange(B, device=h.device)[:, None, None]
+        valid = (anchors >= 0)[..., None] & (lab < T) & loss_mask[bidx, labc]  # [B, A, K]
+        rows = (bidx * T + labc - 1).reshape(-1)  # the target row that predicts x_{a+k}
+        hf = h.reshape(-1, h.shape[-1])
+        sel = d.candidate_selector
+        r = linear_soft_ce_rows(
+            hf / temp, d.lm_head.weight, dist.probs, rows, dist.top1, sel.top_k if sel else 0
+        )
+        per_row = r.ce
+        if c.loss == "kl":  # KL = CE - H(p), T^2-scaled (same gradient as CE, times T)
+            p = dist.probs[rows].float()
+            per_row = (r.ce - torch.special.entr(p).sum(-1)) * temp**2
+        per_row = per_row.view(B, A, K)
+        hit = r.hit.view(B, A, K)
+        metrics: dict[str, torch.Tensor | float] = {}
+        extra = torch.zeros_like(per_row)
+        if sel is not None:
+            sce, shit = self._selector_loss(hf, input_ids, labc, rows, dist.top1, r.cand)
+            extra = c.selector_loss_weight * sce.view(B, A, K)
+            hit = shit.view(B, A, K)
+            metrics["sel_loss"] = (sce.view(B, A, K) * valid).sum() / valid.sum().clamp(min=1)
+        if c.loss_weights == "dpace":
+            row_w = dpace_weights(r.logp_top1.exp().view(B, A, K), valid, c.dpace_alpha)
+            slot_w = [1.0] * K
+        else:
+            row_w = torch.ones_like(per_row)
+            decay = exp_decay_weights(K, self.gamma).tolist() if self.gamma else [1.0] * K
+            slot_w = decay
+        total = (per_row + extra) * row_w
+        out = DraftLoss(h.device)
+        real = (anchors >= 0).sum(1).clamp(min=1).float()
+        out.metrics["anchors"] = real.mean()
+        lead = torch.cumprod((hit & valid).float(), -1).sum(-1)  # [B, A] leading correct slots
+        out.metrics["block_al"] = 1.0 + (lead * (anchors >= 0)).sum() / (anchors >= 0).sum().clamp(
+            min=1
+        )
+        out.metrics.update(metrics)
+        for k in range(K):
+            m = valid[:, :, k]
+            out.add_sums(
+                k + 1,
+                (total[:, :, k] * m).sum(),
+                (hit[:, :, k] & m).sum(),
+                m.sum(),
+                slot_w[k],
+                reported=(per_row[:, :, k] * m).sum(),
+            )
+        return out.result(loss_mask)
+
+    def _selector_loss(self, hf, input_ids, labc, rows, top1, cand):
+        """DFlash2's selector: K-way cross-entropy over the draft's top-K (the target's top-1
+        inserted in the last place when missing), ground-truth predecessor `x_{a+k-1}`.
+        -> (per-row loss `[N]`, per-row hit `[N]`: the selector picks the target's top-1)."""
+        d = self.drafter
+        sel = d.candidate_selector
+        gold = top1[rows]  # [N] token ids (full vocabulary)
+        present = (cand == gold[:, None]).any(-1)
+        cand = cand.clone()
+        cand[:, -1] = torch.where(present, cand[:, -1], gold)
+        target = (cand == gold[:, None]).long().argmax(-1)
+        unary = gathered_logits(hf, d.lm_head.weight, cand)  # [N, K]
+        pred = input_ids.gather(1, (labc - 1).reshape(labc.shape[0], -1)).reshape(-1)
+        scores = sel.scores(sel.hidden_projection(hf), pred, unary, cand)
+        return F.cross_entropy(scores, target, reduction="none"), scores.argmax(-1) == target
+
+    def checkpoint_meta(self) -> dict:
+        c = self.cfg
+        return {
+            "serving_k": c.block_size - 1,
+            "num_anchors": c.num_anchors,
+            "loss": c.loss,
+            "loss_weights": c.loss_weights,
+            "gamma": self.gamma,
+            "dpace_alpha": c.dpace_alpha,
+        }

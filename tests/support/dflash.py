@@ -1,0 +1,91 @@
+"""Helpers of the block-drafter tests (`tests/kinds/test_dflash_*.py`): drafters of each option, one
+round of drafting read through the proposer, and the engines' documented rules for reading a
+DFlash checkpoint's taps (REFERENCES A3), written here independently of
+`draftinfer.kinds.dflash` (the K1 oracle)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from draftinfer.proposer import FirstPass
+from draftinfer.registry import drafter_spec
+from tests.support.kind_factories import small_drafter
+
+# Train-config overrides of each option of the kind (K2 and the parity tests run them all).
+VARIANTS = {
+    "dflash": {},
+    "dflash2": {"dflash2": True, "conv_group_size": 8, "selector_top_k": 6, "selector_rank": 5},
+    "causal": {"causal_block": True},
+    "sliding": {
+        "num_layers": 2,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window": 6,
+    },
+}
+
+
+def variant_drafter(name: str, rope: str = "1d", seed: int = 0, **extra):
+    """A randomized small drafter of option `name` (`VARIANTS`)."""
+    return small_drafter("dflash", rope, seed, **{**VARIANTS[name], **extra})
+
+
+def runner_logits(d, ids, feats, pos, anchor: int, k: int, choose_ids=None) -> torch.Tensor:
+    """The runner's draft logits `[k, V]` after committing rows 0..anchor (row i consumes
+    `ids[i + 1]` with `feats[i]` at `pos[..., i]`), the chooser fed `choose_ids [k]` (default:
+    the teacher-forced `ids[anchor + 2 + step]`)."""
+    prop = drafter_spec("dflash").proposer_class(d, 2, 64, torch.device("cpu"), torch.float32)
+    n = anchor + 1
+    fp = FirstPass(
+        torch.tensor([1]), ids[:, 1 : n + 1], feats[:, :n], torch.arange(n)[None], pos[..., :n]
+    )
+    seen = []
+
+    def teacher(logits, step):
+        seen.append(logits.clone())
+        if choose_ids is not None:
+            return choose_ids[step : step + 1], None
+        return ids[:, anchor + 2 + step], None
+
+    prop.propose(prop.admit(fp), torch.tensor([k]), k, teacher)
+    return torch.cat(seen)
+
+
+# ---- the engines' reading rules (REFERENCES A3), independent of our loader ------------------
+def read_export(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """config.json and every tensor of an export, read with json and safetensors only."""
+    path = Path(path)
+    config = json.loads((path / "config.json").read_text())
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    return config, tensors
+
+
+def vllm_capture_slots(config: dict) -> list[int]:
+    """vLLM `get_eagle3_aux_layers_from_config`: `eagle_aux_hidden_state_layer_ids` as is,
+    else `dflash_config.target_layer_ids` + 1, else top-level `target_layer_ids` + 1. Slot k is
+    captured before layer k runs (`hidden + residual`, HF `hidden_states[k]`)."""
+    if config.get("eagle_aux_hidden_state_layer_ids") is not None:
+        return list(config["eagle_aux_hidden_state_layer_ids"])
+    dc = config.get("dflash_config") or {}
+    if dc.get("target_layer_ids") is not None:
+        return [t + 1 for t in dc["target_layer_ids"]]
+    return [t + 1 for t in config["target_layer_ids"]]
+
+
+def sglang_capture_slots(config: dict) -> list[int]:
+    """SGLang `dflash_utils`: `dflash_config.target_layer_ids` (else top level), + 1 ("SGLang
+    captures before layer i"), each checked `0 <= t < num_target_layers`."""
+    dc = config.get("dflash_config") or {}
+    ids = dc.get("target_layer_ids", config.get("target_layer_ids"))
+    L = config["num_target_layers"]
+    assert all(0 <= t < L for t in ids), ids
+    return [t + 1 for t in ids]
+
+
+def vllm_before_40727_slots(config: dict) -> list[int]:
+    """vLLM before #40727: `target_layer_ids` used as capture slots (one layer early)."""
+    return list((config.get("dflash_config") or {})["target_layer_ids"])
