@@ -40,6 +40,7 @@ from draftinfer.slots import Slots
 from draftinfer.window import TokenEmbeds
 from drafttrain.registry import InitContext, train_spec
 from tests.support.kind_factories import kinds_for_family, randomized, servable
+from tests.support.round_logits import compare_round_logits, record_fast, record_reference
 from tests.support.utils import assert_close
 from tests.support.vl_fixtures import IMG, MERGE, image_tokens, mm_inputs, save_tiny_vl
 
@@ -551,10 +552,14 @@ def test_m3_t1_lossless_greedy_with_images(target, plain, drafters, kind, k, max
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_fast_path_equals_reference_with_images(target, drafters, kind):
+def test_fast_path_equals_reference_with_images(target, drafters, kind, monkeypatch):
     """Sampling (temperature 1, full-q verification): the fast path equals the reference
     loop, which recomputes the target (with its images) and the drafter (with the vision
-    embeddings of its rows) from scratch each round."""
+    embeddings of its rows) from scratch each round: the same tokens, and the same drafter
+    logits in every round and step. The reference loop's drafter inputs are checked against
+    convention 3 as the fast path's are (M1, M2): row i consumes prompt token i+1 (its vision
+    embedding at placeholders) at the target's `[3]` position of token i; it leaves them, and
+    the position tables the target returned (it holds views of them), unchanged."""
     reqs = requests(10, lambda i: SamplingParams(1.0, seed=i))
     d = drafters(kind)
     dec = SpecDecoder(
@@ -566,12 +571,48 @@ def test_fast_path_equals_reference_with_images(target, drafters, kind):
         verify="full",
         prefill_chunk=CHUNK,
     )
+    fast_logits = record_fast(dec, monkeypatch)
     fast = dec.generate(reqs)[0]
+    ref_calls = record_reference(drafter_spec(kind).proposer_class, monkeypatch)
+    returned: list[tuple[torch.Tensor, torch.Tensor]] = []
+    forward = target.forward
+
+    def target_spy(*a, **kw):
+        out = forward(*a, **kw)
+        returned.append((out.rope_pos, out.rope_pos.clone()))
+        return out
+
+    monkeypatch.setattr(target, "forward", target_spy)
     ref = reference_generate(target, d, reqs, 3, MAX_LEN, "full")
     for f, r in zip(fast, ref):
         assert f.token_ids == r.token_ids
         assert f.accepted == r.accepted and f.proposed == r.proposed
     assert sum(a for o in fast for a in o.accepted) > 0
+    assert compare_round_logits(fast_logits, ref_calls, fast) > 10
+    assert all(c.unchanged for c in ref_calls)
+    assert returned and all(torch.equal(t, before) for t, before in returned)
+    # Convention 3 on every reference round's drafter rows.
+    calls = iter(ref_calls)
+    n_image = 0
+    for req, out in enumerate(ref):
+        table, delta = ORACLE[req]
+        prompt, P = PROMPTS[req], len(PROMPTS[req])
+        vis = vision_embeds(target, req) if GRIDS[req] else None
+        for _ in out.accepted:
+            c = next(calls)
+            R = c.ids.shape[0]
+            exp = torch.stack(
+                [table[:, i] if i < P else torch.full((3,), i + delta) for i in range(R)], 1
+            )
+            assert c.rope_pos.shape == (3, R) and torch.equal(c.rope_pos, exp)
+            assert c.ids[: P - 1].tolist() == prompt[1:]  # row i consumes t_{i+1}
+            mask, embeds = c.mm if c.mm is not None else (torch.zeros(R, dtype=torch.bool), None)
+            want = torch.tensor([i + 1 < P and prompt[i + 1] == IMG for i in range(R)])
+            assert torch.equal(mask, want)
+            for i in torch.nonzero(mask).flatten().tolist():
+                assert_close(embeds[i], vis[prompt[: i + 1].count(IMG)])
+                n_image += 1
+    assert n_image > 0
 
 
 @pytest.mark.parametrize("kind", KINDS)

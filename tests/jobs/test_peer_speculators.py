@@ -1,7 +1,9 @@
 """The speculators 0.9.0 training-step peer (draftbench/peer_speculators.py) on CPU, tiny shapes.
 
-CI does not install speculators: the bench tests skip there with the reason; the OOM contract
-needs no peer and always runs."""
+speculators 0.9.0 pins transformers<=5.19, so it lives in its own virtualenv
+(`tests/support/speculators_env.py`, created by `.ci/run`): where this process cannot import
+it, the benches run in that venv's python. They skip only when neither has it (never in CI);
+the OOM contract needs no peer and always runs."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 import torch
 
 from draftbench import peer_speculators as peer
+from tests.support.speculators_env import run_peer_bench, speculators_python
 
 # hidden 64 = 4 heads x 16; prime-ish sequence length (not a multiple of flex's 128 blocks).
 TINY = dict(
@@ -29,10 +32,15 @@ TINY = dict(
 KEYS = {"peer", "seq_len", "tokens_per_s", "step_ms", "peak_gib", "param_dtype", "notes"}
 
 
-def _needs_peer():
+def _bench(name: str, **kwargs) -> dict:
+    """`peer.<name>(**kwargs)` in this process when speculators imports here, else in the
+    speculators venv."""
     reason = peer.available()
-    if reason is not None:
-        pytest.skip(f"speculators 0.9.0 peer unavailable: {reason}")
+    if reason is None:
+        return getattr(peer, name)(**kwargs)
+    if speculators_python() is None:
+        pytest.skip(f"speculators 0.9.0 peer unavailable: {reason}; no speculators venv")
+    return run_peer_bench(name, **kwargs)
 
 
 def _eagle3_trainable(h, inter, heads, kv, hd):
@@ -45,15 +53,14 @@ def _eagle3_trainable(h, inter, heads, kv, hd):
 
 
 def test_eagle3_step_on_cpu():
-    _needs_peer()
-    r = peer.eagle3_train_step_bench(seq_len=37, ttt_steps=3, **TINY)
+    r = _bench("eagle3_train_step_bench", seq_len=37, ttt_steps=3, **TINY)
     assert KEYS <= r.keys()
     assert r["peer"] == "speculators 0.9.0" and r["ttt_steps"] == 3 and not r["oom"]
     assert len(r["step_ms"]) == 2 and all(ms > 0 for ms in r["step_ms"])
     assert r["tokens_per_s"] > 0 and r["peak_gib"] == 0.0
     assert r["param_dtype"] == "float32" and r["optimizer"] == "Muon+AdamW"
     assert (
-        peer.eagle3_train_step_bench(seq_len=37, ttt_steps=2, optimizer="adamw", **TINY)[
+        _bench("eagle3_train_step_bench", seq_len=37, ttt_steps=2, optimizer="adamw", **TINY)[
             "optimizer"
         ]
         == "AdamW"
@@ -63,8 +70,7 @@ def test_eagle3_step_on_cpu():
 
 
 def test_peagle_step_on_cpu():
-    _needs_peer()
-    r = peer.peagle_train_step_bench(seq_len=37, k=4, **TINY)
+    r = _bench("peagle_train_step_bench", seq_len=37, k=4, **TINY)
     assert KEYS <= r.keys() and r["k"] == 4 and not r["oom"]
     assert r["tokens_per_s"] > 0 and math.isfinite(r["loss"])
     # P-EAGLE trains the embeddings [V, H] and a learned mask hidden state [3H] on top.

@@ -1,10 +1,14 @@
-"""Third-party loaders read our exports as they are: vllm-project/speculators 0.9.0's
-`from_pretrained` on the export's `speculators/` folder, then its own forward on the inputs of
-our drafter's first pass, in fp32 (logits within 1e-4).
+"""Third-party loaders read our exports as they are written: vllm-project/speculators 0.9.0's
+own `from_pretrained` on the `speculators/` folder of each kind's trained zoo export (the folder
+is the working directory, where its recorded verifier resolves; nothing is edited or passed
+but `dtype=float32`), then its own forward on the inputs of our drafter's first pass, compared
+in fp32: logits within fp32 noise (1e-4; the max difference is printed) and drafts equal.
 
-Nothing is installed at test time; without speculators the tests skip. It is not in the `dev`
-extra because speculators 0.9.0 pins `transformers<=5.19` and `torch<=2.14.1` (pip would
-change both); docs/training.md gives the install command.
+speculators runs in its own virtualenv (`tests/support/speculators_env.py`; `.ci/run` creates
+it), in a subprocess. The tests skip only when that venv is absent, which CI never is.
+Kinds are every registered kind whose spec writes a speculators layout; what each speculators
+model type is compared on is `SPECULATORS_CHECKS` (a kind with a new speculators type adds a
+check there).
 """
 
 from __future__ import annotations
@@ -19,86 +23,39 @@ from draftinfer.checkpoint import SPECULATORS_DIR
 from draftinfer.layers import causal_attention
 from draftinfer.proposer import FirstPass
 from draftinfer.registry import drafter_spec
-from tests.support.tiny_models import train_tiny_export
+from tests.support.engine_readers import speculators_kinds
+from tests.support.speculators_env import (
+    VERIFIER_OWNED,
+    run_speculators_side,
+    speculators_python,
+)
 
 pytestmark = pytest.mark.slow
 
-# The bound the brief sets for fp32: the two implementations differ only in reduction order.
-LOGIT_TOL = 1e-4
+LOGIT_TOL = 1e-4  # fp32: the two implementations differ only in reduction order
 T = 12  # first-pass rows
 
 
-def _speculators():
-    return pytest.importorskip(
-        "speculators",
-        reason="vllm-project/speculators is not installed (pip install --no-deps "
-        "speculators==0.9.0 ...; see docs/training.md)",
-    )
-
-
-@pytest.fixture(scope="module")
-def exports(train_env, tmp_path_factory):
-    """`exports(kind)` -> (native target, drafter loaded from the export, export dir): a tiny
-    run of `kind` exported in fp32 by `drafttrain.export` (aux taps distinct, as speculators
-    requires; draft vocabulary smaller than the target's, so `d2t`/`t2d` are exercised)."""
-    _speculators()
-    made: dict[str, tuple] = {}
-
-    def get(kind: str):
-        if kind not in made:
-            out = tmp_path_factory.mktemp(f"spec_{kind}")
-            target, drafter, _, export, _ = train_tiny_export(
-                kind,
-                train_env,
-                out,
-                3,
-                "trainer.lr=3e-2",
-                "drafter.aux_layer_ids=[1,3,5]",
-                "export.dtype=float32",
-            )
-            made[kind] = (target, drafter, Path(export))
-        return made[kind]
-
-    return get
-
-
-def _inputs(drafter, seed: int = 0):
-    """Token ids `[1, T + 1]` (row i consumes ids[i + 1]), aux features `[1, T, 3H]`."""
+def _inputs(drafter, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids `[1, T + 1]` (row i consumes ids[i + 1]) and aux features `[1, T, 3H]` of the
+    size real taps have."""
     g = torch.Generator().manual_seed(seed)
-    V, H = drafter.embed_tokens.weight.shape
+    V = drafter.config.vocab_size
     ids = torch.randint(0, V, (1, T + 1), generator=g)
-    feats = torch.randn(1, T, 3 * drafter.config.target_hidden_size, generator=g)
+    feats = 4 * torch.randn(1, T, 3 * drafter.config.target_hidden_size, generator=g)
     return ids, feats
 
 
-def _load(cls, export: Path, train_env):
-    model = cls.from_pretrained(str(export / SPECULATORS_DIR)).eval()
-    cfg = model.config
-    assert cfg.speculators_config.verifier.name_or_path == train_env["target"]
-    return model
+def _report(record_property, kind: str, diff: float) -> None:
+    print(f"speculators 0.9.0 {kind}: max abs logit difference {diff:.3e} (fp32)")
+    record_property(f"speculators_{kind}_max_abs_logit_diff", diff)
 
 
-def _capture_lm_head(model) -> list[torch.Tensor]:
-    """speculators' forward returns draft tokens; its logits are the `lm_head` outputs."""
-    seen: list[torch.Tensor] = []
-    model.lm_head.register_forward_hook(lambda _m, _i, out: seen.append(out.detach()))
-    return seen
-
-
-def _check_weights(model, drafter) -> None:
-    """What speculators loaded is our drafter: the shared embedding from the verifier, the
-    vocabulary maps and every drafter tensor from the folder."""
-    assert torch.equal(model.embed_tokens.weight, drafter.embed_tokens.weight)
-    assert torch.equal(model.d2t, drafter.d2t) and torch.equal(model.t2d, drafter.t2d)
-    theirs = model.state_dict()
-    for name, t in drafter.trainable_state_dict().items():
-        assert torch.equal(theirs[name], t), name
-
-
-def _runner_first_pass(spec, d, ids, feats, a: int, K: int) -> torch.Tensor:
-    """The runner's drafter logits `[K, Dd]` after committing rows 0..a (row i consumes
-    `(t_{i+1}, f_i)` at position i), read through the proposer's draft chooser."""
-    prop = spec.proposer_class(d, 2, 64, torch.device("cpu"), torch.float32)
+def _runner_first_pass(d, ids, feats, a: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The runner's first pass after committing rows 0..a (row i consumes `(t_{i+1}, f_i)` at
+    position i): the drafter's logits `[K, Dd]` and K drafts (target ids), read through the
+    proposer's draft chooser."""
+    prop = drafter_spec(d.config.kind).proposer_class(d, 2, 64, torch.device("cpu"), torch.float32)
     n = a + 1
     pos = torch.arange(n)[None]
     fp = FirstPass(torch.tensor([1]), ids[:, 1 : n + 1], feats[:, :n], pos, pos)
@@ -108,88 +65,92 @@ def _runner_first_pass(spec, d, ids, feats, a: int, K: int) -> torch.Tensor:
         got.append(logits.clone())
         return logits.argmax(-1), None
 
-    prop.propose(prop.admit(1, fp), torch.tensor([K]), K, keep)
-    return torch.cat(got)
+    drafts, _ = prop.propose(prop.admit(fp), torch.tensor([K]), K, keep)
+    return torch.cat(got), drafts[0]
 
 
-def _report(record_property, kind: str, diff: float) -> None:
-    print(f"speculators 0.9.0 {kind}: max abs logit difference {diff:.3e} (fp32)")
-    record_property(f"speculators_{kind}_max_abs_logit_diff", diff)
-
-
-def test_speculators_eagle3_loads_export_and_matches(exports, train_env, record_property):
-    from speculators.models.eagle3 import Eagle3DraftModel
-
-    _, d, export = exports("eagle3")
-    cfg = json.loads((export / SPECULATORS_DIR / "config.json").read_text())
-    assert (
-        cfg["speculators_model_type"] == "eagle3" and cfg["draft_vocab_size"] < d.config.vocab_size
-    )
-    model = _load(Eagle3DraftModel, export, train_env)
-    _check_weights(model, d)
-    ids, feats = _inputs(d)
+def _check_eagle3(d, theirs: dict, record_property, kind: str) -> None:
+    """EAGLE-3: every row of one TTT step against our drafter's first pass (row i's logits are
+    draft 1 after committing rows 0..i)."""
+    ids, feats = _inputs(d, SPECULATORS_CHECKS["eagle3"][0])
     pos = torch.arange(T)[None]
-    with torch.no_grad():  # our first pass: row i consumes (t_{i+1}, f_i) at pos_i
+    with torch.no_grad():
         normed, _ = d(
             ids[:, 1:],
             d.project_features(feats),
             pos,
             lambda _i, q, k, v: causal_attention(q, k, v),
         )
-        ours = d.logits(normed)  # [1, T, Dd]
-    seen = _capture_lm_head(model)
-    with torch.no_grad():
-        model(
-            hidden_states=feats,
-            input_ids=ids[:, 1:],
-            document_ids=torch.zeros(1, T, dtype=torch.long),
-            position_ids=pos,
-            ttt_steps=1,
-        )
-    assert len(seen) == 1 and seen[0].shape == ours.shape
-    diff = (seen[0] - ours).abs().max().item()
-    _report(record_property, "eagle3", diff)
+        ours = d.logits(normed)[0]  # [T, Dd]
+    got = theirs["logits"][0]
+    assert got.shape == ours.shape
+    diff = (got - ours).abs().max().item()
+    _report(record_property, kind, diff)
     assert diff <= LOGIT_TOL
     assert ours.abs().max() > 1.0  # logits of real size, not a comparison of tiny numbers
+    vocab = d.draft_vocab_ids()
+    assert torch.equal(vocab[got.argmax(-1)], vocab[ours.argmax(-1)])  # drafts equal
 
 
-def test_speculators_peagle_loads_ptd_export_and_matches(exports, train_env, record_property):
-    from speculators.models.peagle import PEagleDraftModel
-    from speculators.models.peagle.data import generate_cod_sample_indices
-
-    target, d, export = exports("ptd")
+def _check_peagle(d, theirs: dict, record_property, kind: str) -> None:
+    """P-EAGLE: its (anchor, depth) slots against our runner's parallel first pass (the
+    proposer's K drafts after each anchor)."""
     K = d.config.parallel_k
-    model = _load(PEagleDraftModel, export, train_env)
-    assert model.mask_token_id == d.config.mask_token_id
-    _check_weights(model, d)
-    ids, feats = _inputs(d, seed=1)
-    # P-EAGLE's forward samples (anchor, depth) slots at random (COD sampling); with both keep
-    # ratios at 1 and a fixed seed, the slots are known in advance by drawing them the same way.
-    cod = {"num_depths": K, "down_sample_ratio": 1.0, "down_sample_ratio_min": 1.0}
-    loss_mask = torch.ones(1, T)
-    torch.manual_seed(5)
-    anchor, depth = generate_cod_sample_indices(T, loss_mask, **cod)
-    seen = _capture_lm_head(model)
-    torch.manual_seed(5)
-    with torch.no_grad():
-        model(
-            hidden_states=feats,
-            input_ids=ids[:, 1:],
-            document_ids=torch.zeros(1, T, dtype=torch.long),
-            loss_mask=loss_mask,
-            verifier_last_hidden_states=torch.zeros(1, T, target.info.hidden_size),
-            **cod,
-        )
-    theirs = seen[0][0]  # [slots, Dd], slot j = (anchor[j], depth[j])
-    slots = {(int(a), int(dd)): j for j, (a, dd) in enumerate(zip(anchor, depth))}
-    # Our runner's first pass for committed rows 0..a: one forward, K drafts (row a, then the
-    # K-1 mask slots at p_a + m), read through the proposer's draft chooser.
-    spec = drafter_spec("ptd")
-    diffs, anchors = [], [a for a in range(T) if all((a, dd) in slots for dd in range(K))]
+    slots = {(int(a), int(k)): j for j, (a, k) in enumerate(zip(theirs["anchor"], theirs["depth"]))}
+    anchors = [a for a in range(T) if all((a, k) in slots for k in range(K))]
     assert len(anchors) >= 3
+    ids, feats = _inputs(d, SPECULATORS_CHECKS["peagle"][0])
+    vocab = d.draft_vocab_ids()
+    diffs = []
     for a in anchors:
-        ours = _runner_first_pass(spec, d, ids, feats, a, K)  # [K, Dd]
-        diffs.append((ours - theirs[[slots[(a, dd)] for dd in range(K)]]).abs().max().item())
+        ours, drafts = _runner_first_pass(d, ids, feats, a, K)  # [K, Dd], [K]
+        got = theirs["logits"][0][[slots[(a, k)] for k in range(K)]]
+        diffs.append((ours - got).abs().max().item())
+        assert torch.equal(vocab[got.argmax(-1)], drafts)  # drafts equal
     diff = max(diffs)
-    _report(record_property, "ptd", diff)
+    _report(record_property, kind, diff)
     assert diff <= LOGIT_TOL
+
+
+# Per speculators model type: the seed of the shared inputs and our side's comparison.
+SPECULATORS_CHECKS = {"eagle3": (0, _check_eagle3), "peagle": (1, _check_peagle)}
+
+
+def _side_inputs(d, stype: str) -> dict[str, torch.Tensor]:
+    """What the speculators side runs its forward on: the drafter rows of the same inputs our
+    side uses (row i consumes ids[i + 1] and feature i, at position i)."""
+    ids, feats = _inputs(d, SPECULATORS_CHECKS[stype][0])
+    x = {"input_ids": ids[:, 1:], "hidden_states": feats, "position_ids": torch.arange(T)[None]}
+    if stype == "peagle":
+        x["num_depths"] = torch.tensor(d.config.parallel_k)
+        x["verifier_hidden_size"] = torch.tensor(d.config.target_hidden_size)
+    return x
+
+
+@pytest.mark.parametrize("kind", speculators_kinds())
+def test_speculators_loads_export_as_written_and_matches(kind_env, kind, tmp_path, record_property):
+    if speculators_python() is None:
+        pytest.skip("no speculators virtualenv (.ci-venvs/speculators; .ci/run creates it)")
+    env = kind_env(kind)
+    d, export = env["drafter"], Path(env["export"])
+    folder = export / SPECULATORS_DIR
+    cfg = json.loads((folder / "config.json").read_text())
+    stype = cfg["speculators_model_type"]
+    assert stype in SPECULATORS_CHECKS, f"no check for speculators type {stype!r}"
+    theirs, meta = run_speculators_side(stype, folder, _side_inputs(d, stype), tmp_path)
+    print(f"speculators side: {meta}")
+    assert meta["speculators"] == "0.9.0" and meta["transformers"] == "5.19.0"
+    # The verifier resolved as recorded (from this folder), and nothing in the model came from
+    # anywhere but the folder, except speculators' own copies of verifier weights.
+    assert meta["verifier"] == cfg["speculators_config"]["verifier"]["name_or_path"]
+    assert set(meta["not_in_folder"]) <= VERIFIER_OWNED, meta["not_in_folder"]
+    assert meta["unused_in_folder"] == [], meta["unused_in_folder"]
+    # What speculators loaded is our drafter: the shared embedding, the vocabulary maps and
+    # every drafter tensor (the export is bf16; both sides read the same values).
+    state = {k[len("state.") :]: v for k, v in theirs.items() if k.startswith("state.")}
+    assert torch.equal(state["embed_tokens.weight"], d.embed_tokens.weight)
+    for name, t in d.trainable_state_dict().items():
+        assert torch.equal(state[name].to(t.dtype), t), name
+    if "mask_token_id" in cfg:
+        assert meta["mask_token_id"] == d.config.mask_token_id
+    SPECULATORS_CHECKS[stype][1](d, theirs, record_property, kind)

@@ -94,11 +94,14 @@ def test_export_contract_against_its_target(zoo_run, zoo_target, kind):
         layer = "midlayer." if cfg["num_hidden_layers"] == 1 else "layers.0."
         assert shapes[layer + "self_attn.q_proj.weight"][1] == 2 * H
         assert shapes[layer + "hidden_norm.weight"] == (H,)
-        # The same drafter in vllm-project/speculators' layout (tests/test_third_party_loaders.py
+        # The same drafter in vllm-project/speculators' layout (tests/jobs/test_third_party_loaders.py
         # loads it with speculators itself).
         spec_cfg = json.loads((export / SPECULATORS_DIR / "config.json").read_text())
         verifier = spec_cfg["speculators_config"]["verifier"]
-        assert verifier == {"name_or_path": "zoo:llama-tiny", "architectures": tc.architectures}
+        # A zoo target has no hub id: the verifier is a copy inside the folder, named by a
+        # relative path (drafttrain.export.speculators_verifier).
+        assert verifier == {"name_or_path": "verifier", "architectures": tc.architectures}
+        assert (export / SPECULATORS_DIR / "verifier" / "model.safetensors").is_file()
         assert spec_cfg["transformer_layer_config"]["vocab_size"] == V
         assert spec_cfg["eagle_aux_hidden_state_layer_ids"] == aux
         with safe_open(str(export / SPECULATORS_DIR / "model.safetensors"), "pt") as f:

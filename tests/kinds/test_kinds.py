@@ -29,6 +29,7 @@ from draftinfer.slots import Slots
 from drafttrain.registry import load_train_kinds, train_spec
 from tests.support.kind_factories import servable, small_drafter, small_embeddings
 from tests.support.prompts import zoo_prompts
+from tests.support.round_logits import compare_round_logits, record_fast, record_reference
 
 KINDS = registered_kinds()
 MAX_LEN = 384
@@ -51,7 +52,12 @@ def _decoder(env, k, **kw):
 def test_t1_greedy_equals_plain_greedy(kind_env, kind, k, batch):
     env = kind_env(kind)
     if not servable(kind, env["drafter"].config, k):
-        pytest.skip(f"this {kind} drafter does not serve K={k} (its spec's check_k)")
+        # A K the drafter cannot draft is refused before anything runs (its spec's check_k),
+        # with one line; nothing is skipped.
+        with pytest.raises(CheckpointError) as e:
+            _decoder(env, k, max_batch=min(batch, 8))
+        assert f"k={k}" in str(e.value) and "\n" not in str(e.value)
+        return
     ps = zoo_prompts(batch, seed=k * 100 + batch)
     plain = greedy_generate(env["target"], ps, 16)
     outs = _decoder(env, k, max_batch=min(batch, 8)).generate(
@@ -64,18 +70,26 @@ def test_t1_greedy_equals_plain_greedy(kind_env, kind, k, batch):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("verify, temperature", [("onehot", 0.0), ("onehot", 1.0), ("full", 1.0)])
-def test_fast_path_equals_reference_loop(kind_env, kind, verify, temperature):
+def test_fast_path_equals_reference_loop(kind_env, kind, verify, temperature, monkeypatch):
+    """Same tokens, accepted counts and proposals, and the same drafter logits in every round
+    and step (not only the same emitted tokens); the reference loop leaves what it hands the
+    drafter (views of the target's outputs) unchanged."""
     env = kind_env(kind)
     ps = zoo_prompts(3, seed=7)
     reqs = [
         Request(p, SamplingParams(temperature, top_k=50, top_p=0.9, seed=i), max_tokens=12)
         for i, p in enumerate(ps)
     ]
-    fast = _decoder(env, 3, verify=verify).generate(reqs)[0]
+    dec = _decoder(env, 3, verify=verify, max_batch=len(reqs))
+    fast_logits = record_fast(dec, monkeypatch)
+    fast = dec.generate(reqs)[0]
+    ref_calls = record_reference(drafter_spec(kind).proposer_class, monkeypatch)
     ref = reference_generate(env["target"], env["drafter"], reqs, 3, MAX_LEN, verify)
     for f, r in zip(fast, ref):
         assert f.token_ids == r.token_ids
         assert f.accepted == r.accepted and f.proposed == r.proposed
+    assert compare_round_logits(fast_logits, ref_calls, fast) > 10
+    assert all(c.unchanged for c in ref_calls)
     if temperature == 0.0:
         assert sum(a for o in fast for a in o.accepted) > 0
 

@@ -35,8 +35,8 @@ def test_s3_modules_carry_what_the_config_says(chain, carry, monkeypatch):
     calls = []
     orig = type(d).forward
 
-    def spy(self, k, ids, h_in, rope_pos, attn_fn):
-        normed, pre = orig(self, k, ids, h_in, rope_pos, attn_fn)
+    def spy(self, k, ids, h_in, rope_pos, attn_fn, mm=None):
+        normed, pre = orig(self, k, ids, h_in, rope_pos, attn_fn, mm)
         calls.append((k, h_in.clone(), normed.clone(), pre.clone()))
         return normed, pre
 
@@ -157,7 +157,7 @@ def test_family_and_hidden_size_must_match_the_target(kind_env, tiny_qwen3_dir, 
 
     spec, arch, _ = read_drafter_config(kind_env("mtp")["export"])
     for path, needle in (
-        (tiny_qwen3_dir, "family Qwen3ForCausalLM"),
+        (tiny_qwen3_dir, "architecture Qwen3ForCausalLM"),
         (tiny_llama3_dir, "hidden size 64"),
     ):
         with pytest.raises(CheckpointError, match=needle) as e:

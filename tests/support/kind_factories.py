@@ -48,12 +48,22 @@ def small_target_dir(rope: str = "1d") -> str:
     return str(save_tiny_target(cfg, Path(tempfile.mkdtemp(prefix=f"small_{rope}_"))))
 
 
+@functools.lru_cache(maxsize=1)
+def small_vl_dir() -> str:
+    """The tiny random Qwen3-VL of `tests.support.vl_fixtures`, saved once per process."""
+    from tests.support.vl_fixtures import save_tiny_vl
+
+    return str(save_tiny_vl(Path(tempfile.mkdtemp(prefix="small_vl_"))))
+
+
 @functools.lru_cache(maxsize=8)
 def _frozen(target_dir: str):
+    """The training target of `target_dir`, as its target family builds it."""
     from drafttrain.config import TargetConfig
-    from drafttrain.target import FrozenTarget
+    from drafttrain.families import target_family
 
-    return FrozenTarget(TargetConfig(name_or_path=target_dir), torch.device("cpu"))
+    cfg = TargetConfig(name_or_path=target_dir)
+    return target_family(target_dir).target(cfg, torch.device("cpu"))
 
 
 def randomized(d: torch.nn.Module) -> torch.nn.Module:
@@ -63,9 +73,10 @@ def randomized(d: torch.nn.Module) -> torch.nn.Module:
     return d.eval()
 
 
-def drafter_for(kind: str, target_dir: str, seed: int = 0, **train_overrides):
-    """A randomized drafter of `kind` built for the target in `target_dir` by the kind's own
-    `TrainSpec.init_drafter` (identity draft vocabulary, mask token = the last id)."""
+def config_and_drafter_for(kind: str, target_dir: str, seed: int = 0, **train_overrides):
+    """(the kind's training config, a randomized drafter of `kind` built for the target in
+    `target_dir` by the kind's own `TrainSpec.init_drafter`: identity draft vocabulary, mask
+    token = the last id)."""
     import datasets
 
     from drafttrain.registry import InitContext, train_spec
@@ -79,7 +90,18 @@ def drafter_for(kind: str, target_dir: str, seed: int = 0, **train_overrides):
     data = datasets.Dataset.from_dict({"input_ids": [list(range(V))], "loss_mask": [[1] * V]})
     ctx = InitContext(target, None, data, Path(tempfile.mkdtemp()))
     torch.manual_seed(seed)
-    return randomized(spec.init_drafter(cfg, ctx))
+    return cfg, randomized(spec.init_drafter(cfg, ctx))
+
+
+def drafter_for(kind: str, target_dir: str, seed: int = 0, **train_overrides):
+    """A randomized drafter of `kind` built for the target in `target_dir` by the kind's own
+    `TrainSpec.init_drafter` (identity draft vocabulary, mask token = the last id)."""
+    return config_and_drafter_for(kind, target_dir, seed, **train_overrides)[1]
+
+
+def small_target(rope: str = "1d"):
+    """The small target as training runs it (`drafttrain.target.FrozenTarget`)."""
+    return _frozen(small_target_dir(rope))
 
 
 def small_drafter(kind: str, rope: str = "1d", seed: int = 0, **train_overrides):
