@@ -33,7 +33,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
     report = run_or_exit(run_eval, OmegaConf.to_object(cfg))
     print(format_report(report))
-    if not report["lossless"]:
+    if not report.lossless:
         sys.exit(3)
 
 

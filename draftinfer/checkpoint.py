@@ -38,17 +38,19 @@ def write_drafter(
     drafter: torch.nn.Module,
     meta: dict[str, Any],
     dtype: torch.dtype = torch.bfloat16,
+    top_level: dict[str, Any] | None = None,
 ) -> Path:
-    """Write `config.json` + `model.safetensors` for `drafter` into `out_dir`.
+    """Write `config.json` + `model.safetensors` for `drafter` into `out_dir`, each once.
 
     meta: our fields (target name, training facts); merged with the kind's convention fields
-    and stored under `config["drafttrain"]`.
+    and stored under `config["drafttrain"]`. top_level: engine-facing fields the target family
+    adds beside the kind's (e.g. Qwen3-VL's `target_model_type`).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     spec = spec_of(drafter)
     arch = drafter.config
-    config = spec.hf_config(arch)
+    config = {**spec.hf_config(arch), **(top_level or {})}
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     config["drafttrain"] = {
         "format_version": FORMAT_VERSION,
