@@ -28,8 +28,10 @@ _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 # The manifest of a `python -m drafttrain.regenerate` output directory: loading such a
 # directory before every shard is written would silently train on part of the data.
+# Written through `drafttrain.shards` (format + version); version 1 put both in `format`.
 REGEN_MANIFEST = "manifest.json"
-REGEN_FORMAT = "drafttrain.regenerate/1"
+REGEN_FORMAT, REGEN_VERSION = "drafttrain-regeneration", 2
+REGEN_FORMAT_V1 = "drafttrain.regenerate/1"
 
 # ShareGPT speaker names -> chat roles.
 _SHAREGPT_ROLES = {
@@ -161,7 +163,8 @@ def _check_regeneration(path: str) -> None:
         m = json.loads(open(manifest, encoding="utf-8").read())
     except (OSError, ValueError):
         return  # not ours: an unrelated manifest.json
-    if isinstance(m, dict) and m.get("format") == REGEN_FORMAT and not m.get("complete"):
+    ours = isinstance(m, dict) and m.get("format") in (REGEN_FORMAT, REGEN_FORMAT_V1)
+    if ours and not m.get("complete"):
         raise DataError(
             f"{path!r} is an unfinished regeneration ({len(m.get('shards', []))} of "
             f"{m.get('num_shards')} shards written); rerun python -m drafttrain.regenerate "

@@ -9,19 +9,23 @@ Layout: `<output_dir>/checkpoints/step_000100/` holding
   the other ranks of a multi-process run),
 - `engine/` instead of the optimizer files when DeepSpeed ZeRO or FSDP shard the drafter and
   its optimizer: the engine's own sharded state (`accelerator.save_state`), written by every
-  rank; `drafter.safetensors` is still the full drafter, gathered on rank 0.
-`<output_dir>/checkpoints/latest` names the newest complete one.
+  rank; `drafter.safetensors` is still the full drafter, gathered on rank 0;
+- `manifest.json`: every file above with its size and sha256, in the layout every sharded
+  output of the project shares (`drafttrain.shards`, format `drafttrain-checkpoint`).
+`<output_dir>/checkpoints/latest` names the newest complete one (a pointer file).
 
-Atomicity: everything is written into `step_N.tmp/` and renamed in one `os.replace`, then
-`latest` is replaced; a run killed at any instant leaves either the old or the new
-checkpoint, never half of one. Nothing of ours is unpickled on load (an `engine/` folder is
-the engine's own format, read by `accelerator.load_state`).
+Atomicity (`drafttrain.shards`): everything is written into `step_N.tmp/`, fsynced and renamed
+in one `os.replace`, then `latest` is replaced atomically; a run killed at any instant leaves
+either the old or the new checkpoint, never half of one. Loading checks every listed file's
+size and sha256 (a one-line `CheckpointError` naming the file); a checkpoint written before
+manifests existed loads as before (its files are checked for presence only). Nothing of ours
+is unpickled on load (an `engine/` folder is the engine's own format, read by
+`accelerator.load_state`).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -31,6 +35,16 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from drafttrain.errors import CheckpointError
+from drafttrain.shards import (
+    ManifestFormat,
+    ShardedOutput,
+    publish_dir,
+    read_pointer,
+    write_pointer,
+)
+
+FORMAT = ManifestFormat("drafttrain-checkpoint", 1, "checkpoint", CheckpointError)
+LATEST = "latest"
 
 
 def _flatten_optimizer(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
@@ -83,8 +97,8 @@ def finish_checkpoint(
     keep_last: int = 2,
 ) -> Path:
     """Write the drafter, optimizer (None: an engine wrote its own sharded state under
-    `engine/`, `state["engine_state"]` says so), RNG and state into `step_N.tmp/`, fsync, and
-    publish it with one rename."""
+    `engine/`, `state["engine_state"]` says so), RNG and state into `step_N.tmp/`, list every
+    file in its manifest, and publish it with one rename."""
     final = ckpt_root / f"step_{step:06d}"
     tmp = ckpt_root / f"step_{step:06d}.tmp"
     save_file(
@@ -97,16 +111,14 @@ def finish_checkpoint(
         (tmp / "optimizer.json").write_text(json.dumps(opt_meta))
     save_file(rng_tensors(), str(tmp / "rng.safetensors"))
     (tmp / "state.json").write_text(json.dumps({**state, "step": step}, indent=2))
-    for f in tmp.rglob("*"):  # data on disk before the rename makes it visible
-        if f.is_file():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    latest_tmp = ckpt_root / "latest.tmp"
-    latest_tmp.write_text(final.name)
-    os.replace(latest_tmp, ckpt_root / "latest")
+    # Every file (the other ranks' RNG and an engine's shards included), then the manifest.
+    files = sorted(f.relative_to(tmp).as_posix() for f in tmp.rglob("*") if f.is_file())
+    listing = ShardedOutput(tmp, FORMAT, FORMAT.new(len(files), step=step))
+    for i, name in enumerate(files):
+        listing.add(listing.entry(i, name))
+    listing.save()
+    publish_dir(tmp, final)
+    write_pointer(ckpt_root / LATEST, final.name)
     steps = sorted(p for p in ckpt_root.glob("step_*") if not p.name.endswith(".tmp"))
     for old in steps[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
@@ -124,11 +136,9 @@ def load_rank_rng(path: Path, rank: int) -> dict[str, torch.Tensor]:
 
 
 def latest_checkpoint(ckpt_root: Path) -> Path | None:
-    marker = ckpt_root / "latest"
-    if not marker.is_file():
-        return None
-    path = ckpt_root / marker.read_text().strip()
-    return path if path.is_dir() else None
+    name = read_pointer(ckpt_root / LATEST)
+    path = ckpt_root / name if name else None
+    return path if path is not None and path.is_dir() else None
 
 
 def _load(path: Path) -> dict[str, torch.Tensor]:
@@ -142,6 +152,9 @@ def _load(path: Path) -> dict[str, torch.Tensor]:
 def load_checkpoint(path: Path) -> dict[str, Any]:
     """-> {"drafter": tensors, "optimizer": optimizer state dict (None when a sharding engine
     keeps it under `engine/`), "state": dict, "rng": tensors}"""
+    listing = FORMAT.read(path)
+    if listing is not None:  # None: written before checkpoints had a manifest
+        ShardedOutput(path, FORMAT, listing).check()  # each file there, its size and sha256
     for name in ("drafter.safetensors", "state.json"):
         if not (path / name).is_file():
             raise CheckpointError(f"incomplete checkpoint {path}: {name} missing")

@@ -35,13 +35,14 @@ from drafttrain.config import TrainerConfig
 from drafttrain.errors import ConfigError
 
 
-def make_accelerator(tc: TrainerConfig):
+def make_accelerator(tc: TrainerConfig, cpu: bool | None = None):
     """The run's `Accelerator`. Mixed precision `auto` = bf16 on GPU, none on CPU; with
     `trainer.deepspeed` a DeepSpeed plugin from that JSON (launchers without an accelerate
-    config: `torchrun`, `deepspeed`)."""
+    config: `torchrun`, `deepspeed`). `cpu=True` keeps a run on the CPU where there is a GPU
+    (default: the GPU when there is one)."""
     from accelerate import Accelerator
 
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_available() and not cpu
     mp = tc.mixed_precision
     if mp == "auto":
         mp = "bf16" if cuda else "no"

@@ -136,10 +136,12 @@ def _adamw(p, grad, exp_avg, exp_avg_sq, step_size, bias2, decay, b1, b2, eps):
     p.copy_(w)
 
 
-def build_optimizer(params: list[torch.nn.Parameter], tc) -> torch.optim.Optimizer:
-    """The trainer's optimizer for `params` (already in `trainer.param_dtype`)."""
+def build_optimizer(params: list, tc) -> torch.optim.Optimizer:
+    """The trainer's optimizer for `params` (already in `trainer.param_dtype`): parameters, or
+    param groups (dicts with `params` and their own `lr`, `weight_decay`, ...)."""
     state = dtype_of(tc.optimizer_dtype, "optimizer_dtype")
-    low = any(p.dtype != torch.float32 for p in params)
+    flat = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
+    low = any(p.dtype != torch.float32 for p in flat)
     if state == torch.float32 and not low:
         return torch.optim.AdamW(
             params, lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay

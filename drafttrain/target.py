@@ -79,14 +79,18 @@ def load_tokenizer(name_or_path: str):
         raise TargetError(f"cannot load the tokenizer of {name_or_path!r}: {first}") from None
 
 
-def load_target_config(name_or_path: str):
+def load_target_config(
+    name_or_path: str, revision: str | None = None, trust_remote_code: bool = False
+):
     """The target's transformers config (no weights); a one-line `TargetError` when it cannot be
     loaded."""
     from transformers import AutoConfig
 
     path = resolve_target_path(name_or_path)
     try:
-        return AutoConfig.from_pretrained(path)
+        return AutoConfig.from_pretrained(
+            path, revision=revision, trust_remote_code=trust_remote_code
+        )
     except (OSError, ValueError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise TargetError(f"cannot load the config of {name_or_path!r}: {first}") from None

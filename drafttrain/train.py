@@ -1,25 +1,25 @@
 """`train(cfg) -> summary`: the training step of the job behind `python -m drafttrain`
 (`drafttrain.job`: train -> export -> verify).
 
-load target -> tokenize chat data -> the kind's `init_drafter` (architecture from the target,
-draft vocabulary, initial weights) -> optimizer loop over the kind's objective (checkpoints,
-resume) -> held-out evaluation. Nothing here names a drafter kind: the kind's `TrainSpec`
-(`drafttrain.registry`) supplies the drafter and the objective, and the drafter's
+setup (`drafttrain.setup.setup_training`: target, tokenized data, the kind's `init_drafter`,
+the target the loop asks for features: live or an offline feature cache, through the target
+interface) -> optimizer loop over the kind's objective (`drafttrain.loop.run_loop`:
+accumulate, clip, step, schedule, log, periodic hooks; checkpoints and resume here) ->
+held-out evaluation. Nothing here names a drafter kind or a target family: the kind's
+`TrainSpec` (`drafttrain.registry`) supplies the drafter and the objective, and the drafter's
 `FeatureSpec` tells the target what to return.
 
 One process or several: the loop goes through `accelerate` (`drafttrain.distributed`), so
-DDP, DeepSpeed ZeRO and FSDP2 wrap the drafter from outside the model code (STYLE rule 3). Determinism: the drafter init is
-seeded, the batch order is a pure function of (seed, epoch), and a checkpoint stores the
-optimizer, scheduler, RNG and the data cursor, so a resumed run reproduces the
-uninterrupted one exactly (test R3).
+DDP, DeepSpeed ZeRO and FSDP2 wrap the drafter from outside the model code (STYLE rule 3).
+Determinism: the drafter init is seeded, the batch order is a pure function of (seed, epoch),
+and a checkpoint stores the optimizer, scheduler, RNG and the data cursor, so a resumed run
+reproduces the uninterrupted one exactly (test R3).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import shutil
-import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,6 @@ from typing import Any
 import torch
 import yaml
 
-from draftinfer.registry import drafter_spec
 from draftinfer.threads import torch_threads
 from drafttrain.checkpoint import (
     begin_checkpoint,
@@ -39,6 +38,7 @@ from drafttrain.checkpoint import (
     save_rank_rng,
 )
 from drafttrain.config import TrainConfig
+from drafttrain.data import BatchStream
 from drafttrain.distributed import (
     ObjectiveModule,
     configure_engine,
@@ -49,13 +49,19 @@ from drafttrain.distributed import (
     shard_batch,
     shards_state,
 )
-from drafttrain.errors import ConfigError, DataError
-from drafttrain.families import target_family
+from drafttrain.errors import ConfigError
 from drafttrain.loggers import MetricLogger, NullLogger, read_metrics
+from drafttrain.loop import (
+    DeviceBatches,
+    LoopHook,
+    loop_state,
+    restore_loop,
+    run_loop,
+    warmup_cosine,
+)
 from drafttrain.losses import data_parallel, metric_values
-from drafttrain.optim import build_optimizer, dtype_of, with_master_weights
-from drafttrain.registry import InitContext, train_spec
-from drafttrain.target import load_tokenizer
+from drafttrain.optim import build_optimizer, with_master_weights
+from drafttrain.setup import setup_training
 from drafttrain.ttt import pick_backend
 from drafttrain.wrap import apply_training_wrappers
 
@@ -68,78 +74,6 @@ def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
 
 def write_resolved_config(cfg: TrainConfig, path: Path) -> None:
     path.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-
-
-def lr_lambda(warmup: int, total: int, min_ratio: float):
-    """Linear warmup, then cosine from 1 to `min_ratio` at `total` optimizer steps."""
-
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / max(1, warmup)
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return f
-
-
-class BatchStream:
-    """Deterministic micro-batch stream; its cursor (epoch, index) is checkpointed.
-    `data`: a `drafttrain.data.TokenizedSplit` (batches by its collate) or a tokenized text
-    dataset (batches by `drafttrain.data.collate`)."""
-
-    def __init__(self, data, batch_size: int, pad_id: int, seed: int):
-        from drafttrain.data import length_bucketed_batches
-
-        split = data if hasattr(data, "collate") else None
-        dataset = split.data if split is not None else data
-        self.dataset, self.pad_id, self.seed, self.batch_size = dataset, pad_id, seed, batch_size
-        self.collate = split.collate if split is not None else self._text_collate
-        self.lengths = list(dataset["length"])
-        self._plan = length_bucketed_batches
-        self.epoch, self.index = 0, 0
-        self._batches = self._plan(self.lengths, batch_size, seed, 0)
-
-    def _text_collate(self, rows: list[int], pad_id: int) -> dict[str, torch.Tensor]:
-        from drafttrain.data import collate
-
-        return collate([self.dataset[i] for i in rows], pad_id)
-
-    def state(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "index": self.index}
-
-    def restore(self, st: dict[str, int]) -> None:
-        self.epoch, self.index = st["epoch"], st["index"]
-        self._batches = self._plan(self.lengths, self.batch_size, self.seed, self.epoch)
-
-    def next(self) -> dict[str, torch.Tensor]:
-        if self.index >= len(self._batches):
-            self.epoch, self.index = self.epoch + 1, 0
-            self._batches = self._plan(self.lengths, self.batch_size, self.seed, self.epoch)
-        ids = self._batches[self.index]
-        self.index += 1
-        batch = self.collate(ids, self.pad_id)
-        batch["index"] = torch.tensor(ids, dtype=torch.long)  # rows of the dataset (caches)
-        return batch
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A batch tensor on the training device; from pinned memory without a host wait on CUDA."""
-    if device.type == "cuda" and t.device.type == "cpu":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
-def losses_of(step_losses: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {f"_loss_{i}": v for i, v in enumerate(step_losses)}
-
-
-def prepare_data(cfg: TrainConfig, adapter):
-    """The tokenized training split (a `drafttrain.data.TokenizedSplit`) of a data adapter
-    (`TrainFamily.data`: text chat, image+text chat)."""
-    split = adapter.tokenize(cfg.data)
-    if len(split.data) == 0:
-        raise DataError(f"dataset {cfg.data.path!r} has no usable conversations")
-    return split
 
 
 @torch.no_grad()
@@ -202,32 +136,6 @@ def save_training_plot(run_dir: Path) -> Path | None:
     return out
 
 
-def _setup(cfg: TrainConfig, run_dir: Path, device):
-    """Tokenizer, target, data and the initialised drafter: everything that can fail on bad
-    input, before the run writes anything of its own. The target's family
-    (`drafttrain.families`, by its architecture) supplies the target and the data adapter."""
-    spec = train_spec(getattr(cfg.drafter, "kind", None) or "")
-    pick_backend(cfg.drafter.attention_backend, device)  # validated before any work
-    dtype_of(cfg.trainer.param_dtype, "param_dtype")
-    dtype_of(cfg.trainer.optimizer_dtype, "optimizer_dtype")
-    family = target_family(cfg.target.name_or_path)
-    family.check_kind(drafter_spec(spec.name))  # the kind x family pair, before any output
-    if cfg.data.cache:
-        from drafttrain.cache import check_family
-
-        check_family(family, cfg.target.name_or_path)
-    tokenizer = load_tokenizer(cfg.target.name_or_path)
-    target = family.target(cfg.target, device)
-    split = prepare_data(cfg, family.data(cfg.target.name_or_path, tokenizer))
-    cache_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else run_dir / "cache"
-    drafter = spec.init_drafter(cfg.drafter, InitContext(target, tokenizer, split.data, cache_dir))
-    if cfg.data.cache:  # read features from an offline cache; the target is never run
-        from drafttrain.cache import CachedTarget
-
-        target = CachedTarget.open(cfg, target, tokenizer, split.data, drafter.config.features)
-    return spec, tokenizer, target, split, drafter
-
-
 def train(cfg: TrainConfig, keep_logger: bool = False) -> dict[str, Any]:
     """Train (or resume) and checkpoint. Returns a summary dict (`run_dir`, losses, eval).
     `keep_logger=True` leaves the metric logger open in `summary["logger"]` (the job logs the
@@ -243,8 +151,6 @@ def train(cfg: TrainConfig, keep_logger: bool = False) -> dict[str, Any]:
 
 
 def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
-    from tqdm.auto import tqdm
-
     tc = cfg.trainer
     run_dir = Path(cfg.output_dir)
     fresh = not run_dir.exists()
@@ -258,7 +164,8 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
     try:
         # Rank 0 builds the data caches, then the rest; the target is whole on every rank.
         with accelerator.main_process_first(), replicated_loading(accelerator):
-            spec, tokenizer, target, split, drafter = _setup(cfg, run_dir, device)
+            setup = setup_training(cfg, device)
+        spec, split, drafter, target = setup.job.spec, setup.job.split, setup.drafter, setup.target
         drafter.to(device)
         # Frozen parameters, precision, torch.compile and activation checkpointing, from
         # outside the model code (a bad `trainer.freeze` fails here, before any output).
@@ -274,11 +181,13 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
     own_keys = set(drafter.trainable_state_dict())
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, tc)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_lambda(tc.warmup_steps, tc.max_steps, tc.min_lr_ratio)
+    scheduler = warmup_cosine(optimizer, tc)
+    pad_id = setup.job.pad_id
+    batches = DeviceBatches(
+        BatchStream(split, cfg.data.batch_size, pad_id, cfg.seed),
+        device,
+        lambda b: shard_batch(b, rank, world, split),  # this rank's rows of the global batch
     )
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    stream = BatchStream(split, cfg.data.batch_size, pad_id, cfg.seed)
 
     start_step, ck = 0, None
     if resume_from is not None:
@@ -297,9 +206,7 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
         drafter.load_own_state({k: v.to(device) for k, v in ck["drafter"].items()})
         if ck["optimizer"] is not None:
             optimizer.load_state_dict(ck["optimizer"])
-        scheduler.load_state_dict(ck["state"]["scheduler"])
-        stream.restore(ck["state"]["data"])
-        start_step = ck["state"]["step"]
+        start_step = restore_loop(ck["state"], scheduler, batches)
     objective = spec.objective(
         drafter, cfg.drafter, pick_backend(cfg.drafter.attention_backend, device)
     )
@@ -316,14 +223,19 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
     )
     engine_state = shards_state(accelerator)
 
-    def checkpoint(step: int) -> None:
-        """Collective: every rank calls it (gathers, engine state, per-rank RNG)."""
-        own = (
+    def own_state() -> dict[str, torch.Tensor]:
+        """The drafter's own tensors as a checkpoint stores them. Collective under sharding."""
+        return (
             full_drafter_state(accelerator, wrapped, own_keys)
             if engine_state
             else with_master_weights(drafter.trainable_state_dict(), drafter, optimizer)
         )
-        tmp = begin_checkpoint(ckpt_root, step) if main else None
+
+    def checkpoint(step: int) -> None:
+        """Collective: every rank calls it (gathers, engine state, per-rank RNG)."""
+        own = own_state()
+        if main:
+            begin_checkpoint(ckpt_root, step)
         accelerator.wait_for_everyone()
         tmp = ckpt_root / f"step_{step:06d}.tmp"
         if engine_state:
@@ -338,8 +250,7 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
                 own,
                 None if engine_state else optimizer,
                 {
-                    "scheduler": scheduler.state_dict(),
-                    "data": stream.state(),
+                    **loop_state(scheduler, batches),
                     "drafter_kind": kind,
                     "drafter_config": arch.to_dict(),
                     "objective": objective.checkpoint_meta(),
@@ -350,67 +261,26 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
             )
         accelerator.wait_for_everyone()
 
-    bar = tqdm(
-        total=tc.max_steps,
-        initial=start_step,
-        disable=not (tc.progress and main),
+    # Periodic callbacks of the loop (`drafttrain.loop.LoopHook`: every N steps and after the
+    # last, on every rank, metrics logged at that step), e.g. the runner's AL during training.
+    hooks: list[LoopHook] = []
+    loop = run_loop(
+        accelerator,
+        wrapped,
+        optimizer,
+        scheduler,
+        batches,
+        tc,
+        start_step=start_step,
+        logger=logger,
         desc=f"train {kind}",
-        unit="step",
-        dynamic_ncols=True,
+        checkpoint=checkpoint,
+        hooks=hooks,
+        forward_context=lambda: data_parallel(reduce_sum(accelerator), world),
     )
-    # Metrics stay device tensors (float64, the same arithmetic a host loop would do) until a
-    # log step reads them all at once: the loop itself never waits for the device.
-    window: dict[str, torch.Tensor | float] = {}
-    n_window, tok_window, t_window = 0, 0.0, time.perf_counter()
-    step_losses: list[torch.Tensor] = []  # per optimizer step, read at log steps
-    losses: list[float] = []  # per optimizer step (golden-loss and rank-match tests)
-    for step in range(start_step, tc.max_steps):
-        wrapped.train()
-        step_metrics: dict[str, torch.Tensor | float] = {}
-        for _ in range(tc.grad_accum):
-            batch = shard_batch(stream.next(), rank, world, split)
-            batch = {k: to_device(v, device) for k, v in batch.items()}
-            with accelerator.accumulate(wrapped), accelerator.autocast():
-                with data_parallel(reduce_sum(accelerator), world):
-                    loss, m = wrapped(batch)
-                accelerator.backward(loss)
-            for k, v in m.items():
-                step_metrics[k] = step_metrics.get(k, 0.0) + v / tc.grad_accum
-        if tc.grad_clip > 0:
-            accelerator.clip_grad_norm_(wrapped.parameters(), tc.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step_losses.append(step_metrics["loss"])
-        for k, v in step_metrics.items():
-            window[k] = window.get(k, 0.0) + v
-        n_window += 1
-        tok_window = tok_window + step_metrics["tokens"] * tc.grad_accum
-        done = step + 1
-        if done % tc.log_every == 0 or done == tc.max_steps:
-            values = metric_values({**window, "_tokens": tok_window, **losses_of(step_losses)})
-            losses += [values.pop(f"_loss_{i}") for i in range(len(step_losses))]
-            step_losses = []
-            tok = values.pop("_tokens")
-            dt = time.perf_counter() - t_window
-            avg = {k: v / n_window for k, v in values.items() if k != "tokens"}
-            avg["lr"] = scheduler.get_last_lr()[0]
-            avg["tokens_per_s"] = tok / max(dt, 1e-9)
-            logger.log(avg, done)
-            accs = sorted((k for k in avg if k.startswith("acc_")), key=lambda k: int(k[4:]))
-            bar.set_postfix(
-                loss=f"{avg['loss']:.3f}",
-                acc="/".join(f"{avg[k]:.2f}" for k in accs),  # per draft step / depth / module
-                sim_al=f"{avg['sim_al']:.2f}",
-                tok_s=f"{avg['tokens_per_s']:.0f}",
-            )
-            window, n_window, tok_window, t_window = {}, 0, 0.0, time.perf_counter()
-        bar.update(1)
-        if tc.save_every > 0 and done % tc.save_every == 0 and done != tc.max_steps:
-            checkpoint(done)
-    bar.close()
     if start_step < tc.max_steps or latest_checkpoint(ckpt_root) is None:
         checkpoint(tc.max_steps)
+    losses = loop.losses
     summary: dict[str, Any] = {
         "run_dir": str(run_dir),
         "steps": tc.max_steps,

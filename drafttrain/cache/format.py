@@ -1,9 +1,12 @@
 """On-disk format of the offline feature cache: segments, storage dtypes (fp8 with per-row
-scales), shard plans, bytes per token, and atomic, checksummed files.
+scales), shard plans, bytes per token. The files are written, listed, checked and resumed by
+`drafttrain.shards` (the layout every sharded output of the project shares).
 
 A cache directory:
 
-    DIR/manifest.json                 # fingerprint, layout, one entry per shard (below)
+    DIR/manifest.json                 # fingerprint, layout, per-split sizes and fingerprints,
+                                      # one entry per finished shard: its split, samples [a, b),
+                                      # tokens, bytes, sha256 (`drafttrain.shards`)
     DIR/train/shard_00000.safetensors # the training split, contiguous sample ranges
     DIR/eval/shard_00000.safetensors  # the rows held-out evaluation runs (if data.eval_split)
 
@@ -34,21 +37,24 @@ the normal range and at most `2^-10 * scale` below it (`tests/train/test_cache.p
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from draftinfer.target import FeatureSpec
 from drafttrain.errors import ConfigError, DataError
+from drafttrain.shards import ManifestFormat, first_difference
 
-FORMAT = "drafttrain-feature-cache"
-VERSION = 1
-MANIFEST = "manifest.json"
+# Version 2: the manifest layout of `drafttrain.shards` (one list of finished shards, each with
+# its split); version 1 listed them per split.
+FORMAT = ManifestFormat(
+    "drafttrain-feature-cache",
+    2,
+    "feature-cache",
+    DataError,
+    hint="write the cache again with `python -m drafttrain.cache` (same settings)",
+)
 SPLITS = ("train", "eval")
 STORAGE = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float8": torch.float8_e4m3fn}
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -180,62 +186,11 @@ def shard_name(split: str, index: int) -> str:
     return f"{split}/shard_{index:05d}.safetensors"
 
 
-# ---- atomic files ----------------------------------------------------------------------
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write `path.tmp`, fsync, rename over `path`, fsync the directory: a kill at any
-    instant leaves the old file or the new one, never a part of one under `path`."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def read_manifest(root: Path) -> dict[str, Any] | None:
-    """The manifest of the cache at `root` (None when there is none); a one-line `DataError`
-    when it is not a feature cache's manifest."""
-    path = root / MANIFEST
-    if not path.is_file():
+def mismatch(want: dict[str, Any], have: dict[str, Any]) -> str | None:
+    """The first setting of `want` the cache's manifest (`have`) does not share, as `key is A
+    here but B in the cache` (None when all match)."""
+    diff = first_difference(want, have)
+    if diff is None:
         return None
-    try:
-        m = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DataError(f"corrupted feature-cache manifest {path}: {e}") from None
-    if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise DataError(f"{path} is not a drafttrain feature-cache manifest")
-    if m.get("version") != VERSION:
-        raise DataError(
-            f"{path}: feature-cache format version {m.get('version')}, this code reads {VERSION}"
-        )
-    return m
-
-
-def write_manifest(root: Path, manifest: dict[str, Any]) -> None:
-    write_atomic(root / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
-
-
-def first_mismatch(want: dict[str, Any], have: dict[str, Any]) -> str | None:
-    """The first key of `want` whose value `have` does not share, as `key: A here, B in the
-    cache` (None when all match)."""
-    for key, value in want.items():
-        if have.get(key) != value:
-            return f"{key} is {value!r} here but {have.get(key)!r} in the cache"
-    return None
+    key, a, b = diff
+    return f"{key} is {a!r} here but {None if b == '<unset>' else b!r} in the cache"

@@ -32,16 +32,10 @@ from safetensors import SafetensorError, safe_open
 
 from draftinfer.target import FeatureSpec, TargetOutput
 from drafttrain.cache.fingerprint import common_fingerprint, split_fingerprint
-from drafttrain.cache.format import (
-    STORAGE,
-    Layout,
-    decode,
-    first_mismatch,
-    read_manifest,
-    sha256_file,
-)
+from drafttrain.cache.format import FORMAT, STORAGE, Layout, decode, mismatch
 from drafttrain.config import TrainConfig
 from drafttrain.errors import ConfigError, DataError
+from drafttrain.shards import ShardedOutput
 from drafttrain.target_head import HeadLogits, TargetHead, TrainTargetOutput
 
 OPEN_SHARDS = 64  # safetensors handles kept open (each an mmap)
@@ -96,23 +90,6 @@ def _open(path: Path):
         raise DataError(f"corrupted feature-cache shard {path}: {first}") from None
 
 
-def check_shards(root: Path, entries: list[dict[str, Any]], checksums: bool) -> None:
-    """Every shard exists with its recorded size (and sha256); a one-line `DataError` naming
-    the first shard file that does not."""
-    for e in entries:
-        path = root / e["file"]
-        if not path.is_file():
-            raise DataError(f"feature-cache shard {path} is missing")
-        size = path.stat().st_size
-        if size != e["bytes"]:
-            raise DataError(
-                f"feature-cache shard {path} is truncated or altered: "
-                f"{size} bytes, the manifest records {e['bytes']}"
-            )
-        if checksums and sha256_file(path) != e["sha256"]:
-            raise DataError(f"feature-cache shard {path} fails its sha256 checksum")
-
-
 class CachedTarget:
     """A feature cache standing in for the frozen target of training (module docstring)."""
 
@@ -138,7 +115,7 @@ class CachedTarget:
         from drafttrain.data import held_out_batches
 
         root = Path(cfg.data.cache)
-        m = read_manifest(root)
+        m = FORMAT.read(root)
         if m is None:
             raise DataError(f"data.cache={root} is not a feature cache: no manifest.json there")
         layout = Layout.from_dict(m["layout"])
@@ -163,20 +140,20 @@ class CachedTarget:
         have = dict(m["fingerprint"])
         for split in wanted:
             have.update(m["splits"][split]["fingerprint"])
-        bad = first_mismatch(want, have)
+        bad = mismatch(want, have)
         if bad:
             raise ConfigError(f"data.cache={root} was written for another config: {bad}")
         splits = {}
+        output = ShardedOutput(root, FORMAT, m)
         for split in wanted:
-            s = m["splits"][split]
-            entries = s["shards"]
-            if not m.get("complete") or any(e is None for e in entries):
-                done = sum(e is not None for e in entries)
+            entries = [e for e in output.shards if e["split"] == split]
+            planned = m["splits"][split]["num_shards"]
+            if not output.complete or len(entries) != planned:
                 raise DataError(
-                    f"data.cache={root} is incomplete ({done} of {len(entries)} {split} shards "
-                    "written): rerun `python -m drafttrain.cache` with the same settings"
+                    f"data.cache={root} is incomplete ({len(entries)} of {planned} {split} "
+                    "shards written): rerun `python -m drafttrain.cache` with the same settings"
                 )
-            check_shards(root, entries, cfg.cache.verify)
+            output.check(entries, cfg.cache.verify)  # every file there, size (and sha256)
             splits[split] = _Split(root, entries)
         head = TargetHead.of(target, layout.head_input)
         return cls(root, layout, head, splits, "train", target.model.dtype)

@@ -5,16 +5,16 @@ held-out evaluation runs) and store what training would ask of it, in the format
 For each shard of the plan (contiguous samples, `cache.shard_tokens` each): forward the
 target over the shard's samples in length-sorted batches (`cache.batch_size`) through the
 target interface, asking for the drafter's `FeatureSpec` plus the head input; keep the real
-tokens; encode (`cache.dtype`); serialize; write `shard.tmp`, fsync, rename; record the
-shard's size, sha256, sample range and token count in `manifest.json` (itself replaced
-atomically). A rerun with the same settings keeps every shard whose file matches its
-manifest entry and writes the rest, so a killed write continues where it stopped; a rerun
-with other settings into the same directory is a one-line `ConfigError`.
+tokens; encode (`cache.dtype`); serialize; commit it (`drafttrain.shards.ShardedOutput`:
+written atomically, then listed in `manifest.json` with its size, sha256, split, sample range
+and token count; the manifest itself is replaced atomically). A rerun with the same settings
+keeps every shard whose file matches its manifest entry and writes the rest, so a killed write
+continues where it stopped; a rerun with other settings into the same directory is a one-line
+`ConfigError`.
 """
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -24,21 +24,20 @@ from safetensors.torch import save
 from drafttrain.cache.fingerprint import common_fingerprint, split_fingerprint
 from drafttrain.cache.format import (
     FORMAT,
-    VERSION,
+    SPLITS,
     Layout,
     bytes_per_token,
     encode,
-    first_mismatch,
+    mismatch,
     plan_shards,
-    read_manifest,
-    sha256_file,
     shard_name,
     storage_dtype,
-    write_atomic,
-    write_manifest,
 )
 from drafttrain.config import TrainConfig
+from drafttrain.data import collate, held_out_batches
 from drafttrain.errors import ConfigError, TargetError
+from drafttrain.setup import job_device, setup_drafter_job, single_process
+from drafttrain.shards import ShardedOutput, remove_temp_files
 from drafttrain.target import FrozenTarget, batch_slots
 from drafttrain.target_head import TargetHead
 
@@ -60,8 +59,6 @@ def _encode_shard(
     bar,
 ) -> dict[str, torch.Tensor]:
     """The shard tensors of dataset rows `rows` (module docstring of `format`)."""
-    from drafttrain.data import collate
-
     lengths = [int(data[r]["length"]) for r in rows]
     offsets = torch.zeros(len(rows) + 1, dtype=torch.long)
     offsets[1:] = torch.cumsum(torch.tensor(lengths), 0)
@@ -112,17 +109,6 @@ def _check_head(head: TargetHead, out, real: torch.Tensor, layout: Layout) -> No
         )
 
 
-def _verified(root: Path, entry: dict[str, Any] | None, plan: tuple[int, int]) -> bool:
-    if entry is None or tuple(entry["samples"]) != plan:
-        return False
-    path = root / entry["file"]
-    return (
-        path.is_file()
-        and path.stat().st_size == entry["bytes"]
-        and sha256_file(path) == entry["sha256"]
-    )
-
-
 def write_cache(cfg: TrainConfig) -> dict[str, Any]:
     """Write (or finish) the feature cache of `cfg` into `cache.dir`. Returns a summary:
     `dir`, `bytes_per_token` (from the layout) and per split `samples`, `tokens`, `bytes`."""
@@ -135,26 +121,14 @@ def write_cache(cfg: TrainConfig) -> dict[str, Any]:
 def _write_cache(cfg: TrainConfig) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
-    from drafttrain.cache import check_family
-    from drafttrain.data.batching import held_out_batches
-    from drafttrain.families import target_family
-    from drafttrain.registry import InitContext, train_spec
-    from drafttrain.target import load_tokenizer
-    from drafttrain.train import prepare_data
-
-    spec = train_spec(getattr(cfg.drafter, "kind", None) or "")
     storage_dtype(cfg.cache.dtype)
-    root = cache_root(cfg)
     if cfg.data.cache:
         raise ConfigError("data.cache is what training reads; the cache writer writes cache.dir")
-    family = target_family(cfg.target.name_or_path)
-    check_family(family, cfg.target.name_or_path)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    tokenizer = load_tokenizer(cfg.target.name_or_path)
-    target = family.target(cfg.target, device)
-    data = prepare_data(cfg, family.data(cfg.target.name_or_path, tokenizer)).data
-    ctx_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.output_dir) / "cache"
-    features = spec.features(cfg.drafter, InitContext(target, tokenizer, data, ctx_dir))
+    single_process("the feature-cache writer")
+    root = cache_root(cfg)
+    job = setup_drafter_job(cfg, job_device(), feature_cache=True)
+    target, data = job.target, job.split.data
+    features = job.spec.features(cfg.drafter, job.init_context())
     layout, ask = Layout.for_features(
         features, target.info.hidden_size, target.info.rope_axes, cfg.cache.dtype
     )
@@ -162,96 +136,101 @@ def _write_cache(cfg: TrainConfig) -> dict[str, Any]:
     head = TargetHead.of(target, layout.head_input)
     splits = {"train": (data, list(range(len(data))))}
     if cfg.data.eval_split:
-        eval_data, batches = held_out_batches(cfg.data, tokenizer, cfg.seed)
+        eval_data, batches = held_out_batches(cfg.data, job.tokenizer, cfg.seed)
         splits["eval"] = (eval_data, sorted({i for b in batches for i in b}))
 
-    manifest: dict[str, Any] = {
-        "format": FORMAT,
-        "version": VERSION,
-        "fingerprint": common_fingerprint(cfg, tokenizer, target),
-        "layout": layout.to_dict(),
-        "shard_tokens": cfg.cache.shard_tokens,
-        "complete": False,
-        "splits": {},
-        "info": {"target_dtype": str(target.model.dtype).removeprefix("torch.")},
-    }
-    plans = {}
+    # One plan over both splits: shard `index` is (split, its number in the split, samples).
+    plan: list[tuple[str, int, int, int]] = []
+    info: dict[str, Any] = {}
     for split, (ds, rows) in splits.items():
         lengths = [int(n) for n in ds.select(rows)["length"]] if rows else []
-        plans[split] = plan_shards(lengths, cfg.cache.shard_tokens)
-        manifest["splits"][split] = {
+        cuts = plan_shards(lengths, cfg.cache.shard_tokens)
+        plan += [(split, j, a, b) for j, (a, b) in enumerate(cuts)]
+        info[split] = {
             "fingerprint": split_fingerprint(cfg, split, ds, rows),
             "num_samples": len(rows),
             "num_tokens": sum(lengths),
-            "shards": [None] * len(plans[split]),
+            "num_shards": len(cuts),
         }
+    out = ShardedOutput(
+        root,
+        FORMAT,
+        FORMAT.new(
+            len(plan),
+            fingerprint=common_fingerprint(cfg, job.tokenizer, target),
+            layout=layout.to_dict(),
+            shard_tokens=cfg.cache.shard_tokens,
+            splits=info,
+            info={"target_dtype": str(target.model.dtype).removeprefix("torch.")},
+        ),
+    )
 
-    old = read_manifest(root)
+    old = FORMAT.read(root)
     if old is not None:  # resume: same settings, keep the shards that verify
-        want = {**manifest["fingerprint"], "layout": manifest["layout"]}
-        have = {**old["fingerprint"], "layout": old["layout"]}
-        want["cache.shard_tokens"], have["cache.shard_tokens"] = (
-            cfg.cache.shard_tokens,
-            old.get("shard_tokens"),
-        )
-        want["splits"], have["splits"] = sorted(splits), sorted(old["splits"])
-        for split in splits:
-            want.update(manifest["splits"][split]["fingerprint"])
-            have.update(old["splits"].get(split, {}).get("fingerprint", {}))
-        bad = first_mismatch(want, have)
+        bad = mismatch(_settings(out.manifest), _settings(old))
         if bad:
             raise ConfigError(
                 f"cache.dir={root} holds a feature cache written with other settings ({bad}): "
                 "use another cache.dir or delete it"
             )
-        for split in splits:
-            olds = old["splits"][split]["shards"]
-            new = manifest["splits"][split]["shards"]
-            for i, plan in enumerate(plans[split]):
-                if i < len(olds) and _verified(root, olds[i], plan):
-                    new[i] = olds[i]
-    for split in splits:
-        (root / split).mkdir(parents=True, exist_ok=True)
-        for stale in (root / split).glob("*.tmp"):  # a write killed before its rename
-            stale.unlink()
-    write_manifest(root, manifest)
 
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    batch_size = cfg.cache.batch_size or cfg.data.batch_size
+        def same(e: dict[str, Any]) -> bool:
+            i = e["index"]
+            return i < len(plan) and [e["split"], *e["samples"]] == [plan[i][0], *plan[i][2:]]
+
+        out.keep_verified(old, same)
+    remove_temp_files(*(root / split for split in SPLITS))
+    out.save()
+
     check_head = True
+    done = out.done()
     for split, (ds, rows) in splits.items():
-        entries = manifest["splits"][split]["shards"]
-        done = sum(b - a for (a, b), e in zip(plans[split], entries) if e is not None)
+        mine = [(i, j, a, b) for i, (s, j, a, b) in enumerate(plan) if s == split]
         bar = tqdm(
             total=len(rows),
-            initial=done,
+            initial=sum(b - a for i, _, a, b in mine if i in done),
             disable=not cfg.trainer.progress,
             desc=f"cache {split}",
             unit="sample",
             dynamic_ncols=True,
         )
-        for i, (a, b) in enumerate(plans[split]):
-            if entries[i] is not None:
+        for i, j, a, b in mine:
+            if i in done:
                 continue
             tensors = _encode_shard(
-                target, head, ask, layout, ds, rows[a:b], batch_size, pad_id, check_head, bar
+                target,
+                head,
+                ask,
+                layout,
+                ds,
+                rows[a:b],
+                batch_size(cfg),
+                job.pad_id,
+                check_head,
+                bar,
             )
             check_head = False
-            blob = save(tensors)
-            name = shard_name(split, i)
-            write_atomic(root / name, blob)
-            entries[i] = {
-                "file": name,
-                "samples": [a, b],
-                "tokens": int(tensors["offsets"][-1]),
-                "bytes": len(blob),
-                "sha256": hashlib.sha256(blob).hexdigest(),
-            }
-            write_manifest(root, manifest)
+            tokens = int(tensors["offsets"][-1])
+            out.commit(
+                i, shard_name(split, j), save(tensors), split=split, samples=[a, b], tokens=tokens
+            )
         bar.close()
-    manifest["complete"] = True
-    write_manifest(root, manifest)
-    return summarize(root, manifest)
+    out.save()
+    return summarize(root, out.manifest)
+
+
+def batch_size(cfg: TrainConfig) -> int:
+    return cfg.cache.batch_size or cfg.data.batch_size
+
+
+def _settings(m: dict[str, Any]) -> dict[str, Any]:
+    """What must agree for a rerun to continue a cache: the fingerprints, layout, shard size
+    and splits."""
+    out = {**m["fingerprint"], "layout": m["layout"], "cache.shard_tokens": m["shard_tokens"]}
+    out["splits"] = sorted(m["splits"])
+    for s in m["splits"].values():
+        out.update(s["fingerprint"])
+    return out
 
 
 def summarize(root: Path, manifest: dict[str, Any]) -> dict[str, Any]:
@@ -265,7 +244,7 @@ def summarize(root: Path, manifest: dict[str, Any]) -> dict[str, Any]:
         "splits": {},
     }
     for split, s in manifest["splits"].items():
-        shards = [e for e in s["shards"] if e is not None]
+        shards = [e for e in manifest["shards"] if e["split"] == split]
         out["splits"][split] = {
             "samples": s["num_samples"],
             "tokens": sum(e["tokens"] for e in shards),

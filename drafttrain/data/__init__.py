@@ -5,7 +5,12 @@ padding collation) and `vocab` (d2t / t2d). `datasets` is imported lazily, so im
 package (e.g. for `draft_to_target_ids`) stays cheap.
 """
 
-from drafttrain.data.batching import collate, held_out_batches, length_bucketed_batches
+from drafttrain.data.batching import (
+    BatchStream,
+    collate,
+    held_out_batches,
+    length_bucketed_batches,
+)
 from drafttrain.data.chat import (
     assistant_spans,
     end_of_turn_marker,
@@ -25,6 +30,7 @@ from drafttrain.data.vocab import (
 )
 
 __all__ = [
+    "BatchStream",
     "assistant_spans",
     "build_draft_vocab",
     "collate",

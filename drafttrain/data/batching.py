@@ -122,6 +122,39 @@ class ChatData:
         return split, eval_batches(split.data, cfg, seed)
 
 
+class BatchStream:
+    """Deterministic micro-batch stream over a `TokenizedSplit`; its cursor (epoch, index) is
+    what a checkpoint stores of the data. Each batch carries `index [B]`, its dataset rows (what
+    a feature cache is read by)."""
+
+    def __init__(self, split: TokenizedSplit, batch_size: int, pad_id: int, seed: int):
+        self.split, self.pad_id, self.seed, self.batch_size = split, pad_id, seed, batch_size
+        self.lengths = list(split.data["length"])
+        self.epoch, self.index = 0, 0
+        self._batches = length_bucketed_batches(self.lengths, batch_size, seed, 0)
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def restore(self, st: dict[str, int]) -> None:
+        self.epoch, self.index = st["epoch"], st["index"]
+        self._batches = length_bucketed_batches(
+            self.lengths, self.batch_size, self.seed, self.epoch
+        )
+
+    def next(self) -> dict[str, torch.Tensor]:
+        if self.index >= len(self._batches):
+            self.epoch, self.index = self.epoch + 1, 0
+            self._batches = length_bucketed_batches(
+                self.lengths, self.batch_size, self.seed, self.epoch
+            )
+        ids = self._batches[self.index]
+        self.index += 1
+        batch = self.split.collate(ids, self.pad_id)
+        batch["index"] = torch.tensor(ids, dtype=torch.long)  # [B] rows of the dataset
+        return batch
+
+
 def collate(examples: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad `examples` to the longest one (`T = max_i T_i`).
 

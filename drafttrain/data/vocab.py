@@ -24,12 +24,14 @@ import hashlib
 import json
 import os
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from draftinfer.vocab import draft_to_target_ids, map_draft_logits_to_target
 from drafttrain.errors import DataError
+from drafttrain.shards import write_atomic
 
 __all__ = [
     "build_draft_vocab",
@@ -194,7 +196,7 @@ def load_or_build_draft_vocab(
     `tokenized_dataset` is a `datasets.Dataset` (or any iterable of rows) with `input_ids`
     and `loss_mask`.
     """
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     _check_sizes(target_vocab_size, draft_vocab_size)
     key = path = None
@@ -216,13 +218,12 @@ def load_or_build_draft_vocab(
 
     if path is not None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        # Write then rename, so a concurrent reader (another rank) never sees a partial file.
-        tmp = f"{path}.tmp{os.getpid()}"
         metadata = {
             "key": key,
             "target_vocab_size": str(target_vocab_size),
             "draft_vocab_size": str(draft_vocab_size),
         }
-        save_file({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}, tmp, metadata=metadata)
-        os.replace(tmp, path)
+        # Atomic (a per-process temp file, renamed): a concurrent reader (another rank) never
+        # sees a partial file.
+        write_atomic(Path(path), save({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}, metadata))
     return d2t, t2d

@@ -38,7 +38,7 @@ import torch
 from draftinfer.chat import normalize_messages
 from draftinfer.sampling import SamplingParams
 from drafttrain.data.chat import end_of_turn_marker, load_data
-from drafttrain.errors import DataError, TargetError
+from drafttrain.errors import DataError
 from drafttrain.regenerate.backends import (
     HFBackend,
     NativeBackend,
@@ -46,8 +46,10 @@ from drafttrain.regenerate.backends import (
     pick_backend,
 )
 from drafttrain.regenerate.config import RegenConfig, check_regen_config
-from drafttrain.regenerate.manifest import Manifest, sha256_bytes
-from drafttrain.target import load_tokenizer, resolve_dtype, resolve_target_path
+from drafttrain.regenerate.manifest import Manifest
+from drafttrain.setup import job_device, setup_target, single_process
+from drafttrain.shards import sha256_bytes
+from drafttrain.target import resolve_dtype
 
 OUTPUT_FIELD = "messages"
 META_FIELD = "regen"
@@ -168,12 +170,6 @@ def _source_sha256(convs: list[Any]) -> str:
     return sha256_bytes(json.dumps(convs, sort_keys=True, default=str).encode())
 
 
-def _pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def _settings(cfg: RegenConfig, num_rows: int, backend: str, dtype: torch.dtype, mml: int):
     """Everything that changes the output rows: the manifest's fingerprint covers it."""
     r, t, d = cfg.regenerate, cfg.target, cfg.data
@@ -219,33 +215,17 @@ def regenerate(cfg: RegenConfig) -> dict[str, Any]:
 
 def _regenerate(cfg: RegenConfig) -> dict[str, Any]:
     from tqdm.auto import tqdm
-    from transformers import AutoConfig
 
     r = cfg.regenerate
-    target_path = resolve_target_path(cfg.target.name_or_path)
-    tokenizer = load_tokenizer(cfg.target.name_or_path)
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise DataError(
-            f"tokenizer of {cfg.target.name_or_path!r} has no chat template; regeneration "
-            "renders each assistant turn's prompt with it"
-        )
-    device = _pick_device(r.device)
+    single_process("regeneration")
+    ts = setup_target(cfg.target, chat_template=True)  # the job setup training shares
+    tokenizer, target_path = ts.tokenizer, ts.path
+    device = job_device(r.device)
     dtype = resolve_dtype(cfg.target.dtype, device)
     backend_name = pick_backend(
         r.backend, target_path, cfg.target.trust_remote_code, cfg.target.revision
     )
-    try:
-        hf_cfg = AutoConfig.from_pretrained(
-            target_path,
-            revision=cfg.target.revision,
-            trust_remote_code=cfg.target.trust_remote_code,
-        )
-    except (OSError, ValueError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise TargetError(
-            f"cannot load the config of {cfg.target.name_or_path!r}: {first}"
-        ) from None
-    text_cfg = getattr(hf_cfg, "text_config", None) or hf_cfg
+    text_cfg = getattr(ts.config, "text_config", None) or ts.config
     limit = getattr(text_cfg, "max_position_embeddings", None)
     max_model_len = min(r.max_model_len, limit) if limit else r.max_model_len
     stop_ids = stop_token_ids(tokenizer, model_eos_ids(target_path, cfg.target))
@@ -271,20 +251,20 @@ def _regenerate(cfg: RegenConfig) -> dict[str, Any]:
             "regenerate": asdict(r),
         },
     }
-    manifest = Manifest.open(r.output_dir, settings, cfg.data.split, n, r.shard_size, info)
-    todo = [i for i in range(manifest.num_shards) if i not in manifest.done()]
+    output = Manifest.open(r.output_dir, settings, cfg.data.split, n, r.shard_size, info)
+    todo = [i for i in range(output.num_shards) if i not in output.done()]
     # Source rows of completed shards must be the rows that were regenerated.
-    for s in manifest.shards:
+    for s in output.shards:
         a, b = s["rows"]
         if _source_sha256(data[a:b][field]) != s["source_sha256"]:
             raise DataError(
                 f"source rows {a}..{b - 1} of {cfg.data.path!r} changed since shard {s['index']} "
                 f"was written to {r.output_dir!r}; start over in a new regenerate.output_dir"
             )
-    summary = {"output_dir": str(manifest.out_dir), "backend": backend_name}
+    summary = {"output_dir": str(output.root), "backend": backend_name}
     if not todo:
-        manifest.remove_temp_files()
-        return {**summary, "complete": True, **manifest.data["totals"]}
+        output.remove_temp_files()
+        return {**summary, "complete": True, **output.manifest["totals"]}
 
     if backend_name == "native":
         backend = NativeBackend(target_path, device, dtype, r.batch_size, max_model_len, stop_ids)
@@ -292,9 +272,9 @@ def _regenerate(cfg: RegenConfig) -> dict[str, Any]:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
         backend = HFBackend(target_path, cfg.target, device, dtype, max_model_len, stop_ids, pad)
 
-    manifest.remove_temp_files()
-    manifest.save()  # the output directory is claimed (fingerprinted) before the first shard
-    done_rows = sum(b - a for a, b in (s["rows"] for s in manifest.shards))
+    output.remove_temp_files()
+    output.save()  # the output directory is claimed (fingerprinted) before the first shard
+    done_rows = sum(b - a for a, b in (s["rows"] for s in output.shards))
     bar = tqdm(
         total=n,
         initial=done_rows,
@@ -307,7 +287,7 @@ def _regenerate(cfg: RegenConfig) -> dict[str, Any]:
     columns = [c for c in data.column_names if c not in (field, OUTPUT_FIELD, META_FIELD)]
     try:
         for index in todo:
-            a, b = manifest.shard_rows(index)
+            a, b = output.shard_rows(index)
             chunk = data[a:b]
             convs = chunk[field]
             results, skipped = regenerate_rows(
@@ -325,10 +305,10 @@ def _regenerate(cfg: RegenConfig) -> dict[str, Any]:
                 for t in turns:
                     reasons[t["finish_reason"]] = reasons.get(t["finish_reason"], 0) + 1
             stats = {"skipped": skipped, "finish_reasons": reasons}
-            manifest.commit_shard(index, rows, _source_sha256(convs), stats)
+            output.commit_shard(index, rows, _source_sha256(convs), stats)
     finally:
         bar.close()
-    return {**summary, "complete": manifest.data["complete"], **manifest.data["totals"]}
+    return {**summary, "complete": output.complete, **output.manifest["totals"]}
 
 
 def format_summary(s: dict[str, Any]) -> str:

@@ -5,7 +5,8 @@
 
 Writes `<out>/chat/{train,test}.jsonl`, `<out>/llama-tiny/` (config, bf16 safetensors,
 generation config, tokenizer with the Llama-3 chat template) and `<out>/build_log.json`
-(metrics, loss curve, timings, example generations). Deterministic for a given Python
+(metrics, loss curve, per-step losses, timings, example generations). The target trains on
+the project's trainer (`drafttrain.zoo.target_train`). Deterministic for a given Python
 installation (the corpus) and thread count (CPU float reductions depend on it).
 """
 
@@ -113,7 +114,7 @@ def main(argv=None) -> dict:
         steps=a.steps, lr=a.lr, tokens_per_batch=a.tokens_per_batch, seed=a.seed
     )
     t = time.time()
-    log = text_train.train(model, train_ex, tok.pad_token_id, targs)
+    log, losses = text_train.train(model, train_ex, tok.pad_token_id, targs)
     times["train_s"] = time.time() - t
 
     save_model(model, tok, mdir)
@@ -158,6 +159,7 @@ def main(argv=None) -> dict:
         },
         "examples": examples,
         "log": log,
+        "losses": losses,  # per optimizer step
     }
     (out / "build_log.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps({"metrics": metrics, "times_s": times}, indent=2))

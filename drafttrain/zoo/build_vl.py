@@ -11,9 +11,9 @@ Writes `<out>/vl_caption/{train,test}.jsonl` + `images/*.png` (`vl_data.py`),
 Qwen3-VL checkpoints ship them) and `<out>/build_log_vl.json` (args, loss curve, held-out
 metrics, timings, example generations).
 
-The model, its files and its training loop are `vl_train.py` (the zoo's own loop, to be
-ported onto the project's trainer); the data and the tokenizer `vl_data.py`. Deterministic for
-a given seed and thread count.
+The model, its files and its training are `vl_train.py` (on the project's trainer,
+`target_train.py`); the data and the tokenizer `vl_data.py`. Deterministic for a given seed and
+thread count.
 """
 
 from __future__ import annotations
@@ -147,7 +147,9 @@ def build(a: argparse.Namespace, argv=None) -> dict:
         }
 
     t = time.time()
-    log = train(model, train_ex, pad_id, cache, targs, progress=not a.no_progress, probe=probe)
+    log, losses = train(
+        model, train_ex, pad_id, cache, targs, progress=not a.no_progress, probe=probe
+    )
     times["train_s"] = time.time() - t
 
     save_model(model, tok, mdir)
@@ -197,6 +199,7 @@ def build(a: argparse.Namespace, argv=None) -> dict:
         },
         "examples": gens[:N_EXAMPLES],
         "log": log,
+        "losses": losses,  # per optimizer step
     }
     (out / "build_log_vl.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps({"metrics": metrics, "times_s": report["times_s"]}, indent=2))

@@ -4,23 +4,19 @@ Training objective: next-token cross-entropy on *assistant* tokens only (each as
 message's content and its closing `<|eot_id|>`), averaged over those tokens in the batch.
 System/user/header tokens are context, never targets: that is what a drafter is evaluated on
 (the target's answers), and it spends the small capacity on answers.
-Plain fp32 torch loop: AdamW (betas 0.9/0.95, weight decay on matrices only), linear warmup
-then cosine decay to 10% of the peak, grad-norm clip 1.0, token-budget length-bucketed batches.
-
-The training loop here is the zoo's own, moved unchanged from `scripts/zoo_train.py`; it is to
-be ported onto the project's trainer (`drafttrain/train.py`) once that is a shared loop.
+On the project's trainer (`drafttrain.zoo.target_train`), fp32 on the CPU: AdamW (betas
+0.9/0.95, weight decay on matrices only), linear warmup then cosine decay to 10% of the peak,
+grad-norm clip 1.0, token-budget length-bucketed batches.
 """
 
 from __future__ import annotations
 
-import math
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
+from drafttrain.zoo.target_train import TokenBudgetBatches, decay_groups, train_target
 from drafttrain.zoo.text_data import BOS, EOT, EOT_TEXT, PAD
 
 
@@ -106,32 +102,8 @@ class TrainArgs:
 Example = tuple[list[int], list[int]]  # (input ids, assistant mask), same length
 
 
-def make_batches(
-    examples: list[Example], tokens_per_batch: int, gen: torch.Generator
-) -> list[list[int]]:
-    """One epoch of index batches: shuffle, sort chunks of ~64 batches by length, cut by a
-    padded-token budget, shuffle the batches. Little padding, still a random order."""
-    order = torch.randperm(len(examples), generator=gen).tolist()
-    batches = []
-    chunk = max(1, 64 * tokens_per_batch // 48)
-    for c in range(0, len(order), chunk):
-        part = sorted(order[c : c + chunk], key=lambda i: len(examples[i][0]))
-        cur: list[int] = []
-        for i in part:  # ascending length: example i is the longest so far
-            if cur and len(examples[i][0]) * (len(cur) + 1) > tokens_per_batch:
-                batches.append(cur)
-                cur = []
-            cur.append(i)
-        if cur:
-            batches.append(cur)
-    perm = torch.randperm(len(batches), generator=gen).tolist()
-    return [batches[p] for p in perm]
-
-
-def collate(
-    examples: list[Example], idx: list[int], pad_id: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded ids [B, T] and next-token labels [B, T] (-100 where not trained).
+def collate(examples: list[Example], idx: list[int], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded `input_ids [B, T]` and next-token `labels [B, T]` (-100 where not trained).
 
     Right padding needs no attention mask: with a causal mask no real token sees a pad.
     """
@@ -144,66 +116,19 @@ def collate(
         tgt = torch.tensor(x[1:] + [pad_id])
         keep = torch.tensor(m[1:] + [0], dtype=torch.bool)  # label at t is token t+1
         labels[r, : len(x)] = torch.where(keep, tgt, torch.full_like(tgt, -100))
-    return ids, labels
+    return {"input_ids": ids, "labels": labels}
 
 
-def lr_at(step: int, a: TrainArgs) -> float:
-    if step < a.warmup:
-        return a.lr * (step + 1) / a.warmup
-    t = (step - a.warmup) / max(1, a.steps - a.warmup)
-    return a.lr * (a.min_lr_ratio + (1 - a.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
-
-
-def train(model, examples: list[Example], pad_id: int, args: TrainArgs) -> list[dict]:
-    """Train in place; returns the log (one dict per 25 steps)."""
-    gen = torch.Generator().manual_seed(args.seed)
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
-    opt = torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": args.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ],
-        lr=args.lr,
-        betas=(0.9, 0.95),
-        eps=1e-8,
+def train(
+    model, examples: list[Example], pad_id: int, args: TrainArgs
+) -> tuple[list[dict], list[float]]:
+    """Train in place on the CPU; returns the log (a row per 25 steps and the last) and the
+    per-step losses."""
+    batches = TokenBudgetBatches(
+        examples, args.tokens_per_batch, args.seed, lambda idx: collate(examples, idx, pad_id)
     )
-    model.train()
-    log, queue, t0 = [], [], time.time()
-    run_loss = run_tok = 0.0
-    bar = tqdm(range(args.steps), desc="train", dynamic_ncols=True)
-    for step in bar:
-        if not queue:
-            queue = make_batches(examples, args.tokens_per_batch, gen)
-        ids, labels = collate(examples, queue.pop(), pad_id)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, args)
-        logits = model(input_ids=ids, use_cache=False).logits  # [B, T, V]
-        n = (labels != -100).sum()
-        loss = (
-            F.cross_entropy(
-                logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
-            )
-            / n
-        )
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        opt.step()
-        run_loss += loss.item() * n.item()
-        run_tok += n.item()
-        if (step + 1) % 25 == 0 or step + 1 == args.steps:
-            entry = {
-                "step": step + 1,
-                "loss": run_loss / run_tok,
-                "lr": lr_at(step, args),
-                "elapsed_s": time.time() - t0,
-            }
-            log.append(entry)
-            bar.set_postfix(loss=f"{entry['loss']:.3f}")
-            run_loss = run_tok = 0.0
-    model.eval()
-    return log
+    groups = decay_groups(list(model.named_parameters()), args.weight_decay)
+    return train_target(model, batches, args, groups, torch.device("cpu"))
 
 
 @torch.no_grad()
@@ -213,8 +138,9 @@ def evaluate(model, examples: list[Example], pad_id: int, batch: int = 32) -> di
     order = sorted(range(len(examples)), key=lambda i: len(examples[i][0]))
     tot_loss = tot_ok = tot = 0.0
     for b in range(0, len(order), batch):
-        ids, labels = collate(examples, order[b : b + batch], pad_id)
-        logits = model(input_ids=ids, use_cache=False).logits.float()
+        inputs = collate(examples, order[b : b + batch], pad_id)
+        labels = inputs.pop("labels")
+        logits = model(**inputs, use_cache=False).logits.float()
         mask = labels != -100
         tot_loss += F.cross_entropy(logits[mask], labels[mask], reduction="sum").item()
         tot_ok += (logits[mask].argmax(-1) == labels[mask]).sum().item()

@@ -5,25 +5,23 @@ Training: transformers' own model, fp32, next-token cross-entropy on assistant t
 (each assistant turn's content + `<|im_end|>`, from the chat template's `{% generation %}`
 mask), the vision tower trained with the decoder (fan-in init, 0.1x the rate: see
 `TrainArgs.vision_lr_scale`); AdamW (betas 0.9/0.95, weight decay on matrices), warmup then
-cosine to 10%, grad clip 1.0, padded-token-budget batches. Deterministic for a given seed and
-thread count.
-
-The training loop here is the zoo's own, moved unchanged from `scripts/build_zoo_vl.py`; it
-is to be ported onto the project's trainer (`drafttrain/train.py`) once that is a shared loop.
+cosine to 10%, grad clip 1.0, padded-token-budget batches, on the project's trainer
+(`drafttrain.zoo.target_train`). Deterministic for a given seed and thread count.
 """
 
 from __future__ import annotations
 
 import json
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from drafttrain.loop import LoopHook
 from drafttrain.zoo import vl_data as vd
-from drafttrain.zoo.text_train import lr_at, make_batches
+from drafttrain.zoo.target_train import TokenBudgetBatches, decay_groups, train_target
 
 
 @dataclass
@@ -189,8 +187,8 @@ def save_model(model, tok, out: Path) -> None:
 # Encoding, batches, training, evaluation
 # ---------------------------------------------------------------------------------------
 
-# (ids, assistant mask, mm_token_type_ids, image keys), the first three [T]; make_batches
-# reads len(example[0]).
+# (ids, assistant mask, mm_token_type_ids, image keys), the first three [T]; the batches are
+# cut by len(example[0]).
 Example = tuple[list[int], list[int], list[int], list[str]]
 
 
@@ -273,7 +271,7 @@ def collate(examples: list[Example], idx: list[int], pad_id: int, cache: PixelCa
 
 
 @dataclass
-class TrainArgs:  # the fields text_train.lr_at and make_batches read, plus ours
+class TrainArgs:  # the fields `target_train.TargetArgs` names, plus ours
     steps: int = 3000
     tokens_per_batch: int = 1024  # padded tokens per optimizer step
     lr: float = 2e-3
@@ -292,77 +290,38 @@ class TrainArgs:  # the fields text_train.lr_at and make_batches read, plus ours
     vision_lr_scale: float = 0.1
 
 
-def _loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    batch = {k: v.to(model.device) for k, v in batch.items()}
-    labels = batch["labels"]
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-    logits = model(**inputs, use_cache=False).logits  # [B, T, V]
-    n = (labels != -100).sum()
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
-    return loss / n, n
+class Probe(LoopHook):
+    """Held-out metrics every `every_n_steps` steps (and after the last), merged into that
+    step's log row."""
+
+    def __init__(self, fn: Callable[[], dict], every_n_steps: int = 250):
+        self.fn, self.every_n_steps = fn, every_n_steps
+
+    def __call__(self, step: int, last_log: dict[str, float]) -> dict[str, float]:
+        return self.fn()
+
+
+def param_groups(model, a: TrainArgs) -> list[dict]:
+    """Weight decay on matrices; the vision tower's groups at `vision_lr_scale` x the rate."""
+    vision = {id(p) for p in model.model.visual.parameters()}
+    named = list(model.named_parameters())
+    text = decay_groups([(n, p) for n, p in named if id(p) not in vision], a.weight_decay)
+    tower = decay_groups([(n, p) for n, p in named if id(p) in vision], a.weight_decay)
+    return text + [{**g, "lr": a.lr * a.vision_lr_scale} for g in tower]
 
 
 def train(
     model, examples, pad_id: int, cache: PixelCache, a: TrainArgs, progress=True, probe=None
-) -> list:
-    """Train in place; returns the log (one entry per 25 steps; every 250 steps it includes
-    `probe()`, e.g. held-out metrics)."""
-    from tqdm import tqdm
-
-    vision = {id(p) for p in model.model.visual.parameters()}
-
-    gen = torch.Generator().manual_seed(a.seed)
-    groups = []
-    for is_vision in (False, True):
-        for is_matrix in (True, False):
-            params = [
-                p
-                for n, p in model.named_parameters()
-                if (id(p) in vision) == is_vision
-                and (p.ndim >= 2 and "embed" not in n) == is_matrix
-            ]
-            groups.append(
-                {
-                    "params": params,
-                    "weight_decay": a.weight_decay if is_matrix else 0.0,
-                    "lr_scale": a.vision_lr_scale if is_vision else 1.0,
-                }
-            )
-    opt = torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95), eps=1e-8)
-    model.train()
-    log, queue, t0 = [], [], time.time()
-    run_loss = run_tok = 0.0
-    bar = tqdm(range(a.steps), desc="train", dynamic_ncols=True, disable=not progress)
-    for step in bar:
-        if not queue:
-            queue = make_batches(examples, a.tokens_per_batch, gen)
-        batch = collate(examples, queue.pop(), pad_id, cache)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, a) * g["lr_scale"]
-        loss, n = _loss(model, batch)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip)
-        opt.step()
-        run_loss += loss.item() * n.item()
-        run_tok += n.item()
-        if (step + 1) % 25 == 0 or step + 1 == a.steps:
-            entry = {
-                "step": step + 1,
-                "loss": run_loss / run_tok,
-                "lr": lr_at(step, a),
-                "elapsed_s": round(time.time() - t0, 1),
-            }
-            if probe is not None and ((step + 1) % 250 == 0 or step + 1 == a.steps):
-                entry |= probe()
-                model.train()
-            log.append(entry)
-            bar.set_postfix(loss=f"{entry['loss']:.3f}")
-            if not progress or (step + 1) % 250 == 0:
-                print(json.dumps(entry), flush=True)
-            run_loss = run_tok = 0.0
-    model.eval()
-    return log
+) -> tuple[list, list[float]]:
+    """Train in place on the model's device; returns the log (a row per 25 steps and the last;
+    every 250 steps and after the last it includes `probe()`, e.g. held-out metrics) and the
+    per-step losses."""
+    batches = TokenBudgetBatches(
+        examples, a.tokens_per_batch, a.seed, lambda idx: collate(examples, idx, pad_id, cache)
+    )
+    hooks = [Probe(probe)] if probe is not None else []
+    device = next(model.parameters()).device
+    return train_target(model, batches, a, param_groups(model, a), device, progress, hooks)
 
 
 @torch.no_grad()

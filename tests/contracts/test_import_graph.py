@@ -1,22 +1,16 @@
 """Seams: no import circle between our modules, function-local imports included (the rule and
-how the graph is read: `tests/import_graph.py`). Dependencies between the packages point one
-way: `draftbench -> drafttrain -> draftinfer -> draftkernels`.
+how the graph is read: `tests/support/import_graph.py`). Dependencies between the packages
+point one way: `draftbench -> drafttrain -> draftinfer -> draftkernels`.
 
-One circle is known and left to its fix on main: `drafttrain/train.py` <-> `drafttrain/cache/`
-(`train` imports the cache package; the package's `__init__` imports `writer`, whose
-`write_cache` imports `drafttrain.train.prepare_data` and `drafttrain.cache.check_family`
-inside the function). `test_no_import_circle` exempts exactly that component and nothing else;
-`test_known_train_cache_circle` is a strict xfail, so it turns red once the circle is gone:
-then delete it and `KNOWN`.
+The jobs share one setup without a circle: `drafttrain.train`, `drafttrain.cache.writer` and
+`drafttrain.regenerate.job` import `drafttrain.setup`, which opens a feature cache through
+`drafttrain.cache.reader`; the cache package does not import its writer.
 """
 
 from __future__ import annotations
 
-import pytest
-
 from tests.support.import_graph import PACKAGES, Edge, circles, import_edges, module_files
 
-KNOWN = {"drafttrain.train", "drafttrain.cache", "drafttrain.cache.writer"}
 LAYERS = ["draftkernels", "draftinfer", "drafttrain", "draftbench"]  # each imports only lower
 
 
@@ -29,8 +23,12 @@ def test_graph_reads_our_packages():
     files = module_files()
     assert {m.split(".")[0] for m in files} == set(PACKAGES.values())
     edges = {(e.source, e.target) for e in import_edges()}
-    assert ("drafttrain.cache.writer", "drafttrain.train") in edges  # function-local
-    assert ("drafttrain.train", "drafttrain.cache") in edges
+    assert ("drafttrain.cache.__main__", "drafttrain.cache.writer") in edges  # function-local
+    assert ("drafttrain.regenerate", "drafttrain.regenerate.job") in edges  # function-local
+    for job in ("drafttrain.train", "drafttrain.cache.writer", "drafttrain.regenerate.job"):
+        assert (job, "drafttrain.setup") in edges, job
+    assert ("drafttrain.setup", "drafttrain.cache.reader") in edges
+    assert ("drafttrain.setup", "drafttrain.cache") in edges  # the package's __init__ runs
     assert ("draftinfer.engine", "draftkernels.chain_inputs") in edges
 
 
@@ -49,17 +47,8 @@ def test_checker_finds_a_function_local_circle(tmp_path):
 
 
 def test_no_import_circle():
-    found = [c for c in circles(import_edges()) if _modules(c) != KNOWN]
+    found = circles(import_edges())
     assert not found, "import circles:\n" + "\n\n".join("\n".join(map(str, c)) for c in found)
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="known circle drafttrain/train.py <-> drafttrain/cache/ (function-local imports in "
-    "cache/writer.py); fixed on main by the shared job setup, then delete this test and KNOWN",
-)
-def test_known_train_cache_circle():
-    assert KNOWN not in [_modules(c) for c in circles(import_edges())]
 
 
 def test_packages_import_only_lower_layers():

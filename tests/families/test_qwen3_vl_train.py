@@ -731,7 +731,7 @@ def test_export_carries_what_vllm_reads(vl_run, kind):
 
 
 def test_feature_cache_refuses_vl_targets(vl, tmp_path):
-    from drafttrain.cache import write_cache
+    from drafttrain.cache.writer import write_cache
     from drafttrain.train import train
     from tests.support.presets import compose_preset
 

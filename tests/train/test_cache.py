@@ -23,10 +23,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import drafttrain.cache.writer as writer_mod
-from drafttrain.cache import CachedTarget, bytes_per_token, decode, encode, write_cache
-from drafttrain.cache.format import MANIFEST, read_manifest
+import drafttrain.shards as shards_mod
+from drafttrain.cache import CachedTarget, bytes_per_token, decode, encode
+from drafttrain.cache.format import FORMAT
+from drafttrain.cache.writer import write_cache
 from drafttrain.errors import ConfigError, DataError
+from drafttrain.shards import MANIFEST, temp_path
 from drafttrain.target import FrozenTarget
 from drafttrain.train import train
 from tests.support.presets import compose_preset
@@ -163,31 +165,30 @@ def test_interrupted_write_resumes_to_the_same_bytes(cache_of, tmp_path, monkeyp
     clean = cache_of("eagle3", "bfloat16")
     root = tmp_path / "cache"
     cfg = cfg_for("eagle3", tmp_path / "w", f"cache.dir={root}")
-    real = writer_mod.write_atomic
+    real = shards_mod.write_atomic
     shards = []
 
     def dies_in_third_shard(path: Path, data: bytes) -> None:
         if path.name.startswith("shard_"):
             shards.append(path.name)
             if len(shards) == 3:  # killed halfway through writing the temp file
-                path.with_name(path.name + ".tmp").write_bytes(data[: len(data) // 2])
+                temp_path(path).write_bytes(data[: len(data) // 2])
                 raise Killed
         real(path, data)
 
-    monkeypatch.setattr(writer_mod, "write_atomic", dies_in_third_shard)
+    monkeypatch.setattr(shards_mod, "write_atomic", dies_in_third_shard)
     with pytest.raises(Killed):
         write_cache(cfg)
     monkeypatch.undo()
     # Two complete shards, recorded; the third exists only as a temp file nobody reads.
-    m = read_manifest(root)
-    entries = m["splits"]["train"]["shards"]
-    assert not m["complete"] and len(entries) == 4
-    assert [e is not None for e in entries] == [True, True, False, False]
-    assert sorted(p.name for p in (root / "train").iterdir()) == [
+    m = FORMAT.read(root)
+    assert not m["complete"] and m["splits"]["train"]["num_shards"] == m["num_shards"] == 4
+    assert [(e["index"], e["split"]) for e in m["shards"]] == [(0, "train"), (1, "train")]
+    assert {p.name for p in (root / "train").iterdir()} == {
         "shard_00000.safetensors",
         "shard_00001.safetensors",
-        "shard_00002.safetensors.tmp",
-    ]
+        temp_path(root / "train" / "shard_00002.safetensors").name,
+    }
     # Training refuses the incomplete cache (before writing anything).
     with pytest.raises(DataError, match="incomplete .2 of 4 train shards"):
         train(cfg_for("eagle3", tmp_path / "run", f"data.cache={root}"))
@@ -202,8 +203,10 @@ def test_interrupted_write_resumes_to_the_same_bytes(cache_of, tmp_path, monkeyp
     assert sorted(p.name for p in (root / "train").iterdir()) == files
     for name in files:
         assert (root / "train" / name).read_bytes() == (clean / "train" / name).read_bytes(), name
-    a, b = read_manifest(root), read_manifest(clean)
-    assert a["splits"] == b["splits"] and a["complete"] and b["complete"]
+    a, b = FORMAT.read(root), FORMAT.read(clean)
+    assert a["splits"] == b["splits"] and a["shards"] == b["shards"]
+    assert a["complete"] and b["complete"]
+    assert not [p for p in root.rglob("*") if shards_mod.is_temp(p)]  # stale temp removed
 
 
 # ---- (4) manifest mismatch, (5) damaged shards: one line, nothing written --------------------
@@ -302,22 +305,25 @@ def test_fp8_cache_reads_close_to_float32_cache(cache_of, tmp_path):
     features within the fp8 bound (per segment scales, also for segments asked for out of
     order), the same positions and padding, and nearly the same target distribution."""
     from draftinfer.target import FeatureSpec
+    from drafttrain.data import BatchStream
+    from drafttrain.setup import setup_training
     from drafttrain.target_head import target_logits
-    from drafttrain.train import BatchStream, _setup
 
     exact, fp8 = cache_of("eagle3", "float32", *EVAL), cache_of("eagle3", "float8")
     H, S = 256, 4  # zoo:llama-tiny; eagle3 stores 3 taps + the pre-norm final hidden
     for root, dtype in ((exact, "float32"), (fp8, "float8")):
-        s = read_manifest(root)["splits"]["train"]
-        per = sum(e["bytes"] for e in s["shards"]) / s["num_tokens"]
+        m = FORMAT.read(root)
+        train = [e for e in m["shards"] if e["split"] == "train"]
+        per = sum(e["bytes"] for e in train) / m["splits"]["train"]["num_tokens"]
         # measured = the per-token tensors + per-sample tensors and headers
         assert 0 < per - bytes_per_token(H, S, dtype)["total"] < 16, (dtype, per)
     assert bytes_per_token(H, S, "float8")["total"] == S * H + 4 * S + 4
     out = {}
     for name, root, dtype in (("exact", exact, "float32"), ("fp8", fp8, "float8")):
         cfg = cfg_for("eagle3", tmp_path / name, f"data.cache={root}", f"cache.dtype={dtype}")
-        _, _, target, data, _ = _setup(cfg, tmp_path / name, torch.device("cpu"))
-        batch = BatchStream(data, 4, 0, seed=0).next()
+        setup = setup_training(cfg, torch.device("cpu"))
+        target = setup.target
+        batch = BatchStream(setup.job.split, 4, 0, seed=0).next()
         out[name] = target.batch_output(batch, FeatureSpec(layer_inputs=(5, 2)))
     a, b = out["exact"], out["fp8"]
     real = batch["attention_mask"].bool()
@@ -376,12 +382,12 @@ def test_cache_cli_writes_and_reports(tmp_path):
 
 @pytest.mark.parametrize("kind", ["eagle3", "mtp"])
 def test_cached_target_frees_the_target_body(kind, cache_of, tmp_path, monkeypatch):
-    """`_setup` swaps in the cache after the drafter's initialisation, and keeps only the
+    """`setup_training` swaps in the cache after the drafter's initialisation, and keeps only the
     target's final norm and output embedding: its decoder layers are freed."""
     import gc
     import weakref
 
-    from drafttrain.train import _setup
+    from drafttrain.setup import setup_training
 
     refs = []
     init = FrozenTarget.__init__
@@ -393,7 +399,7 @@ def test_cached_target_frees_the_target_body(kind, cache_of, tmp_path, monkeypat
     monkeypatch.setattr(FrozenTarget, "__init__", spy)
     root = cache_of(kind, "float32", *EVAL)
     cfg = cfg_for(kind, tmp_path / "run", f"data.cache={root}", "cache.dtype=float32")
-    _, _, target, _, _ = _setup(cfg, tmp_path / "run", torch.device("cpu"))
+    target = setup_training(cfg, torch.device("cpu")).target
     gc.collect()
     assert isinstance(target, CachedTarget)
     [(frozen, layers)] = refs
