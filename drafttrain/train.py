@@ -53,6 +53,7 @@ from drafttrain.loggers import MetricLogger, NullLogger, read_metrics
 from drafttrain.losses import data_parallel, metric_values
 from drafttrain.optim import build_optimizer, dtype_of, with_master_weights
 from drafttrain.registry import InitContext, train_spec
+from drafttrain.runner_eval import RunnerEval, write_runner_eval
 from drafttrain.target import load_tokenizer
 from drafttrain.threads import torch_threads
 from drafttrain.ttt import pick_backend
@@ -261,6 +262,8 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
         # Frozen parameters, precision, torch.compile and activation checkpointing, from
         # outside the model code (a bad `trainer.freeze` fails here, before any output).
         apply_training_wrappers(drafter, spec.blocks(drafter), tc)
+        # The runner's AL every `eval.every_n_steps` steps (main process; prompts checked now).
+        runner = RunnerEval(cfg, device) if cfg.eval.every_n_steps and main else None
     except BaseException:
         if main and fresh and run_dir.exists():
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -314,13 +317,17 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
     )
     engine_state = shards_state(accelerator)
 
-    def checkpoint(step: int) -> None:
-        """Collective: every rank calls it (gathers, engine state, per-rank RNG)."""
-        own = (
+    def own_state() -> dict[str, torch.Tensor]:
+        """The drafter's own tensors as a checkpoint stores them. Collective under sharding."""
+        return (
             full_drafter_state(accelerator, wrapped, own_keys)
             if engine_state
             else with_master_weights(drafter.trainable_state_dict(), drafter, optimizer)
         )
+
+    def checkpoint(step: int) -> None:
+        """Collective: every rank calls it (gathers, engine state, per-rank RNG)."""
+        own = own_state()
         tmp = begin_checkpoint(ckpt_root, step) if main else None
         accelerator.wait_for_everyone()
         tmp = ckpt_root / f"step_{step:06d}.tmp"
@@ -362,6 +369,9 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
     n_window, tok_window, t_window = 0, 0.0, time.perf_counter()
     step_losses: list[torch.Tensor] = []  # per optimizer step, read at log steps
     losses: list[float] = []  # per optimizer step (golden-loss and rank-match tests)
+    postfix: dict[str, str] = {}
+    last_log: dict[str, float] = {}  # the latest log row (the runner hook's simulated AL)
+    t_loop = time.perf_counter()
     for step in range(start_step, tc.max_steps):
         wrapped.train()
         step_metrics: dict[str, torch.Tensor | float] = {}
@@ -395,18 +405,31 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
             avg["lr"] = scheduler.get_last_lr()[0]
             avg["tokens_per_s"] = tok / max(dt, 1e-9)
             logger.log(avg, done)
+            last_log = avg
             accs = sorted((k for k in avg if k.startswith("acc_")), key=lambda k: int(k[4:]))
-            bar.set_postfix(
+            postfix.update(
                 loss=f"{avg['loss']:.3f}",
                 acc="/".join(f"{avg[k]:.2f}" for k in accs),  # per draft step / depth / module
                 sim_al=f"{avg['sim_al']:.2f}",
                 tok_s=f"{avg['tokens_per_s']:.0f}",
             )
+            bar.set_postfix(postfix)
             window, n_window, tok_window, t_window = {}, 0, 0.0, time.perf_counter()
+        if cfg.eval.every_n_steps and (done % cfg.eval.every_n_steps == 0 or done == tc.max_steps):
+            own = own_state()  # every rank (a gather under sharding); the main one decodes
+            if runner is not None:
+                rm = runner(done, kind, arch, own, last_log)
+                logger.log(rm, done)
+                postfix["run_al"] = f"{rm['runner_al']:.2f}"
+                bar.set_postfix(postfix)
+            accelerator.wait_for_everyone()
+            # The window's tokens/s counts training time only.
+            t_window += rm["runner_seconds"] if runner is not None else 0.0
         bar.update(1)
         if tc.save_every > 0 and done % tc.save_every == 0 and done != tc.max_steps:
             checkpoint(done)
     bar.close()
+    loop_seconds = time.perf_counter() - t_loop
     if start_step < tc.max_steps or latest_checkpoint(ckpt_root) is None:
         checkpoint(tc.max_steps)
     summary: dict[str, Any] = {
@@ -422,6 +445,9 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
         if main:
             (run_dir / "eval.json").write_text(json.dumps(ev, indent=2) + "\n")
         summary.update(ev)
+    if runner is not None and runner.calls:
+        summary["runner_eval"] = runner.summary(summary, loop_seconds)
+        write_runner_eval(run_dir, summary["runner_eval"])
     if keep_logger:
         summary["logger"] = logger
     else:
