@@ -20,7 +20,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from draftinfer.config import InferConfig
-from draftinfer.errors import run_or_exit
+from draftinfer.errors import ConfigError, run_or_exit
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf" / "infer")
 
@@ -43,10 +43,20 @@ def _hydra_main(cfg: DictConfig) -> None:
         return
     from draftinfer.run import format_report, run_eval
 
+    if icfg.temperatures is not None:
+        run_or_exit(
+            _refuse,
+            "temperatures=[...] is for acceptance suites (eval=<suite>); "
+            "the held-out run takes temperature=",
+        )
     report = run_or_exit(run_eval, icfg)
     print(format_report(report))
     if not report["lossless"]:
         sys.exit(3)
+
+
+def _refuse(message: str) -> None:
+    raise ConfigError(message)
 
 
 def main() -> None:

@@ -62,6 +62,15 @@ def check_suites_config(cfg: InferConfig) -> list[float]:
         raise ConfigError(
             "report= is the held-out run's JSON; a suite run writes <eval.out_dir>/suites.json"
         )
+    default = InferConfig()
+    for name, instead in (
+        ("prompts", "eval.path= (a local copy) or a suite"),
+        ("prompts_split", "a suite's split"),
+        ("num_prompts", "eval.num_prompts="),
+        ("max_new_tokens", "eval.max_new_tokens="),
+    ):
+        if getattr(cfg, name) != getattr(default, name):
+            raise ConfigError(f"{name}= is for the held-out run (no suite); suites take {instead}")
     temps = [float(t) for t in (cfg.temperatures or [cfg.temperature])]
     if any(not t >= 0.0 for t in temps) or len(set(temps)) != len(temps):
         raise ConfigError(f"temperatures must be distinct and >= 0, got {temps}")

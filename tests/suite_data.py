@@ -158,8 +158,9 @@ def write_suite_copies(root: Path, n: int = 4, image: bool = False) -> Path:
     return root
 
 
-def write_mmstar(path: Path, questions: list[str]) -> Path:
-    """MMStar's schema with small real images (an `Image` feature, stored as parquet bytes)."""
+def write_mmstar(path: Path, questions: list[str], size: tuple[int, int] = (64, 96)) -> Path:
+    """MMStar's schema with small real images of `size` (width, height): an `Image` feature,
+    stored as parquet bytes as on the hub."""
     import datasets
     from PIL import Image
 
@@ -179,7 +180,7 @@ def write_mmstar(path: Path, questions: list[str]) -> Path:
         {
             "index": i,
             "question": f"{text}\nOptions: A: yes, B: no",
-            "image": Image.new("RGB", (64, 96), colors[i % len(colors)]),
+            "image": Image.new("RGB", size, colors[i % len(colors)]),
             "answer": "A",
             "category": "coarse perception",
             "l2_category": "image scene and topic",

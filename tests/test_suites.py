@@ -295,3 +295,27 @@ def test_macro_and_micro_acceptance_length():
     assert acceptance_length([a for r in rounds for a in r]) == pytest.approx(13 / 4)
     assert macro_acceptance_length(rounds) == pytest.approx((4 + 1) / 2)  # empty one left out
     assert macro_acceptance_length([[], []]) != macro_acceptance_length([[], []])  # NaN
+
+
+def test_suite_run_settings_are_checked_before_loading():
+    from draftinfer.config import EvalConfig, InferConfig
+    from draftinfer.suite_run import check_suites_config
+
+    def cfg(**kw):
+        return InferConfig(drafter="x", eval=EvalConfig(suites=["gsm8k"]), **kw)
+
+    assert check_suites_config(cfg()) == [0.0]
+    assert check_suites_config(cfg(temperatures=[0, 1])) == [0.0, 1.0]
+    for kw, needle in (
+        ({"num_prompts": 8}, "eval.num_prompts="),
+        ({"max_new_tokens": 8}, "eval.max_new_tokens="),
+        ({"prompts": "my.jsonl"}, "eval.path="),
+        ({"temperatures": [1, 1]}, "distinct"),
+        ({"temperatures": [-1]}, ">= 0"),
+        ({"report": "r.json"}, "suites.json"),
+    ):
+        with pytest.raises(ConfigError, match=needle) as e:
+            check_suites_config(cfg(**kw))
+        assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="twice"):
+        check_suites_config(InferConfig(drafter="x", eval=EvalConfig(suites=["a", "a"])))

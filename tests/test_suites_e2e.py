@@ -167,3 +167,49 @@ def test_a_lost_batch_is_decoded_again_and_other_settings_are_refused(suite_run,
     assert "k: 3 there, 2 now" in str(e.value) and "\n" not in str(e.value)
     cfg.eval.resume = False
     assert run_suites(cfg).results[0].resumed == 0
+
+
+def test_mmstar_image_prompts_on_a_vl_target(tmp_path):
+    """MMStar (an Image column in parquet) on a Qwen3-VL target with a processor: the image
+    goes through the processor into every request, the output is lossless at T=0 and T=1, and
+    a drafter trained on the target's continuations of these prompts accepts drafts."""
+    import torch
+
+    from draftinfer.checkpoint import write_drafter
+    from draftinfer.models import greedy_generate, load_native_target
+    from draftinfer.suite_decode import PromptRenderer
+    from draftinfer.suites import load_suite, suite_rows
+    from tests.suite_data import write_mmstar, zoo_questions
+    from tests.vl_data_fixtures import make_vl_target
+    from tests.vl_drafters import build_drafter, train
+
+    tdir = make_vl_target(tmp_path / "target")
+    copy = write_mmstar(tmp_path / "mmstar.parquet", zoo_questions(4), size=(24, 16))
+    rows = suite_rows(load_suite("mmstar"), str(copy))
+    renderer = PromptRenderer(str(tdir), True, 256)
+    prompts = [renderer.render(r.conversation([]), "x", {"enable_thinking": False}) for r in rows]
+    target = load_native_target(tdir, "cpu", torch.float32, 4, 256)
+    mm = [p.mm_inputs for p in prompts]
+    assert all(m is not None for m in mm)
+    cont = greedy_generate(
+        target, [p.ids for p in prompts], 16, target.config.eos_token_ids, mm_inputs=mm
+    )
+    spec, tcfg, d = build_drafter("eagle3", target, tmp_path / "vocab")
+    train(spec, tcfg, d, target, [p.ids + c for p, c in zip(prompts, cont)], mm)
+    write_drafter(tmp_path / "export", d, {"target": str(tdir)}, dtype=torch.float32)
+    cfg = InferConfig(
+        drafter=str(tmp_path / "export"),
+        batch_size=4,
+        max_model_len=256,
+        temperatures=[0.0, 1.0],
+        progress=False,
+        eval=EvalConfig(suites=["mmstar"], path=str(copy), max_new_tokens=16),
+    )
+    r0, r1 = run_suites(cfg).results
+    for r in (r0, r1):
+        assert (r.suite, r.requests, r.skipped, r.lossless) == ("mmstar", 4, 0, True)
+    assert r0.tokens_spec == r0.tokens_plain and r0.al_micro > 1.3, r0.al_micro
+    text = _cfg(tmp_path / "export", tmp_path, target="zoo:llama-tiny")
+    text.eval = EvalConfig(suites=["mmstar"], path=str(copy))
+    with pytest.raises(ConfigError, match="suite 'mmstar' has image prompts"):
+        run_suites(text)
