@@ -5,15 +5,14 @@
 `prompts` is chat data in the `messages` format (or a .txt file); for a target with a
 processor (Qwen3-VL) its messages may hold image parts (`draftinfer.prompts`).
 
-Thin entry point: compose `conf/infer/infer.yaml` (+ the `eval/` group) against
-`draftinfer.config.InferConfig`, convert once, run `run_eval` (the held-out prompts) or
+Thin entry point: compose `draftinfer/conf/infer.yaml` (package data; + the `eval/` group)
+against `draftinfer.config.InferConfig`, convert once, run `run_eval` (the held-out prompts) or
 `run_suites` (acceptance suites, `draftinfer.suite_run`), print the table.
 """
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import hydra
 from hydra.core.config_store import ConfigStore
@@ -21,8 +20,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from draftinfer.config import InferConfig
 from draftinfer.errors import ConfigError, run_or_exit
+from draftinfer.paths import package_dir
 
-CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf" / "infer")
+CONF_DIR = str(package_dir("draftinfer", "conf"))
 
 
 def register_configs() -> None:

@@ -7,7 +7,7 @@ ShareGPT rows (`{"from": "human" | "gpt" | "system", "value": str}`) are normali
 form. Multimodal rows (vision-language targets) have list `content`: parts
 `{"type": "text", "text": str}` and `{"type": "image", "image": REF}` (a path relative to the
 data file's folder, `data_base_dir`, or a `datasets` Image), or TRL's layout with the images in
-an `images` column (`row_messages` puts them inline); `draftinfer.vision_inputs` turns them
+an `images` column (`row_messages` puts them inline); `draftinfer.families.qwen3_vl.processor` turns them
 into a VL target's inputs. `datasets` is imported lazily.
 """
 

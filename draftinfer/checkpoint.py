@@ -179,7 +179,7 @@ def read_drafter_tensors(
     with MTP modules stitched in); only the names the kind claims are loaded."""
     from safetensors import safe_open
 
-    from draftinfer.models import weight_files
+    from draftinfer.files import weight_files
 
     tensors: dict[str, torch.Tensor] = {}
     for path in weight_files(Path(ckpt_dir)):
@@ -239,7 +239,7 @@ def snapshot_drafter(
     round trip), the serving tensors cast to `export_dtype` (`serving_tensors`), filtered by
     `wants_tensor`, renamed and validated (`_module_and_tensors`), the shared target weights
     attached and the state loaded. Only the file I/O is skipped: JSON text and safetensors
-    store exactly what they are given (`tests/test_train_eval.py` compares the two tensor by
+    store exactly what they are given (`tests/train/test_train_eval.py` compares the two tensor by
     tensor for every kind)."""
     config = json.loads(json.dumps(drafter_config(drafter, meta, export_dtype)))
     spec, arch, _ = parse_drafter_config(config, "<in-memory snapshot>")

@@ -10,7 +10,7 @@ class EvalConfig:
     """`eval=<suite>|standard`: the acceptance suites a run decodes (`draftinfer.suite_run`).
     No suite (`eval=greedy|sampling`): the held-out prompts of `prompts=` (`draftinfer.run`)."""
 
-    # Suite presets (conf/infer/suite/<name>.yaml) or paths of suite .yaml files.
+    # Suite presets (draftinfer/conf/suite/<name>.yaml) or paths of suite .yaml files.
     suites: list[str] = field(default_factory=list)
     # A local copy in the hub dataset's schema: a file or directory for one suite, or a
     # directory holding `<suite>.jsonl|.json|.parquet` or `<suite>/` per suite.

@@ -21,7 +21,7 @@ persistent tensors updated in place, which the engine's state is.
 All graphs of one `GraphedFunction` share one memory pool: their intermediates are dead
 between calls and every output a caller may still hold is referenced here, so a later
 capture never reuses its memory. Replay is bit-exact with the eager call of the same compiled
-kernels (test B4, `tests/test_gpu.py`).
+kernels (test B4, `tests/gpu/test_gpu.py`).
 """
 
 from __future__ import annotations

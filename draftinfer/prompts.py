@@ -2,11 +2,10 @@
 uses, `draftinfer.chat`), or a `.txt` file with one prompt per line, rendered with the
 target's chat template.
 
-Text targets render with their tokenizer. A target that declares `uses_processor` (Qwen3-VL)
-renders through its processor (`draftinfer.vision_inputs`): the messages may hold image parts
-(paths relative to the data file's folder, or `datasets` images), and each prompt carries the
-processor's `pixel_values`, `image_grid_thw` and `mm_token_type_ids` as its `mm_inputs`
-(`draftinfer.engine.Request`).
+The target's family renders them (`FamilySpec.render_prompts`): text families with their
+tokenizer; a multimodal family through its processor, where the messages may hold image parts
+(paths relative to the data file's folder, or `datasets` images) and each prompt carries the
+family's extra inputs as its `mm_inputs` (`draftinfer.engine.Request`).
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftinfer.chat import data_base_dir, load_chat_dataset, row_messages
-from draftinfer.errors import ConfigError, DataError
+from draftinfer.errors import ConfigError
 from draftinfer.paths import resolve_path
 
 
@@ -59,53 +58,59 @@ def load_conversations(source: str, split: str, limit: int) -> list[list[dict]]:
     return [c for _, c in _conversations(source, split, limit)]
 
 
+def chat_ids(tokenizer, conv: list[dict], template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of one conversation with the generation prompt; `template_kwargs` go to the
+    chat template (e.g. Qwen3's `enable_thinking`; templates without the switch ignore it)."""
+    enc = tokenizer.apply_chat_template(
+        conv, add_generation_prompt=True, tokenize=True, **(template_kwargs or {})
+    )
+    return [int(t) for t in (enc["input_ids"] if hasattr(enc, "keys") else enc)]
+
+
 def render_prompts(convs: list[list[dict]], tokenizer, max_len: int) -> list[list[int]]:
     """Token ids of each conversation with the generation prompt, cut to `max_len` tokens."""
-    out = []
-    for c in convs:
-        enc = tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True)
-        ids = enc["input_ids"] if hasattr(enc, "keys") else enc
-        out.append([int(t) for t in ids][:max_len])
-    return out
+    return [chat_ids(tokenizer, c)[:max_len] for c in convs]
 
 
-def render_vision_prompts(
-    named: list[tuple[str, list[dict]]], processor, max_len: int, base_dir: Path | None
-) -> list[Prompt]:
-    """Each conversation through the processor with the generation prompt. A prompt longer
-    than `max_len` is a one-line `DataError` naming it (cutting it could split an image)."""
-    from draftinfer.vision_inputs import conversation_inputs
+class TextPromptEncoder:
+    """A text target's prompts one conversation at a time, its tokenizer loaded once
+    (`FamilySpec.prompt_encoder`): for runs that render prompts as they go (a suite's later
+    turns follow the replies to the earlier ones)."""
 
-    out = []
-    for name, conv in named:
-        enc = conversation_inputs(
-            processor, conv, add_generation_prompt=True, base_dir=base_dir, sample=name
-        )
-        ids = [int(t) for t in enc.pop("input_ids")]
-        if len(ids) > max_len:
-            raise DataError(
-                f"{name}: prompt of {len(ids)} tokens (image tokens included) does not fit "
-                f"max_model_len (at most {max_len})"
-            )
-        mm = enc if enc["pixel_values"] is not None else None
-        out.append(Prompt(ids, mm, name))
-    return out
+    def __init__(self, target_path: str):
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(target_path)
+
+    def encode(
+        self,
+        conv: list[dict],
+        name: str = "",
+        template_kwargs: dict | None = None,
+        base_dir: Path | None = None,
+    ) -> Prompt:
+        """The whole prompt (never cut; the caller decides what does not fit)."""
+        return Prompt(chat_ids(self.tokenizer, conv, template_kwargs), None, name)
 
 
-def load_prompts(
-    source: str, split: str, limit: int, target_path: str, uses_processor: bool, max_len: int
+def render_text_prompts(
+    named: list[tuple[str, list[dict]]], target_path: str, max_len: int
 ) -> tuple[list[Prompt], object]:
-    """(prompts, tokenizer) for a target: through its processor when it `uses_processor`
-    (image parts allowed), else its tokenizer's chat template (text only, cut to `max_len`)."""
-    named = _conversations(source, split, limit)
-    if uses_processor:
-        from draftinfer.vision_inputs import load_processor
-
-        processor = load_processor(target_path)
-        base_dir = None if resolve_path(source).endswith(".txt") else data_base_dir(source)
-        return render_vision_prompts(named, processor, max_len, base_dir), processor.tokenizer
+    """(prompts, tokenizer) of a text target: each conversation through its tokenizer's chat
+    template with the generation prompt, cut to `max_len` tokens."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(target_path)
     ids = render_prompts([c for _, c in named], tokenizer, max_len)
     return [Prompt(p, None, name) for p, (name, _) in zip(ids, named)], tokenizer
+
+
+def load_prompts(
+    source: str, split: str, limit: int, family, target_path: str, max_len: int
+) -> tuple[list[Prompt], object]:
+    """(prompts, tokenizer) for a target of `family` (`draftinfer.families.FamilySpec`): its
+    `render_prompts` (the tokenizer's chat template for text families; the processor, image
+    parts allowed, for a multimodal one). Image paths are relative to the data file's folder."""
+    named = _conversations(source, split, limit)
+    base_dir = None if resolve_path(source).endswith(".txt") else data_base_dir(source)
+    return family.render_prompts(named, target_path, max_len, base_dir)

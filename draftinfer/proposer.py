@@ -172,8 +172,11 @@ class Proposer:
         rope_pos: torch.Tensor,
         n: int,
         choose: DraftChooser,
+        mm: TokenEmbeds | None = None,
     ) -> tuple[list[int], list]:
         """No-cache reference for one request: rows `[R]` (ids, raw target features `[R, F]`,
-        RoPE positions `[R]` / `[3, R]`) -> n drafts (target ids) and their q (or None each),
-        recomputing the drafter from scratch for every step."""
+        RoPE positions `[R]` / `[3, R]`, and `mm`: the target's input embeddings of the rows
+        whose consumed token is a multimodal placeholder, mask `[R]`, embeds `[R, H]`, or
+        None) -> n drafts (target ids) and their q (or None each), recomputing the drafter
+        from scratch for every step."""
         raise NotImplementedError

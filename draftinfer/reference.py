@@ -69,10 +69,8 @@ def reference_generate(
             # input embedding of t_{i+1} where the target scattered a vision embedding in.
             ids = torch.tensor(tokens[1:], device=dev)
             choose = verifier.draft_chooser(t, Lt)
-            # Text requests call every kind's reference the same way; image rows need a kind
-            # that reads `mm` (eagle3, ptd).
-            kw = {} if mm is None else {"mm": mm.shifted(1).batch(0)}  # rows [L-1]
-            drafts, qs = reference_drafts(drafter, ids, feats, rope, n, choose, **kw)
+            rows_mm = None if mm is None else mm.shifted(1).batch(0)  # rows [L-1]
+            drafts, qs = reference_drafts(drafter, ids, feats, rope, n, choose, rows_mm)
             v_logits, *_ = full_target(tokens + drafts, req.mm_inputs)
             v_logits = v_logits[L - 1 : L + n]  # [n+1, V]: scores for d_1..d_n and the bonus
             V = v_logits.shape[-1]

@@ -21,14 +21,14 @@ A spec answers:
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
 
 from draftinfer.errors import CheckpointError
+from draftinfer.families import check_pair, family_spec
+from draftinfer.registries import NamedRegistry
 
 # Conventions every kind shares (DESIGN section 3); kinds add their own in `conventions()`.
 BASE_CONVENTIONS: dict[str, str] = {
@@ -50,6 +50,14 @@ class DrafterSpec:
     # parameters): a checkpoint holding them cannot run as a kind that lacks them (S8).
     mode_tensors: ClassVar[frozenset[str]] = frozenset()
     mode: ClassVar[str] = ""  # how it drafts, for messages: "chain drafting", ...
+    # Whether one drafter forward yields several drafts (serving facts differ, e.g. vLLM
+    # refuses parallel drafting with M-RoPE drafters).
+    parallel_drafting: ClassVar[bool] = False
+    # What the kind consumes of a target (`draftinfer.families.FEATURES`) and the target input
+    # forms it copes with (`draftinfer.families.INPUT_FORMS`); a family whose inputs take a
+    # form the kind does not handle is refused (`draftinfer.families.check_pair`).
+    needs: ClassVar[frozenset[str]] = frozenset()
+    handles: ClassVar[frozenset[str]] = frozenset()
 
     # -- construction ---------------------------------------------------------------------
     def build(self, arch: Any) -> torch.nn.Module:
@@ -132,6 +140,8 @@ class DrafterSpec:
             raise CheckpointError(
                 f"drafter taps target layers {bad}; the target has {info.num_layers} layers"
             )
+        if info.family:
+            check_pair(self, family_spec(info.family))
         if arch.max_position_embeddings < info.max_position_embeddings:
             raise CheckpointError(
                 f"drafter max_position_embeddings {arch.max_position_embeddings} is shorter "
@@ -175,41 +185,7 @@ class DrafterSpec:
                 )
 
 
-class KindRegistry(dict):
-    """Kind name -> spec. Filled by the packages under `package` (each registers itself when
-    imported; all are imported once, on first lookup) or by `register` (tests)."""
-
-    def __init__(self, package: str, error: type[Exception], label: str):
-        super().__init__()
-        self.package, self.error, self.label = package, error, label
-        self._loaded = False
-
-    def register(self, spec):
-        if not spec.name:
-            raise ValueError(f"{type(spec).__name__} has no name")
-        self[spec.name] = spec
-        return spec
-
-    def unregister(self, name: str) -> None:
-        self.pop(name, None)
-
-    def load(self) -> KindRegistry:
-        if not self._loaded:
-            self._loaded = True
-            pkg = importlib.import_module(self.package)
-            for mod in pkgutil.iter_modules(pkg.__path__):
-                importlib.import_module(f"{self.package}.{mod.name}")
-        return self
-
-    def spec(self, kind: str):
-        """The spec of `kind`; a one-line error (of this registry's class) when unknown."""
-        self.load()
-        if kind not in self:
-            raise self.error(f"unknown {self.label} {kind!r} (known: {sorted(self)})")
-        return self[kind]
-
-
-DRAFTERS = KindRegistry("draftinfer.kinds", CheckpointError, "drafter_kind")
+DRAFTERS = NamedRegistry("draftinfer.kinds", CheckpointError, "drafter_kind")
 
 
 def register_drafter(spec: DrafterSpec) -> DrafterSpec:

@@ -30,6 +30,7 @@ from draftinfer.checkpoint import load_drafter, read_drafter_config
 from draftinfer.config import InferConfig
 from draftinfer.engine import Request, SpecDecoder
 from draftinfer.errors import ConfigError
+from draftinfer.families import family_spec
 from draftinfer.metrics import acceptance_length, per_position_acceptance
 from draftinfer.paths import resolve_path
 from draftinfer.prompts import load_prompts
@@ -102,7 +103,8 @@ def check_infer_config(cfg: InferConfig) -> None:
 def run_eval(cfg: InferConfig) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
-    from draftinfer.models import greedy_generate, load_native_target
+    from draftinfer.baseline import greedy_generate
+    from draftinfer.loading import load_native_target
     from draftinfer.reference import reference_generate
 
     check_infer_config(cfg)
@@ -123,14 +125,14 @@ def run_eval(cfg: InferConfig) -> dict[str, Any]:
     spec.check_fit(arch, target.info)
     spec.check_k(arch, cfg.k)
     drafter, _ = load_drafter(cfg.drafter, target.shared_weights(), device=device, dtype=dtype)
-    # Text targets: the tokenizer's chat template; a target with a processor (Qwen3-VL):
-    # image+text messages through it, each prompt carrying its pixels (`mm_inputs`).
+    # The target family renders the prompts: text families through the tokenizer's chat
+    # template, a multimodal one through its processor (each prompt carrying `mm_inputs`).
     loaded, tokenizer = load_prompts(
         cfg.prompts,
         cfg.prompts_split,
         cfg.num_prompts,
+        family_spec(target.info.family),
         target_path,
-        target.uses_processor,
         cfg.max_model_len - 2,
     )
     prompts = [p.ids for p in loaded]

@@ -40,7 +40,7 @@ were never read by an emitted decision. It does redraw drafts at positions the l
 drafted but did not emit (after the first rejection): those drafts (and their uniforms)
 decided nothing that was emitted, so their noise is still fresh given everything emitted.
 Within a round, each draft step and each parallel slot reads its own position, so drafts are
-independent given their q. `tests/test_lossless_sampling.py` tests the joint distribution of
+independent given their q. `tests/infer/test_lossless_sampling.py` tests the joint distribution of
 several emitted tokens against the target's, for every kind.
 """
 

@@ -40,47 +40,21 @@ SETTINGS = "settings.json"
 
 
 class PromptRenderer:
-    """Conversations -> prompt token ids with the target's chat template (and its processor's
-    image inputs for a target that `uses_processor`). A prompt that leaves no room for a new
-    token in `max_model_len` is None (the caller counts it as skipped; cutting it would cut the
-    generation prompt)."""
+    """Conversations -> prompts through the target family's prompt encoder
+    (`FamilySpec.prompt_encoder`: the tokenizer's chat template, or a processor that also reads
+    image parts). A prompt that leaves no room for a new token in `max_model_len` is None (the
+    caller counts it as skipped; cutting it would cut the generation prompt or an image)."""
 
-    def __init__(self, target_path: str, uses_processor: bool, max_model_len: int):
+    def __init__(self, family, target_path: str, max_model_len: int):
         self.max_len = max_model_len - 2
-        self.processor = None
-        if uses_processor:
-            from draftinfer.vision_inputs import load_processor
-
-            self.processor = load_processor(target_path)
-            self.tokenizer = self.processor.tokenizer
-        else:
-            from transformers import AutoTokenizer
-
-            self.tokenizer = AutoTokenizer.from_pretrained(target_path)
+        self.encoder = family.prompt_encoder(target_path)
+        self.tokenizer = self.encoder.tokenizer
 
     def render(
         self, conv: list[dict], name: str, template_kwargs: dict, base_dir: Path | None = None
     ) -> Prompt | None:
-        if self.processor is not None:
-            from draftinfer.vision_inputs import conversation_inputs
-
-            enc = conversation_inputs(
-                self.processor,
-                conv,
-                add_generation_prompt=True,
-                base_dir=base_dir,
-                sample=name,
-                template_kwargs=template_kwargs,
-            )
-            ids = [int(t) for t in enc.pop("input_ids")]
-            mm = enc if enc["pixel_values"] is not None else None
-        else:
-            enc = self.tokenizer.apply_chat_template(
-                conv, add_generation_prompt=True, tokenize=True, **template_kwargs
-            )
-            ids = [int(t) for t in (enc["input_ids"] if hasattr(enc, "keys") else enc)]
-            mm = None
-        return Prompt(ids, mm, name) if len(ids) <= self.max_len else None
+        prompt = self.encoder.encode(conv, name, template_kwargs, base_dir)
+        return prompt if len(prompt.ids) <= self.max_len else None
 
 
 # --------------------------------------------------------------------------- decoding
@@ -126,7 +100,7 @@ class Decoding:
 
     def warm_up(self, prompt: Prompt) -> None:
         """One short plain and speculative decode (allocations, kernels) before timed work."""
-        from draftinfer.models import greedy_generate
+        from draftinfer.baseline import greedy_generate
 
         if self.warm:
             return
@@ -153,7 +127,7 @@ def decode_batch(
     """Plain and speculative decoding of one batch: (records, the plain outputs, plain
     seconds, spec seconds). `plain`: the plain outputs of an earlier call on the same prompts
     (a frozen target's do not change), which are then not decoded again (0 plain seconds)."""
-    from draftinfer.models import greedy_generate, sample_generate
+    from draftinfer.baseline import greedy_generate, sample_generate
     from draftinfer.reference import reference_generate
 
     device = next(d.target.parameters()).device

@@ -123,7 +123,8 @@ def run_suites(cfg: InferConfig) -> SuitesReport:
 
     from draftinfer.checkpoint import load_drafter, read_drafter_config
     from draftinfer.engine import SpecDecoder
-    from draftinfer.models import load_native_config, load_native_target
+    from draftinfer.families import family_of
+    from draftinfer.loading import load_native_target
     from draftinfer.run import pick_device, pick_dtype
 
     temps = check_suites_config(cfg)
@@ -135,11 +136,12 @@ def run_suites(cfg: InferConfig) -> SuitesReport:
     if not target_name:
         raise ConfigError("target=... is required: the drafter does not record its target")
     target_path = resolve_path(target_name)
-    uses_processor = bool(getattr(load_native_config(target_path)[0], "uses_processor", False))
+    family = family_of(target_path)  # from config.json alone: refusals before any loading
     for s in suites:
-        if s.image and not uses_processor:
+        if s.image and not family.takes_images:
             raise ConfigError(
-                f"suite {s.name!r} has image prompts; target {target_name!r} takes text only"
+                f"suite {s.name!r} has image prompts; target {target_name!r} "
+                f"(family {family.name!r}) takes text only"
             )
     # Every suite's rows before any decoding: a bad suite fails in seconds, not after hours.
     sources = [suite_source(s, cfg.eval.path, len(suites)) for s in suites]
@@ -155,7 +157,7 @@ def run_suites(cfg: InferConfig) -> SuitesReport:
     spec.check_fit(arch, target.info)
     spec.check_k(arch, cfg.k)
     drafter, _ = load_drafter(cfg.drafter, target.shared_weights(), device=device, dtype=dtype)
-    renderer = PromptRenderer(target_path, target.uses_processor, cfg.max_model_len)
+    renderer = PromptRenderer(family, target_path, cfg.max_model_len)
     first_turns = [
         {
             r.row: renderer.render(

@@ -1,6 +1,6 @@
 """Acceptance suites: the public prompt sets the field reports AL on, as data.
 
-A *suite* is a YAML preset under `conf/infer/suite/<name>.yaml` over the typed `SuiteConfig`
+A *suite* is a YAML preset under `draftinfer/conf/suite/<name>.yaml` over the typed `SuiteConfig`
 below: where the prompts live (HF dataset id, config, split; or a URL of a data file), which
 column(s) hold them, the prompt the anchors build from them (`template`), whether only the
 first turn is used, how many prompts and how many new tokens. No code here names a suite: a
@@ -34,10 +34,10 @@ from typing import Any
 
 from draftinfer.chat import _BUILDERS, _local_load_args, _looks_local, _one_line, row_messages
 from draftinfer.errors import ConfigError, DataError
-from draftinfer.paths import ZOO_PREFIX, resolve_path
+from draftinfer.paths import ZOO_PREFIX, package_dir, resolve_path
 
 # The presets (`python -m draftinfer eval.suites=[gsm8k]`, `eval=gsm8k`).
-SUITE_DIR = Path(__file__).resolve().parents[1] / "conf" / "infer" / "suite"
+SUITE_DIR = package_dir("draftinfer", "conf", "suite")
 
 # `{column}`: a column name in braces; `{}` and other braces are literal text.
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -45,7 +45,7 @@ _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 @dataclass
 class SuiteConfig:
-    """One acceptance suite (`conf/infer/suite/<name>.yaml`); `name` is the file's stem."""
+    """One acceptance suite (`draftinfer/conf/suite/<name>.yaml`); `name` is the file's stem."""
 
     name: str = ""
     # Hub dataset id, an http(s) URL of a .json/.jsonl/.parquet file, a local file or
@@ -139,7 +139,7 @@ def _typed(cls, raw: Any, where: str):
 
 
 def load_suite(name_or_path: str) -> SuiteConfig:
-    """The suite preset `name` (`conf/infer/suite/<name>.yaml`) or a suite YAML file's path."""
+    """The suite preset `name` (`draftinfer/conf/suite/<name>.yaml`) or a suite YAML file's path."""
     import yaml
 
     path = Path(name_or_path)

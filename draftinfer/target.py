@@ -91,7 +91,8 @@ class TargetInfo:
     num_layers: int
     max_position_embeddings: int
     rope_axes: int = 1  # 3 for M-RoPE targets
-    family: str = ""  # the HF architecture, e.g. "LlamaForCausalLM"
+    architecture: str = ""  # the HF architecture, e.g. "LlamaForCausalLM"
+    family: str = ""  # the target family serving it (`draftinfer.families`), e.g. "causal_lm"
 
 
 class Target(Protocol):

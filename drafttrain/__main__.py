@@ -1,26 +1,27 @@
 """`python -m drafttrain conf=<preset> key=value ...`
 
 A thin entry point (STYLE rule 9): rewrite argv (`conf=X` -> Hydra's `--config-name X`, drop
-a launcher's `--local_rank`), compose the config tree under `conf/` against the dataclass
-schema of `drafttrain.config` (each registered kind's config under `drafter/<kind>_schema`),
-convert once, and call `run_job(cfg)` (train -> export -> verify). Hydra's own flags work:
-`--cfg job` prints the resolved config, `--help` lists the groups.
+a launcher's `--local_rank`), compose the config tree `drafttrain/conf/` (package data) against
+the dataclass schema of `drafttrain.config` (each registered kind's config under
+`drafter/<kind>_schema`), convert once, and call `run_job(cfg)` (train -> export -> verify).
+Hydra's own flags work: `--cfg job` prints the resolved config, `--help` lists the groups.
 """
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from draftinfer.errors import DraftError, run_or_exit
+from draftinfer.paths import package_dir
+from draftinfer.threads import resolve_cli_threads
 from drafttrain.config import TrainConfig
 from drafttrain.registry import load_train_kinds
 
-CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+CONF_DIR = str(package_dir("drafttrain", "conf"))
 DEFAULT_PRESET = "ptd_eagle3"
 
 
@@ -62,7 +63,9 @@ def to_train_config(cfg: DictConfig) -> TrainConfig:
 def _hydra_main(cfg: DictConfig) -> None:
     from drafttrain.job import run_job
 
-    summary = run_or_exit(run_job, to_train_config(cfg))
+    config = to_train_config(cfg)
+    config.trainer.num_threads = resolve_cli_threads(config.trainer.num_threads, "trainer")
+    summary = run_or_exit(run_job, config)
     if summary.get("main_process", True):
         print(summary.get("export_dir") or summary["run_dir"])
 

@@ -6,7 +6,7 @@ Front matter (huggingface_hub's `ModelCardData`): `base_model` (the target's hub
 export is vLLM's layout), `pipeline_tag` (`text-generation`, or `image-text-to-text` for a
 target with a vision tower), `tags` (`speculative-decoding`, the drafter kind, `drafttrain`).
 Body: the exact launch commands (the kind's `DrafterSpec.serving_hint`) and the target family's
-serving facts (`TargetFamily.card_notes`, e.g. what vLLM reads for a Qwen3-VL drafter), the
+serving facts (`TrainFamily.card_notes`, e.g. what vLLM reads for a Qwen3-VL drafter), the
 training metrics,
 the runner's acceptance-length table by K and its per-position acceptance plot when the export
 has them, how far simulated and real AL were apart at the end when the run measured the
@@ -90,7 +90,7 @@ def card_text(
     suites: SuitesReport | None = None,
 ) -> str:
     """The card's markdown: `front` (card data) as YAML front matter, then the body.
-    `notes`: the target family's serving facts (`TargetFamily.card_notes`), one bullet each.
+    `notes`: the target family's serving facts (`TrainFamily.card_notes`), one bullet each.
     `runner_eval`: the runner's AL during training (`drafttrain.runner_eval`); `suites`: the
     acceptance suites' report (`python -m draftinfer eval=...`, `draftinfer.suite_report`)."""
     from huggingface_hub import ModelCardData
@@ -199,12 +199,11 @@ def write_model_card(
     base = base_model or cfg.export.hub_base_model or target
     target_ref = base if is_hub_id(base) else resolve_path(target)
     target_config = load_target_config(target)
-    vision = getattr(target_config, "vision_config", None) is not None
     family = family_for(list(getattr(target_config, "architectures", None) or []))
     front = {
         "base_model": base,
         "library_name": "vllm",
-        "pipeline_tag": "image-text-to-text" if vision else "text-generation",
+        "pipeline_tag": family.pipeline_tag,
         "tags": ["speculative-decoding", spec.name, "drafttrain"],
     }
     serving = spec.serving_hint(
@@ -221,7 +220,7 @@ def write_model_card(
         json.loads(ev_path.read_text()) if ev_path.is_file() else None,
         runner_reports(out),
         (out / RUNNER_PLOT).is_file(),
-        family.card_notes(spec.mode),
+        family.card_notes(spec),
         read_runner_eval(run),
         read_suites_report(out / SUITES_DIR),
     )

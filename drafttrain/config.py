@@ -1,6 +1,6 @@
 """Typed config schema for `python -m drafttrain`.
 
-YAML under `conf/` only selects and overrides; these dataclasses are the schema. Hydra
+YAML under `drafttrain/conf/` only selects and overrides; these dataclasses are the schema. Hydra
 validates every key against them (struct mode: a misspelled key is an error naming the
 key), and `drafttrain.__main__` converts the composed config into these objects once, so
 nothing below the entry point imports omegaconf.
@@ -26,7 +26,7 @@ from draftinfer.errors import CheckpointError, ConfigError
 class TargetConfig:
     """The frozen target LLM."""
 
-    # Hub id, local directory, or `zoo:<name>` for a model shipped under `zoo/`.
+    # Hub id, local directory, or `zoo:<name>` for a model shipped under `draftinfer/zoo/`.
     name_or_path: str = "zoo:llama-tiny"
     # "auto": bf16 on GPU, fp32 on CPU. Or "float32" / "bfloat16" / "float16".
     dtype: str = "auto"
@@ -121,9 +121,9 @@ class TrainerConfig:
     log_every: int = 10
     num_threads: int | None = None
     progress: bool = True
-    # A DeepSpeed JSON config (e.g. configs/deepspeed/zero2.json) for launchers without an
+    # A DeepSpeed JSON config (e.g. launch/deepspeed/zero2.json) for launchers without an
     # accelerate config (`torchrun`, `deepspeed`); `accelerate launch --config_file
-    # configs/accelerate/<x>.yaml` needs none. `data.batch_size` is the *global* batch: each
+    # launch/accelerate/<x>.yaml` needs none. `data.batch_size` is the *global* batch: each
     # of N processes trains on its rows `rank::N` (docs/training.md, "Several GPUs").
     deepspeed: str | None = None
 
@@ -172,7 +172,7 @@ class RunnerEvalConfig:
     # 0: off.
     every_n_steps: int = 0
     # null: the held-out chat prompts (`data.eval_split` of `data.eval_path`, as the export's
-    # verification reads them); else an acceptance suite (`conf/infer/suite/<name>.yaml` or
+    # verification reads them); else an acceptance suite (`draftinfer/conf/suite/<name>.yaml` or
     # a suite .yaml path), read from `path` when set.
     suite: str | None = None
     path: str | None = None

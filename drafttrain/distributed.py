@@ -1,7 +1,7 @@
 """Data-parallel training through `accelerate`, applied from outside the model code.
 
 One process per device, launched by `accelerate launch` (shipped configs under
-`configs/accelerate/`: DDP, DeepSpeed ZeRO-2 / ZeRO-3, FSDP2), `torchrun` or `deepspeed`
+`launch/accelerate/`: DDP, DeepSpeed ZeRO-2 / ZeRO-3, FSDP2), `torchrun` or `deepspeed`
 (`trainer.deepspeed=<json>` picks DeepSpeed without an accelerate config), or a single plain
 process. What the training loop needs from it:
 
@@ -11,10 +11,11 @@ process. What the training loop needs from it:
   DeepSpeed's ZeRO-3 parameter gathering and FSDP2's unsharding all happen inside one
   forward whatever the kind does. The frozen target is a plain attribute: never wrapped,
   never sharded, never in the optimizer (each rank holds a replica);
-- `shard_batch`: each rank's rows of the global batch (`rank::world`; a row's images and
-  their pixel patches go with it), so N processes see exactly the batch one process would, and `drafttrain.losses.data_parallel` normalises the
+- `shard_batch`: each rank's rows of the global batch (`rank::world`; what a data split keeps
+  per item rather than per row, e.g. a row's images and their pixel patches, goes with its
+  row), so N processes see exactly the batch one process would, and `drafttrain.losses.data_parallel` normalises the
   loss by the global counts: per-step losses match a one-process run with the same global
-  batch (test: `tests/test_distributed.py`, two gloo processes on the CPU);
+  batch (test: `tests/train/test_distributed.py`, two gloo processes on the CPU);
 - `shards_state(accelerator)`: whether the drafter and its optimizer are sharded across ranks
   (ZeRO / FSDP), in which case checkpoints hold the engine's own state (`engine/`) and the
   full drafter is gathered on rank 0 (`full_drafter_state`).
@@ -126,46 +127,13 @@ class ObjectiveModule(nn.Module):
         return objective(batch, target.batch_output(batch, objective.drafter.config.features))
 
 
-# Batch keys whose first axis is not the batch row (image inputs, `drafttrain.data.vl`):
-# per image, and per image patch. `image_rows [n_images]` names each image's batch row, and
-# image k owns `prod(image_grid_thw[k])` consecutive rows of `pixel_values`.
-PER_IMAGE = ("image_grid_thw", "image_rows")
-PER_PATCH = ("pixel_values",)
-
-
-def _shard_images(batch: dict[str, torch.Tensor], idx: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The image keys of the rows `idx` (ascending), `image_rows` renumbered to the shard's
-    rows; images and patches keep their order (row-major, as the target consumes them)."""
-    present = [k for k in PER_IMAGE + PER_PATCH if k in batch]
-    if not present:
-        return {}
-    missing = [k for k in PER_IMAGE + PER_PATCH if k not in batch]
-    if missing:
-        raise ConfigError(
-            f"cannot shard a batch with {present} but without {missing}: images must name "
-            "their batch rows (image_rows) and grids (image_grid_thw)"
-        )
-    owner = batch["image_rows"]  # [n_images]
-    keep = torch.isin(owner, idx)  # [n_images]
-    patches = batch["image_grid_thw"].prod(-1)  # [n_images]
-    keep_patch = keep.repeat_interleave(patches)  # [sum(t*h*w)]
-    if keep_patch.numel() != batch["pixel_values"].shape[0]:
-        raise ConfigError(
-            f"pixel_values has {batch['pixel_values'].shape[0]} rows, the image grids "
-            f"{int(patches.sum())} patches"
-        )
-    new_row = torch.full_like(owner, -1)
-    new_row[keep] = torch.searchsorted(idx, owner[keep])
-    return {
-        "image_grid_thw": batch["image_grid_thw"][keep],
-        "image_rows": new_row[keep],
-        "pixel_values": batch["pixel_values"][keep_patch],
-    }
-
-
-def shard_batch(batch: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor]:
-    """Rows `rank::world` of a global batch (tensors with the batch as first axis; image keys
-    follow their rows, `PER_IMAGE` / `PER_PATCH`). A rank left without rows gets row 0 with an
+def shard_batch(
+    batch: dict[str, torch.Tensor], rank: int, world: int, split=None
+) -> dict[str, torch.Tensor]:
+    """Rows `rank::world` of a global batch: tensors with the batch as first axis are
+    row-selected; the keys whose first axis is not the batch row (`split.item_keys`, e.g. a
+    multimodal family's images) go with their rows through `split.shard_items(batch, rows)`
+    (`drafttrain.data.batching.TokenizedSplit`). A rank left without rows gets row 0 with an
     empty loss mask: it runs the collectives and counts nothing."""
     if world == 1:
         return batch
@@ -174,10 +142,10 @@ def shard_batch(batch: dict[str, torch.Tensor], rank: int, world: int) -> dict[s
     empty = idx.numel() == 0
     if empty:
         idx = idx.new_zeros(1)
-    out = {k: v.index_select(0, idx) for k, v in batch.items() if k not in PER_IMAGE + PER_PATCH}
-    images = _shard_images(batch, idx)
-    if images and images["image_rows"].numel():
-        out.update(images)  # a shard without images gets no image keys (a text batch)
+    item_keys = getattr(split, "item_keys", ())
+    out = {k: v.index_select(0, idx) for k, v in batch.items() if k not in item_keys}
+    if any(k in batch for k in item_keys):
+        out.update(split.shard_items(batch, idx))
     if empty:
         out["loss_mask"] = torch.zeros_like(out["loss_mask"])
     return out

@@ -11,14 +11,20 @@ vllm-project/speculators' layout, when the kind has one), the target's tokenizer
 typed schema and the tensors come from the run's checkpoint on disk, so the export is exactly
 what training saved. `--push-to-hub` uploads it afterwards (`drafttrain.hub`); every check of
 the upload (repository id, the card's `base_model`, the token) runs before anything is written. Nothing here names a drafter kind (`draftinfer.registry`).
+
+Files an engine or loader reads hold no path of the training machine (`training_args.yaml` and
+the card, the user's own record, may): the target is recorded by a name that resolves anywhere
+(`recorded_target`), and speculators' verifier by `speculators_verifier`'s rule.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -29,15 +35,116 @@ from draftinfer.checkpoint import (
     write_drafter,
     write_speculators,
 )
+from draftinfer.paths import ZOO_PREFIX, resolve_path
 from draftinfer.registry import drafter_spec
 from drafttrain.card import write_model_card
 from drafttrain.checkpoint import latest_checkpoint, load_checkpoint
 from drafttrain.config import load_train_config
 from drafttrain.errors import CheckpointError, DraftError
 from drafttrain.families import family_for
-from drafttrain.target import load_target_config, load_tokenizer, read_input_embedding
+from drafttrain.target import is_hub_id, load_target_config, load_tokenizer, read_input_embedding
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# The verifier copy inside `speculators/` when the target has no hub id (`speculators_verifier`).
+VERIFIER_DIR = "verifier"
+
+
+class TargetShared(Mapping):
+    """The target weights drafters share (`"input_embeddings"`, `"output_embeddings"`, the
+    roles of `target.shared_weights()`), read from the target's safetensors on first use (no
+    model is built; a kind that shares nothing reads nothing). The output embedding is
+    `lm_head.weight`, or the input embedding of a target that ties them."""
+
+    ROLES = ("input_embeddings", "output_embeddings")
+
+    def __init__(self, name_or_path: str):
+        self.name, self._read = name_or_path, {}
+
+    def __getitem__(self, role: str) -> torch.Tensor:
+        if role not in self.ROLES:
+            raise KeyError(role)
+        if role not in self._read:
+            if role == "input_embeddings":
+                self._read[role] = read_input_embedding(self.name)
+            else:
+                self._read[role] = self._output_embedding()
+        return self._read[role]
+
+    def __iter__(self):
+        return iter(self.ROLES)
+
+    def __len__(self) -> int:
+        return len(self.ROLES)
+
+    def _output_embedding(self) -> torch.Tensor:
+        from safetensors import safe_open
+
+        from draftinfer.files import resolve_checkpoint_dir, weight_files
+
+        ckpt = resolve_checkpoint_dir(resolve_path(self.name))
+        for path in weight_files(ckpt):
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                names = [
+                    n for n in f.keys() if n.endswith("lm_head.weight") and ".layers." not in n
+                ]
+                if names:
+                    return f.get_tensor(min(names, key=len))
+        config = json.loads((ckpt / "config.json").read_text())
+        tied = config.get(
+            "tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings")
+        )
+        if not tied:
+            raise CheckpointError(
+                f"no output embedding (lm_head.weight) in the weights of {self.name!r}, which does "
+                "not tie it to the input embedding"
+            )
+        return self["input_embeddings"]
+
+
+def recorded_target(cfg) -> str | None:
+    """The target's name as `config.json` records it (`drafttrain.target`, which the runner
+    loads when no `target=` is given): a hub id or a `zoo:` name as trained, the hub id
+    `export.hub_base_model` names for a local directory, else None (a local directory is a
+    path of the training machine; the runner then asks for `target=`)."""
+    name = cfg.target.name_or_path
+    if name.startswith(ZOO_PREFIX) or is_hub_id(name):
+        return name
+    return cfg.export.hub_base_model
+
+
+def speculators_verifier(cfg) -> str:
+    """`speculators_config.verifier.name_or_path`, which speculators 0.9.0 resolves as a local
+    directory or else a hub id (it reads the verifier's `config.json` and its `embed_tokens` /
+    `lm_head` at load): the target's hub id when it has one (`export.hub_base_model`, or the
+    target's own name); otherwise (a `zoo:` target or a local directory) the relative path
+    `verifier`, a copy of the target inside the speculators folder (`copy_verifier`). It
+    resolves when that folder is the working directory
+    (`cd EXPORT/speculators; Eagle3DraftModel.from_pretrained(".")`): speculators resolves a
+    relative name from the working directory, not from the config's folder, and a relative
+    name is all a file can hold without naming a path of the training machine."""
+    hub = cfg.export.hub_base_model or cfg.target.name_or_path
+    return hub if is_hub_id(hub) else VERIFIER_DIR
+
+
+def copy_verifier(cfg, speculators_dir: Path) -> Path:
+    """The target's files in `speculators_dir/verifier/`: hard links where the filesystem
+    allows (no bytes copied), else copies; `config.json` rewritten without `_name_or_path`
+    (a saved config may carry the path it was loaded from)."""
+    src = Path(resolve_path(cfg.target.name_or_path)).expanduser()
+    dest = speculators_dir / VERIFIER_DIR
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    for f in sorted(p for p in src.iterdir() if p.is_file()):
+        if f.name == "config.json":
+            config = json.loads(f.read_text())
+            config.pop("_name_or_path", None)
+            atomic_write_text(dest / f.name, json.dumps(config, indent=2, sort_keys=True) + "\n")
+            continue
+        try:
+            os.link(f, dest / f.name)
+        except OSError:  # another filesystem
+            shutil.copy2(f, dest / f.name)
+    return dest
 
 
 def export_run(
@@ -46,11 +153,16 @@ def export_run(
     checkpoint: str | None = None,
     dtype: str | None = None,
     card: bool = True,
+    hub_base_model: str | None = None,
 ) -> Path:
     """Write the export of `run_dir`'s checkpoint (default: the latest). `card=False` leaves
-    the model card to the caller (the job writes it once, after verification)."""
+    the model card to the caller (the job writes it once, after verification);
+    `hub_base_model` overrides the run's `export.hub_base_model` (the target's hub id, which
+    the exported files then name the target by)."""
     run = Path(run_dir)
     cfg = load_train_config(run / "training_args.yaml")
+    if hub_base_model:
+        cfg.export.hub_base_model = hub_base_model
     ckpt = (
         (run / "checkpoints" / checkpoint) if checkpoint else latest_checkpoint(run / "checkpoints")
     )
@@ -66,6 +178,11 @@ def export_run(
     arch = spec.config_class(**require(state, "drafter_config", where))
     drafter = spec.build(arch)
     drafter.load_own_state(ck["drafter"])
+    # The weights the drafter shares with its target are not in its checkpoint; a layout that
+    # stores copies of them (an MTP module's `shared_head.head` and `embed_tokens`, which vLLM's
+    # DeepSeek MTP loader reads) must hold the target's, not the module's initial values.
+    shared = TargetShared(cfg.target.name_or_path)
+    spec.attach_shared(drafter, shared)
     objective_meta = require(state, "objective", where)
     serving_k = int(require(objective_meta, "serving_k", where))
 
@@ -73,7 +190,7 @@ def export_run(
     out.mkdir(parents=True, exist_ok=True)
     target_name = cfg.target.name_or_path
     meta = {
-        "target": target_name,
+        "target": recorded_target(cfg),
         "trained_steps": state["step"],
         "preset": cfg.preset,
         **objective_meta,
@@ -87,15 +204,18 @@ def export_run(
         written = json.loads(path.read_text())
         atomic_write_text(path, json.dumps({**written, **extra}, indent=2, sort_keys=True) + "\n")
     if cfg.export.speculators_config:
-        write_speculators(
+        verifier = speculators_verifier(cfg)
+        sub = write_speculators(
             out,
             drafter,
-            target_name,
+            verifier,
             archs,
             serving_k,
-            lambda: read_input_embedding(target_name),
+            lambda: shared["input_embeddings"],
             _DTYPES[dtype_name],
         )
+        if sub is not None and verifier == VERIFIER_DIR:
+            copy_verifier(cfg, sub)
     load_tokenizer(target_name).save_pretrained(str(out))
     shutil.copyfile(run / "training_args.yaml", out / "training_args.yaml")
     plot = run / "training_curves.png"
@@ -147,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
             if dry == "":
                 dry = str(Path(a.run_dir) / "hub_dry_run" / a.push_to_hub.replace("/", "--"))
             push = (check_push(a.push_to_hub, cfg.target, cfg.export, dry), dry)
-        out = export_run(a.run_dir, a.out, a.checkpoint, a.dtype)
+        out = export_run(a.run_dir, a.out, a.checkpoint, a.dtype, hub_base_model=a.base_model)
         if push is not None:
             from drafttrain.hub import push_to_hub
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from draftinfer.threads import torch_threads
 from drafttrain.card import RUNNER_PLOT, RUNNER_REPORT, runner_reports, write_model_card
 from drafttrain.config import TrainConfig
 from drafttrain.errors import ConfigError
@@ -75,7 +76,13 @@ def check_job(cfg: TrainConfig) -> str | None:
 
 def run_job(cfg: TrainConfig) -> dict[str, Any]:
     """train -> export -> verify (each optional per `cfg.export`) -> model card -> Hub upload
-    (`export.push_to_hub`). Every check of the later stages runs before training."""
+    (`export.push_to_hub`). Every check of the later stages runs before training. The whole
+    job runs with `trainer.num_threads` intra-op threads (when set)."""
+    with torch_threads(cfg.trainer.num_threads):
+        return _run_job(cfg)
+
+
+def _run_job(cfg: TrainConfig) -> dict[str, Any]:
     base_model = check_job(cfg)
     summary = train(cfg, keep_logger=True)
     logger = summary.pop("logger")

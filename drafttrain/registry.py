@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from draftinfer.errors import ConfigError
-from draftinfer.registry import KindRegistry
+from draftinfer.registries import NamedRegistry
 from draftinfer.target import FeatureSpec
 
 
@@ -58,7 +58,7 @@ class TrainSpec:
         return list(drafter.layers)
 
 
-TRAIN_SPECS = KindRegistry("drafttrain.kinds", ConfigError, "drafter kind")
+TRAIN_SPECS = NamedRegistry("drafttrain.kinds", ConfigError, "drafter kind")
 
 
 def register_train_kind(spec: TrainSpec) -> TrainSpec:

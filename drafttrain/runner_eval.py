@@ -11,7 +11,8 @@ every N steps, on one machine, with no second engine:
    the loader's own functions minus the file I/O (config JSON round trip, serving tensors cast
    to `export.dtype`, renamed, validated, shared target weights attached). So the runner
    decodes with exactly the weights `python -m drafttrain.export` would write at that step
-   (`tests/test_train_eval.py` checks the snapshot against a real export + load, per kind);
+   (`tests/train/test_train_eval.py` checks the snapshot against a real export + load, per
+   kind);
 2. the native target (loaded once, on the training device) decodes held-out prompts (the
    data's eval split, or an acceptance suite) plainly once, and speculatively with each
    snapshot (`draftinfer.suite_decode.decode_batch`: greedy, lossless-checked);
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,11 +59,20 @@ def position_accuracies(metrics: dict[str, float], prefix: str = "acc_") -> list
 
 
 class RunnerEval:
-    """The hook the training loop calls every `eval.every_n_steps` optimizer steps (main
-    process only). Construction reads and renders the prompts (bad input fails before
-    training starts); the native target loads at the first call."""
+    """The hook the training loop calls once per optimizer step (`after_step`), on every rank;
+    every `eval.every_n_steps` steps (and at the last) it measures the runner's AL. Construction
+    checks the settings (every rank) and reads and renders the prompts (main process), so bad
+    input fails before training starts; the native target loads at the first measurement.
+    `RunnerEval.for_run` gives None when `eval.every_n_steps` is 0 (off)."""
 
-    def __init__(self, cfg: TrainConfig, device: torch.device):
+    @classmethod
+    def for_run(cls, cfg: TrainConfig, device: torch.device, accelerator) -> RunnerEval | None:
+        return cls(cfg, device, accelerator) if cfg.eval.every_n_steps else None
+
+    def __init__(self, cfg: TrainConfig, device: torch.device, accelerator=None):
+        from draftinfer.chat import data_base_dir
+        from draftinfer.families import family_of
+        from draftinfer.paths import resolve_path
         from draftinfer.suite_decode import PromptRenderer
         from draftinfer.suites import SuiteConfig, load_suite, suite_rows, suite_source
 
@@ -79,7 +90,8 @@ class RunnerEval:
                 raise ConfigError(f"eval.{name} must be >= 1, got {v}")
         if not e.temperature >= 0.0:
             raise ConfigError(f"eval.temperature must be >= 0, got {e.temperature}")
-        self.cfg, self.device = cfg, device
+        self.cfg, self.device, self.accelerator = cfg, device, accelerator
+        self.main = accelerator is None or accelerator.is_main_process
         dt = getattr(torch, cfg.export.dtype, None)
         if cfg.export.dtype not in ("bfloat16", "float16", "float32") or dt is None:
             raise ConfigError(f"export.dtype must be bfloat16, float16 or float32, got {dt}")
@@ -101,40 +113,81 @@ class RunnerEval:
                 max_new_tokens=e.max_new_tokens,
             )
         self.suite = suite
-        rows = suite_rows(suite, source)
-        from draftinfer.models import load_native_config
-        from draftinfer.paths import resolve_path
-
         self.target_path = resolve_path(cfg.target.name_or_path)
-        uses_processor = bool(getattr(load_native_config(self.target_path)[0], "uses_processor", 0))
+        family = family_of(self.target_path)
+        if suite.image and not family.takes_images:
+            raise ConfigError(
+                f"eval.suite={suite.name!r} has image prompts; the target takes text only"
+            )
         # The cache length the job's verification uses (`drafttrain.job.verify`).
         self.max_model_len = min(2048, cfg.data.max_length + e.max_new_tokens + 8)
-        renderer = PromptRenderer(self.target_path, uses_processor, self.max_model_len)
-        from draftinfer.chat import data_base_dir
-
-        base = data_base_dir(source)
-        kw = {"enable_thinking": suite.enable_thinking}
-        rendered = [
-            (r.row, renderer.render(r.conversation([]), f"eval row {r.row}", kw, base))
-            for r in rows
-        ]
-        self.prompts = [(row, p) for row, p in rendered if p is not None]
-        if not self.prompts:
-            raise ConfigError(
-                f"eval: no prompt of {source!r} fits max_model_len={self.max_model_len}"
-            )
-        self.tokenizer = renderer.tokenizer
+        self.prompts: list = []
+        self.tokenizer = None
+        if self.main:  # only the main process decodes
+            rows = suite_rows(suite, source)
+            renderer = PromptRenderer(family, self.target_path, self.max_model_len)
+            base = data_base_dir(source)
+            kw = {"enable_thinking": suite.enable_thinking}
+            rendered = [
+                (r.row, renderer.render(r.conversation([]), f"eval row {r.row}", kw, base))
+                for r in rows
+            ]
+            self.prompts = [(row, p) for row, p in rendered if p is not None]
+            if not self.prompts:
+                raise ConfigError(
+                    f"eval: no prompt of {source!r} fits max_model_len={self.max_model_len}"
+                )
+            self.tokenizer = renderer.tokenizer
         self.target = None
         self.plain: dict[int, list[list[int]]] = {}  # batch start -> plain outputs (cached)
         self.seconds = 0.0
         self.calls = 0
         self.last: dict[str, float] = {}
 
-    def due(self, step: int, last_step: int) -> bool:
-        return step % self.every == 0 or step == last_step
+    def after_step(
+        self,
+        step: int,
+        kind: str,
+        arch: Any,
+        own_state: Callable[[], dict[str, torch.Tensor]],
+        window: dict[str, float],
+        logger: Any,
+        bar: Any,
+        postfix: dict[str, str],
+    ) -> float:
+        """Called by the training loop after optimizer step `step` on every rank. When due:
+        the drafter's own state (`own_state()`, collective under sharding: every rank calls
+        it) is measured by the main process, logged (`logger.log`: metrics.jsonl and wandb)
+        and shown in the progress bar (`run_al` beside `sim_al`). Returns the seconds spent,
+        which the loop keeps out of its tokens/s."""
+        if not self.due(step):
+            return 0.0
+        t0 = time.perf_counter()
+        own = own_state()
+        if self.main:
+            m = self(step, kind, arch, own, window)
+            logger.log(m, step)
+            postfix["run_al"] = f"{m['runner_al']:.2f}"
+            bar.set_postfix(postfix)
+        if self.accelerator is not None:
+            self.accelerator.wait_for_everyone()
+        return time.perf_counter() - t0
+
+    def finish(self, summary: dict[str, Any], run_dir: Path, loop_seconds: float) -> dict:
+        """`{"runner_eval": ...}` for the job summary (also `<run_dir>/runner_eval.json`,
+        which the model card reads); `summary`: the training summary so far (its held-out
+        `eval_acc_*`). Empty on other ranks or when nothing was measured."""
+        if not (self.main and self.calls):
+            return {}
+        out = self.summary(summary, loop_seconds)
+        write_runner_eval(run_dir, out)
+        return {"runner_eval": out}
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0 or step == self.cfg.trainer.max_steps
 
     def _load_target(self):
-        from draftinfer.models import load_native_target
+        from draftinfer.loading import load_native_target
         from draftinfer.run import pick_dtype
 
         self.dtype = pick_dtype("auto", self.device)  # fp32 on CPU (exact), bf16 on CUDA
@@ -181,6 +234,9 @@ class RunnerEval:
         spec = drafter_spec(kind)
         module = spec.build(spec.config_class(**arch.to_dict()))
         module.load_own_state({k: v.detach().to("cpu") for k, v in own.items()})
+        # As `drafttrain.export.export_run` does: the weights shared with the target attached
+        # before the serving tensors are taken (a layout may store copies of them).
+        spec.attach_shared(module, self.target.shared_weights())
         drafter = snapshot_drafter(
             module,
             {"target": self.cfg.target.name_or_path},

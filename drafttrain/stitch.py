@@ -15,7 +15,7 @@ import sys
 
 from draftinfer.checkpoint import read_drafter_config
 from draftinfer.errors import DraftError
-from draftinfer.models import resolve_checkpoint_dir
+from draftinfer.files import resolve_checkpoint_dir
 
 
 def main(argv: list[str] | None = None) -> int:

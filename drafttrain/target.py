@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from draftinfer.families import FAMILIES
 from draftinfer.paths import resolve_path
 from draftinfer.slots import Slots
 from draftinfer.target import FeatureSpec, TargetInfo, TargetInputs, TargetOutput, as_inputs
@@ -97,7 +98,7 @@ def read_input_embedding(name_or_path: str) -> torch.Tensor:
     `model.language_model.embed_tokens.weight`, ...). One-line errors when absent."""
     from safetensors import safe_open
 
-    from draftinfer.models import resolve_checkpoint_dir, weight_files
+    from draftinfer.files import resolve_checkpoint_dir, weight_files
 
     ckpt = resolve_checkpoint_dir(resolve_target_path(name_or_path))
     for path in weight_files(ckpt):
@@ -180,15 +181,16 @@ class FrozenTarget:
         max_pos = getattr(self.config, "max_position_embeddings", None)
         if max_pos is None:
             raise TargetError(f"target {cfg.name_or_path!r}: config has no max_position_embeddings")
+        archs = getattr(self.model.config, "architectures", None) or [type(self.model).__name__]
+        architecture = archs[0]
         self.info = TargetInfo(
             vocab_size=int(self.model.get_output_embeddings().weight.shape[0]),
             hidden_size=int(self.config.hidden_size),
             num_layers=len(self.layers),
             max_position_embeddings=int(max_pos),
             rope_axes=3 if mrope else 1,
-            family=(
-                getattr(self.model.config, "architectures", None) or [type(self.model).__name__]
-            )[0],
+            architecture=architecture,
+            family=FAMILIES.for_architectures([architecture]).name,
         )
         # The head training computes the target's distribution with (`batch_output`); None:
         # the model's own logits are used (no final norm to hook, or a head with a bias).

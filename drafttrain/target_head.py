@@ -63,9 +63,9 @@ class TargetHead:
             raise TargetError(f"head input must be pre_norm or post_norm, got {kind!r}")
         lm_head = target.model.get_output_embeddings()
         if getattr(lm_head, "bias", None) is not None:
-            raise TargetError(f"target {target.info.family}: its output embedding has a bias")
+            raise TargetError(f"target {target.info.architecture}: its output embedding has a bias")
         if kind == "pre_norm" and target.final_norm is None:
-            raise TargetError(f"target {target.info.family} has no final `norm`")
+            raise TargetError(f"target {target.info.architecture} has no final `norm`")
         norm = target.final_norm if kind == "pre_norm" else None
         return cls(lm_head.weight, norm, getattr(target.config, "final_logit_softcapping", None))
 

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import yaml
 
+from draftinfer.registry import drafter_spec
+from draftinfer.threads import torch_threads
 from drafttrain.checkpoint import (
     begin_checkpoint,
     finish_checkpoint,
@@ -53,9 +55,8 @@ from drafttrain.loggers import MetricLogger, NullLogger, read_metrics
 from drafttrain.losses import data_parallel, metric_values
 from drafttrain.optim import build_optimizer, dtype_of, with_master_weights
 from drafttrain.registry import InitContext, train_spec
-from drafttrain.runner_eval import RunnerEval, write_runner_eval
+from drafttrain.runner_eval import RunnerEval
 from drafttrain.target import load_tokenizer
-from drafttrain.threads import torch_threads
 from drafttrain.ttt import pick_backend
 from drafttrain.wrap import apply_training_wrappers
 
@@ -135,7 +136,7 @@ def losses_of(step_losses: list[torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def prepare_data(cfg: TrainConfig, adapter):
     """The tokenized training split (a `drafttrain.data.TokenizedSplit`) of a data adapter
-    (`TargetFamily.data`: text chat, image+text chat)."""
+    (`TrainFamily.data`: text chat, image+text chat)."""
     split = adapter.tokenize(cfg.data)
     if len(split.data) == 0:
         raise DataError(f"dataset {cfg.data.path!r} has no usable conversations")
@@ -159,7 +160,7 @@ def evaluate(
     for ids in batches:
         batch = split.collate(ids, pad_id)
         batch["index"] = torch.tensor(ids, dtype=torch.long)
-        batch = {k: v.to(device) for k, v in shard_batch(batch, rank, world).items()}
+        batch = {k: v.to(device) for k, v in shard_batch(batch, rank, world, split).items()}
         with accelerator.autocast(), data_parallel(reduce_sum(accelerator), world):
             _, m = wrapped(batch)
         m = metric_values(m)
@@ -211,6 +212,7 @@ def _setup(cfg: TrainConfig, run_dir: Path, device):
     dtype_of(cfg.trainer.param_dtype, "param_dtype")
     dtype_of(cfg.trainer.optimizer_dtype, "optimizer_dtype")
     family = target_family(cfg.target.name_or_path)
+    family.check_kind(drafter_spec(spec.name))  # the kind x family pair, before any output
     if cfg.data.cache:
         from drafttrain.cache import check_family
 
@@ -262,8 +264,8 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
         # Frozen parameters, precision, torch.compile and activation checkpointing, from
         # outside the model code (a bad `trainer.freeze` fails here, before any output).
         apply_training_wrappers(drafter, spec.blocks(drafter), tc)
-        # The runner's AL every `eval.every_n_steps` steps (main process; prompts checked now).
-        runner = RunnerEval(cfg, device) if cfg.eval.every_n_steps and main else None
+        # The runner's AL every `eval.every_n_steps` steps (None when off; prompts checked now).
+        runner = RunnerEval.for_run(cfg, device, accelerator)
     except BaseException:
         if main and fresh and run_dir.exists():
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -369,14 +371,14 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
     n_window, tok_window, t_window = 0, 0.0, time.perf_counter()
     step_losses: list[torch.Tensor] = []  # per optimizer step, read at log steps
     losses: list[float] = []  # per optimizer step (golden-loss and rank-match tests)
-    postfix: dict[str, str] = {}
-    last_log: dict[str, float] = {}  # the latest log row (the runner hook's simulated AL)
+    postfix: dict[str, str] = {}  # the progress bar's fields
+    last_log: dict[str, float] = {}  # the latest log row
     t_loop = time.perf_counter()
     for step in range(start_step, tc.max_steps):
         wrapped.train()
         step_metrics: dict[str, torch.Tensor | float] = {}
         for _ in range(tc.grad_accum):
-            batch = shard_batch(stream.next(), rank, world)
+            batch = shard_batch(stream.next(), rank, world, split)
             batch = {k: to_device(v, device) for k, v in batch.items()}
             with accelerator.accumulate(wrapped), accelerator.autocast():
                 with data_parallel(reduce_sum(accelerator), world):
@@ -415,16 +417,10 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
             )
             bar.set_postfix(postfix)
             window, n_window, tok_window, t_window = {}, 0, 0.0, time.perf_counter()
-        if cfg.eval.every_n_steps and (done % cfg.eval.every_n_steps == 0 or done == tc.max_steps):
-            own = own_state()  # every rank (a gather under sharding); the main one decodes
-            if runner is not None:
-                rm = runner(done, kind, arch, own, last_log)
-                logger.log(rm, done)
-                postfix["run_al"] = f"{rm['runner_al']:.2f}"
-                bar.set_postfix(postfix)
-            accelerator.wait_for_everyone()
-            # The window's tokens/s counts training time only.
-            t_window += rm["runner_seconds"] if runner is not None else 0.0
+        if runner is not None:  # its time is kept out of the window's tokens/s
+            t_window += runner.after_step(
+                done, kind, arch, own_state, last_log, logger, bar, postfix
+            )
         bar.update(1)
         if tc.save_every > 0 and done % tc.save_every == 0 and done != tc.max_steps:
             checkpoint(done)
@@ -445,9 +441,8 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
         if main:
             (run_dir / "eval.json").write_text(json.dumps(ev, indent=2) + "\n")
         summary.update(ev)
-    if runner is not None and runner.calls:
-        summary["runner_eval"] = runner.summary(summary, loop_seconds)
-        write_runner_eval(run_dir, summary["runner_eval"])
+    if runner is not None:
+        summary.update(runner.finish(summary, run_dir, loop_seconds))
     if keep_logger:
         summary["logger"] = logger
     else:

@@ -55,7 +55,7 @@ most `K - 1` mask slots), so a flat ragged buffer for the whole batch needs
 Positions are the 1-D KV / sequence positions; an M-RoPE caller gathers the 3-D positions of
 valid rows through `feat_src` and puts mask slot `m` at `(p_last + m)` on all three axes
 (convention 3). Both implementations do integer arithmetic only, so `parallel_layout` and
-`parallel_layout_ref` agree exactly (tests/test_parallel_layout.py, S6).
+`parallel_layout_ref` agree exactly (tests/kernels/test_parallel_layout.py, S6).
 """
 
 from __future__ import annotations

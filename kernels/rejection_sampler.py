@@ -38,7 +38,7 @@ Uniforms and noise of greedy requests are ignored.
 
 Both implementations do the same fp32 operations (subtract, max, IEEE division, multiply,
 compare) and the same lowest-index argmax, so `rejection_sample` and `rejection_sample_ref`
-return bit-identical outputs for the same inputs (tests/test_rejection_sampler.py, T3).
+return bit-identical outputs for the same inputs (tests/kernels/test_rejection_sampler.py, T3).
 
 Kernel layout: the vocabulary is split across programs, so that a batch of B requests fills
 the GPU with B * S programs (one program per request reached only 22-37% of the memory

@@ -14,7 +14,7 @@ python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   hydra-core==1.3.2 omegaconf==2.3.0 datasets==4.0.0 dill==0.3.8 multiprocess==0.70.16 \
   hjson==3.1.0 ninja==1.13.0 msgpack==1.1.1 py-cpuinfo==9.0.0 einops==0.8.1 \
   pydantic==2.11.7 pydantic-core==2.33.2 annotated-types==0.7.0 typing-inspection==0.4.1
-# The training-step peer, vllm-project/speculators 0.9.0 (scripts/peer_speculators.py): the
+# The training-step peer, vllm-project/speculators 0.9.0 (draftbench/peer_speculators.py): the
 # wheel and what `import speculators` needs beyond the image and the wheels above (openai for
 # its data client, hs-connectors for its hidden-state transfer; datasets is above). Its other
 # declared needs (loguru, pydantic-settings, ...) are imported only by its CLI, config

@@ -6,7 +6,7 @@
 #   bash scripts/fetch_peers.sh /path/to/gpt-fast    # copy from a local clone or bare mirror
 #
 # gpt-fast (github.com/pytorch-labs/gpt-fast, BSD-3-Clause), commit 32971d3 (pinned below):
-# model.py only, the peer of scripts/bench_decode_peer.py, written to peers/gpt-fast/model.py
+# model.py only, the peer of draftbench/decode_peer.py, written to peers/gpt-fast/model.py
 # with its LICENSE beside it. A local source may be a work tree or a bare/mirror git dir (the
 # file is read at the pinned commit with `git show`); machines without internet (the GPU
 # machine) get peers/ carried over from a machine that fetched it.

@@ -9,21 +9,22 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
-# `kernels/` is imported as `draftkernels` (pyproject package-dir); mirror that without installing.
+# The checkout's packages are imported from $PWD without installing them; `kernels/` is
+# imported as `draftkernels` (setup.py's package_dir): mirror that with a link.
 mkdir -p /tmp/pp && ln -sfn "$PWD/kernels" /tmp/pp/draftkernels
 export PYTHONPATH=/tmp/site:/tmp/pp:$PWD
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$OUT/suite.log"
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/suite.log"
 
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py \
-    tests/test_native_target.py 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_rejection_sampler.py \
-    tests/test_parallel_layout.py tests/test_chain_inputs.py 2>&1 | tee -a "$OUT/pytest_gpu.log" | tail -3
+  timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu.py \
+    tests/infer/test_native_target.py 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_rejection_sampler.py \
+    tests/kernels/test_parallel_layout.py tests/kernels/test_chain_inputs.py 2>&1 | tee -a "$OUT/pytest_gpu.log" | tail -3
 fi
 for b in 1 8; do
   if [ "$what" = "bench-$b" ] || [ "$what" = all ]; then
-    timeout 560 python3 scripts/bench_round.py --batches "$b" \
+    timeout 560 python3 -m draftbench.round --batches "$b" \
       --out "$OUT/bench_round_b$b.json" 2>&1 | tee "$OUT/bench_round_b$b.log" | tail -12
   fi
 done

@@ -24,6 +24,27 @@ def pytest_addoption(parser):
     )
 
 
+# Marks whose tests may skip in CI: no GPU there, and the exhaustive statistics are opt-in
+# (minutes each; `pytest --exhaustive`). Any other skip means a test CI never runs: under
+# CI=true it fails the session (`.ci/run` sets it).
+CI_MAY_SKIP = ("gpu", "multi_gpu", "exhaustive")
+_SKIPPED: list[str] = []
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and not any(m in report.keywords for m in CI_MAY_SKIP):
+        reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr
+        _SKIPPED.append(f"{report.nodeid}: {reason}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _SKIPPED and os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        print("\nCI runs every test but gpu / multi_gpu / exhaustive ones; these skipped:")
+        for line in _SKIPPED:
+            print(f"  {line}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def pytest_collection_modifyitems(config, items):
     if not config.getoption("--exhaustive"):
         skip_long = pytest.mark.skip(reason="exhaustive statistics: run with --exhaustive")
@@ -40,21 +61,21 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def tiny_llama3_dir(tmp_path_factory):
-    from tests.tiny_models import llama3_config, save_tiny_target
+    from tests.support.tiny_models import llama3_config, save_tiny_target
 
     return save_tiny_target(llama3_config(), tmp_path_factory.mktemp("llama3"))
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_dir(tmp_path_factory):
-    from tests.tiny_models import qwen3_config, save_tiny_target
+    from tests.support.tiny_models import qwen3_config, save_tiny_target
 
     return save_tiny_target(qwen3_config(), tmp_path_factory.mktemp("qwen3"))
 
 
 @pytest.fixture(scope="session")
 def train_env(tmp_path_factory):
-    from tests.tiny_models import make_train_env
+    from tests.support.tiny_models import make_train_env
 
     return make_train_env(tmp_path_factory.mktemp("train_env"))
 
@@ -86,7 +107,7 @@ ZOO_KIND_OVERRIDES: dict[str, list[str]] = {
 
 @pytest.fixture(scope="session")
 def zoo_target():
-    from draftinfer.models import load_native_target
+    from draftinfer.loading import load_native_target
     from draftinfer.paths import resolve_path
 
     return load_native_target(resolve_path("zoo:llama-tiny"), max_batch=16, max_seq_len=384)
@@ -96,17 +117,43 @@ def zoo_target():
 def zoo_run(tmp_path_factory):
     """`zoo_run(kind)` -> the job summary of the zoo recipe for `kind` (trained once)."""
     from drafttrain.job import run_job
-    from tests.test_config import compose_preset
+    from tests.support.presets import compose_preset, text_preset_of
 
     runs: dict[str, dict] = {}
 
     def get(kind: str) -> dict:
         if kind not in runs:
             out = tmp_path_factory.mktemp(f"zoo_{kind}")
-            overrides = [f"drafter={kind}", f"output_dir={out}", *ZOO_RECIPE]
+            # The kind's own text preset (eagle3, ptd_eagle3, mtp3), shortened: its golden
+            # values (`tests/jobs/test_zoo_e2e.py`) pin that preset's recipe.
+            preset = text_preset_of(kind)
+            choose = [] if preset else [f"drafter={kind}"]
+            overrides = [*choose, f"output_dir={out}", *ZOO_RECIPE]
             overrides += ZOO_KIND_OVERRIDES.get(kind, [])
-            runs[kind] = run_job(compose_preset("eagle3", overrides))
+            runs[kind] = run_job(compose_preset(preset or "eagle3", overrides))
         return runs[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def preset_run(tmp_path_factory):
+    """`preset_run(name)` -> the job summary of CPU preset `name`'s shortened recipe
+    (`tests.support.presets.SHORT_RECIPE`), run once per session with one intra-op thread for
+    the whole job (training, export and the runner's check), so its numbers are deterministic."""
+    from drafttrain.job import run_job
+    from drafttrain.threads import torch_threads
+    from tests.support.presets import SHORT_RECIPE, compose_preset
+
+    runs: dict[str, dict] = {}
+
+    def get(name: str) -> dict:
+        if name not in runs:
+            out = tmp_path_factory.mktemp(f"preset_{name}")
+            cfg = compose_preset(name, [f"output_dir={out}", *SHORT_RECIPE])
+            with torch_threads(1):
+                runs[name] = run_job(cfg)
+        return runs[name]
 
     return get
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from draftinfer.kv_cache import ATTENTION, AttentionFn
 from draftinfer.layers import SwiGLU
-from draftinfer.models.llama import CachedAttention, NativeCausalLM
+from draftinfer.models.decoder import CachedAttention, NativeCausalLM
 
 
 class FusedQKVAttention(CachedAttention):

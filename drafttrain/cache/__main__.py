@@ -13,6 +13,7 @@ import hydra
 from omegaconf import DictConfig
 
 from draftinfer.errors import run_or_exit
+from draftinfer.threads import resolve_cli_threads
 from drafttrain.__main__ import (
     CONF_DIR,
     DEFAULT_PRESET,
@@ -44,7 +45,9 @@ def format_summary(summary: dict) -> str:
 def _hydra_main(cfg: DictConfig) -> None:
     from drafttrain.cache.writer import write_cache
 
-    summary = run_or_exit(write_cache, to_train_config(cfg))
+    config = to_train_config(cfg)
+    config.trainer.num_threads = resolve_cli_threads(config.trainer.num_threads, "trainer")
+    summary = run_or_exit(write_cache, config)
     print(format_summary(summary))
 
 

@@ -29,7 +29,7 @@ fp8 scales: one fp32 scale per token *per segment* (`amax / 448`, the largest fi
 `float8_e4m3fn`), because the taps differ by orders of magnitude (the embedding-level tap
 vs the residual stream near the last layer); one scale per token would flush the small
 segment to zero. With 3 mantissa bits the rounding error is at most `2^-4 |x|` for values in
-the normal range and at most `2^-10 * scale` below it (`tests/test_cache.py` pins this).
+the normal range and at most `2^-10 * scale` below it (`tests/train/test_cache.py` pins this).
 """
 
 from __future__ import annotations

@@ -126,7 +126,7 @@ def _verified(root: Path, entry: dict[str, Any] | None, plan: tuple[int, int]) -
 def write_cache(cfg: TrainConfig) -> dict[str, Any]:
     """Write (or finish) the feature cache of `cfg` into `cache.dir`. Returns a summary:
     `dir`, `bytes_per_token` (from the layout) and per split `samples`, `tokens`, `bytes`."""
-    from drafttrain.threads import torch_threads
+    from draftinfer.threads import torch_threads
 
     with torch_threads(cfg.trainer.num_threads):
         return _write_cache(cfg)

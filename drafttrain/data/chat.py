@@ -122,7 +122,7 @@ def assistant_spans(
 
     `end_marker` is `end_of_turn_marker(tokenizer)`; pass it to avoid re-probing per row.
     `render(messages, add_generation_prompt)`: how to render (default: the tokenizer's chat
-    template; a processor's for image+text chat, `drafttrain.data.vl`).
+    template; a processor's for image+text chat, `drafttrain.families.qwen3_vl.data`).
     """
     messages = normalize_messages(messages)
     if render is None:

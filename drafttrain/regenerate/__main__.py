@@ -1,7 +1,7 @@
 """`python -m drafttrain.regenerate [target=...] [data=...] [regenerate.KEY=VALUE ...]`
 
-Thin entry point (STYLE rule 9): compose `conf/regenerate.yaml` (the `target/` and `data/`
-groups of training plus a `regenerate:` section) against `RegenConfig`, convert once, call
+Thin entry point (STYLE rule 9): compose `drafttrain/conf/regenerate.yaml` (the `target/`
+and `data/` groups of training plus a `regenerate:` section) against `RegenConfig`, convert once, call
 `regenerate(cfg)`, print the summary. Errors are one line (`error: ...`, exit 2). Hydra's
 own flags work (`--cfg job`, `--help`); Hydra writes no files of its own here.
 """
@@ -9,16 +9,17 @@ own flags work (`--cfg job`, `--help`); Hydra writes no files of its own here.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from draftinfer.errors import DraftError, run_or_exit
+from draftinfer.paths import package_dir
+from draftinfer.threads import resolve_cli_threads
 from drafttrain.regenerate.config import RegenConfig
 
-CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+CONF_DIR = str(package_dir("drafttrain", "conf"))
 CONFIG_NAME = "regenerate"
 
 
@@ -38,7 +39,10 @@ def to_regen_config(cfg: DictConfig) -> RegenConfig:
 def _hydra_main(cfg: DictConfig) -> None:
     from drafttrain.regenerate.job import format_summary, regenerate
 
-    summary = run_or_exit(regenerate, to_regen_config(cfg))
+    config = to_regen_config(cfg)
+    r = config.regenerate
+    r.num_threads = resolve_cli_threads(r.num_threads, "regenerate")
+    summary = run_or_exit(regenerate, config)
     print(format_summary(summary))
 
 

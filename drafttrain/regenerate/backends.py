@@ -13,7 +13,7 @@ each turn's randomness is keyed by its own seed and positions, so a row's sample
 depend on the batch). `HFBackend` runs `transformers`' `generate` on left-padded batches
 (sampling seeded once per batch with `torch.manual_seed`, so reproducible for the same
 batches, which the shard layout fixes). Greedy outputs of the two agree token for token
-(tests/test_regenerate.py).
+(tests/train/test_regenerate.py).
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ def native_supported(target_path: str) -> bool:
     from pathlib import Path
 
     from draftinfer.errors import ConfigError as InferConfigError
-    from draftinfer.models import native_class_for, resolve_checkpoint_dir
+    from draftinfer.files import resolve_checkpoint_dir
+    from draftinfer.loading import native_class_for
 
     try:
         ckpt = resolve_checkpoint_dir(target_path)
@@ -65,7 +66,7 @@ class NativeBackend:
         max_model_len: int,
         stop_ids: list[int],
     ):
-        from draftinfer.models import load_native_target
+        from draftinfer.loading import load_native_target
 
         self.model = load_native_target(
             target_path, device, dtype, max_batch=batch_size, max_seq_len=max_model_len
@@ -76,7 +77,7 @@ class NativeBackend:
     def generate(
         self, prompts: list[list[int]], params: list[SamplingParams], max_new_tokens: int
     ) -> list[Generation]:
-        from draftinfer.models import greedy_generate, sample_generate
+        from draftinfer.baseline import greedy_generate, sample_generate
 
         if all(p.is_greedy for p in params):
             outs = greedy_generate(self.model, prompts, max_new_tokens, self.stop_ids)
@@ -181,14 +182,14 @@ def pick_backend(name: str, target_path: str, trust_remote_code: bool, revision:
         return "hf"
     native = not trust_remote_code and revision is None and native_supported(target_path)
     if name == "native" and not native:
-        from draftinfer.models import TARGET_MODELS
+        from draftinfer.families import FAMILIES
 
         if trust_remote_code:
             why = "target.trust_remote_code is set"
         elif revision is not None:
             why = "target.revision is set (the native loader reads the local snapshot only)"
         else:
-            why = f"its architecture is not native ({', '.join(sorted(TARGET_MODELS))})"
+            why = f"its architecture is not native ({', '.join(FAMILIES.native_architectures())})"
         raise ConfigError(
             f"regenerate.backend=native cannot run {target_path!r}: {why}; "
             "use regenerate.backend=hf or auto"

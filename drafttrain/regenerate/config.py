@@ -1,7 +1,7 @@
-"""Typed schema of `python -m drafttrain.regenerate` (`conf/regenerate.yaml`).
+"""Typed schema of `python -m drafttrain.regenerate` (`drafttrain/conf/regenerate.yaml`).
 
 The `target:` and `data:` sections are the training schema's own (`drafttrain.config`), so
-the existing `conf/target/` and `conf/data/` choices compose here unchanged; `regenerate:`
+the existing `target/` and `data/` choices compose here unchanged; `regenerate:`
 holds what is specific to regeneration. Hydra validates every key against these classes
 (a misspelled key is an error naming it) and `__main__` converts once.
 """

@@ -210,7 +210,7 @@ def regenerate(cfg: RegenConfig) -> dict[str, Any]:
     Bad input (config, target, tokenizer without a chat template, data, a different config
     against an existing output) fails with a one-line `DraftError` before anything is written.
     """
-    from drafttrain.threads import torch_threads
+    from draftinfer.threads import torch_threads
 
     check_regen_config(cfg)
     with torch_threads(cfg.regenerate.num_threads):

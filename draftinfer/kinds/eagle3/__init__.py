@@ -20,6 +20,8 @@ class Eagle3Spec(DrafterSpec):
     module_class = Eagle3Drafter
     proposer_class = Eagle3ChainProposer
     mode = "chain drafting"
+    needs = frozenset({"layer_inputs"})
+    handles = frozenset({"multimodal_window", "mrope_positions"})
 
     def conventions(self, arch) -> dict[str, str]:
         # Convention 2: tap j = the hidden state entering decoder layer j.

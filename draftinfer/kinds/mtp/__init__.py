@@ -40,6 +40,8 @@ class MTPSpec(DrafterSpec):
     module_class = MTPDrafter
     proposer_class = MTPProposer
     mode = "multi-token prediction"
+    needs = frozenset({"final_hidden"})
+    handles = frozenset({"multimodal_window", "mrope_positions"})
 
     def conventions(self, arch) -> dict[str, Any]:
         # Our MTP fields (n_predict, mtp_chain, mtp_carry, mtp_feature_tap, ...) travel under
@@ -112,8 +114,10 @@ class MTPSpec(DrafterSpec):
     # -- checks ------------------------------------------------------------------------------
     def check_fit(self, arch, info) -> None:
         problems = []
-        if info.family and info.family != arch.architecture:
-            problems.append(f"family {info.family} (the checkpoint's is {arch.architecture})")
+        if info.architecture and info.architecture != arch.architecture:
+            problems.append(
+                f"architecture {info.architecture} (the checkpoint's is {arch.architecture})"
+            )
         if info.hidden_size != arch.hidden_size:
             problems.append(f"hidden size {info.hidden_size} (checkpoint {arch.hidden_size})")
         if info.num_layers != arch.target_num_layers:

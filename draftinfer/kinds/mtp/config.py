@@ -31,7 +31,11 @@ from draftinfer.rope import rope_axes, rope_from_hf
 from draftinfer.target import FINAL_HIDDEN, FeatureSpec
 
 # Fields of a target config.json that are not the architecture (dropped when re-read).
-_NOT_ARCH = ("drafttrain", "num_nextn_predict_layers", "torch_dtype", "dtype")
+_NOT_ARCH = ("drafttrain", "num_nextn_predict_layers", "torch_dtype", "dtype", "_name_or_path")
+# Not written to the served config: `_name_or_path` (transformers' bookkeeping: the directory
+# the target was loaded from, a path of the training machine) and `dtype` (the target's load
+# dtype; the export records its own as `torch_dtype`, which transformers 5 reads as `dtype`).
+_NOT_SERVED = ("_name_or_path", "dtype")
 OURS = ("n_predict", "mtp_feature_tap", "mtp_chain", "mtp_carry", "mask_pos0_embedding", "block")
 
 
@@ -71,7 +75,7 @@ class MTPConfig:
 
     def _native_block(self) -> None:
         """Block and RoPE fields from the target family's config (the native targets' rules)."""
-        from draftinfer.models import native_class_for
+        from draftinfer.loading import native_class_for
 
         c = self.target_config
         cls = native_class_for(c)  # a one-line ConfigError for a family we cannot run
@@ -105,8 +109,19 @@ class MTPConfig:
         return {k: v for k, v in asdict(self).items()}
 
     def to_hf(self) -> dict[str, Any]:
-        """The target family's config with the module count engines read."""
-        return {**self.target_config, "num_nextn_predict_layers": self.n_predict}
+        """The target family's config with the module count engines read. RoPE is written in
+        both spellings: transformers 5's `to_dict` keeps only `rope_parameters`, while engines
+        on transformers 4 (and code reading the dict) read `rope_theta` / `rope_scaling`; a
+        missing `rope_scaling` would silently drop e.g. Llama-3's scaling there."""
+        arch = {k: v for k, v in self.target_config.items() if k not in _NOT_SERVED}
+        rope = arch.get("rope_parameters")
+        if isinstance(rope, dict):
+            if arch.get("rope_theta") is None and "rope_theta" in rope:
+                arch["rope_theta"] = rope["rope_theta"]
+            scaled = rope.get("rope_type", "default") != "default" or "mrope_section" in rope
+            if arch.get("rope_scaling") is None and scaled:
+                arch["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+        return {**arch, "num_nextn_predict_layers": self.n_predict}
 
     @classmethod
     def from_hf(cls, d: dict[str, Any], where: str = "config.json") -> MTPConfig:

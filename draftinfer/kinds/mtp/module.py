@@ -25,6 +25,7 @@ from torch import nn
 from draftinfer.kinds.mtp.config import MTPConfig
 from draftinfer.layers import AttnFn, DecoderLayer, RMSNorm
 from draftinfer.rope import RotaryEmbedding
+from draftinfer.window import TokenEmbeds, token_embeddings
 
 
 def hf_layer_classes(cfg: MTPConfig):
@@ -89,11 +90,14 @@ class MTPDrafter(nn.Module):
         h_in: torch.Tensor,
         rope_pos: torch.Tensor,
         attn_fn: AttnFn,
+        mm: TokenEmbeds | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Module k over rows: input_ids `[B, T]` (the token each row consumes), h_in
-        `[B, T, H]`, rope_pos `[B, T]` / `[3, B, T]` -> (normed, pre-norm), both `[B, T, H]`."""
+        `[B, T, H]`, rope_pos `[B, T]` / `[3, B, T]`, mm: the target's input embeddings of the
+        rows whose consumed token is a multimodal placeholder (convention 3) -> (normed,
+        pre-norm), both `[B, T, H]`."""
         layer = self.layers[k]
-        emb = self.embed_tokens(input_ids).to(h_in.dtype)
+        emb = token_embeddings(self.embed_tokens, input_ids, mm).to(h_in.dtype)
         if self.config.mask_pos0_embedding:
             at0 = rope_pos == 0 if rope_pos.dim() == input_ids.dim() else (rope_pos == 0).all(0)
             emb = torch.where(at0[..., None], torch.zeros_like(emb), emb)

@@ -30,14 +30,16 @@ from draftinfer.errors import CheckpointError
 from draftinfer.kv_cache import KVCache, bind_cache
 from draftinfer.proposer import DraftChooser, FirstPass, Proposer, causal_attn, greedy_chooser
 from draftinfer.slots import Slots
+from draftinfer.window import TokenEmbeds
 
 
 def cached_mtp_forward(
-    drafter, k_cache, v_cache, j, ids, h_in, rope_pos, rows, cache_pos, attn_len
+    drafter, k_cache, v_cache, j, ids, h_in, rope_pos, rows, cache_pos, attn_len, mm=None
 ):
-    """Module j over rows through its KV cache -> (normed, pre-norm) `[B, T, H]`."""
+    """Module j over rows through its KV cache -> (normed, pre-norm) `[B, T, H]`; `mm`: the
+    target's input embeddings of rows consuming a multimodal placeholder (or None)."""
     slots = Slots(rows, cache_pos, rope_pos, attn_len)
-    return drafter(j, ids, h_in, rope_pos, bind_cache(k_cache, v_cache, slots))
+    return drafter(j, ids, h_in, rope_pos, bind_cache(k_cache, v_cache, slots), mm)
 
 
 def last_live(cache_pos: torch.Tensor) -> torch.Tensor:
@@ -77,9 +79,9 @@ class MTPProposer(Proposer):
     def compile(self, **kwargs) -> None:
         self._fwd = compiled(cached_mtp_forward, **kwargs)
 
-    def _run(self, j, ids, h_in, rope, rows, cache_pos, attn_len):
+    def _run(self, j, ids, h_in, rope, rows, cache_pos, attn_len, mm=None):
         c = self.cache
-        return self._fwd(self.drafter, c.k, c.v, j, ids, h_in, rope, rows, cache_pos, attn_len)
+        return self._fwd(self.drafter, c.k, c.v, j, ids, h_in, rope, rows, cache_pos, attn_len, mm)
 
     def kv_snapshot(self, row: int, n: int) -> list[torch.Tensor]:
         """Module j's KV at rows 0..n-1-j: the rows whose consumed token t_{i+j+1} lies in a
@@ -92,6 +94,22 @@ class MTPProposer(Proposer):
 
     def release(self, row: int) -> None:
         self.hist.cache_pos[row] = -1
+        if self.hist.mm is not None:
+            self.hist.mm.mask[row] = False
+
+    def _keep_mm(self, first_pass: FirstPass) -> None:
+        """Give the per-request cache multimodal rows (the target's input embeddings of the
+        tokens its rows consume) once a request arrives with some: a later window re-runs
+        rows whose consumed token may be an image placeholder."""
+        if first_pass.mm is None or self.hist.mm is not None:
+            return
+        h = self.hist
+        h.mm = TokenEmbeds(
+            torch.zeros_like(h.cache_pos, dtype=torch.bool),
+            torch.zeros(
+                *h.ids.shape, first_pass.mm.embeds.shape[-1], dtype=self.dtype, device=self.device
+            ),
+        )
 
     # -- the window --------------------------------------------------------------------------
     def _window(self, win: FirstPass, attn_len, steps: int, num_drafts, choose, drafts, qs):
@@ -114,9 +132,13 @@ class MTPProposer(Proposer):
                 win.ids.gather(1, src.clamp(max=Tw - 1)),
                 ext.gather(1, (src - last[:, None] - 1).clamp(0, N - 1)),
             )
+            mm = None  # drafts are text: only window rows can consume an image placeholder
+            if win.mm is not None:
+                shifted = win.mm.shifted(j)
+                mm = TokenEmbeds(shifted.mask & in_win, shifted.embeds)
             h_in = carry if (j > 0 and d.config.mtp_chain) else feat
             normed, pre = self._run(
-                j, tok, h_in, win.rope_pos + j, win.rows, win.cache_pos, attn_len
+                j, tok, h_in, win.rope_pos + j, win.rows, win.cache_pos, attn_len, mm
             )
             carry = d.carry(normed, pre)
             if j < steps:
@@ -143,12 +165,24 @@ class MTPProposer(Proposer):
         h.cache_pos[rows] = torch.where(live, win.cache_pos.gather(1, i), -1)
         index = i.expand(*win.rope_pos.shape[:-2], *i.shape)
         h.rope_pos[..., rows, :] = win.rope_pos.gather(-1, index)
+        if h.mm is not None:
+            if win.mm is None:
+                h.mm.mask[rows] = False
+            else:
+                H = win.mm.embeds.shape[-1]
+                h.mm.mask[rows] = win.mm.mask.gather(1, i) & live
+                h.mm.embeds[rows] = win.mm.embeds.gather(1, i[..., None].expand(-1, -1, H)).to(
+                    h.mm.embeds.dtype
+                )
 
     @torch.no_grad()
     def admit(self, first_pass: FirstPass, attn_len: int | None = None) -> FirstPass:
         """Prefill every module over the prompt rows but the last (rows whose tokens are not
         known yet are recomputed by the first round's window); the last row stays pending."""
+        self._keep_mm(first_pass)
         self.hist.cache_pos[first_pass.rows] = -1
+        if self.hist.mm is not None:
+            self.hist.mm.mask[first_pass.rows] = False
         if first_pass.width > 1:
             win = first_pass.take(0, -1)
             B = win.ids.shape[0]
@@ -172,12 +206,21 @@ class MTPProposer(Proposer):
         dev = fp.ids.device
         h = self.hist
         alive = (fp.cache_pos >= 0).any(1, keepdim=True)  # rows with no request stay idle
+        mm = None
+        if h.mm is not None:  # the committed rows of a round are text
+            T = fp.ids.shape[1]
+            hm = h.mm.batch(fp.rows)
+            mm = TokenEmbeds(
+                torch.cat([hm.mask, hm.mask.new_zeros(B, T)], 1),
+                torch.cat([hm.embeds, hm.embeds.new_zeros(B, T, hm.embeds.shape[-1])], 1),
+            )
         win = FirstPass(
             fp.rows,
             torch.cat([h.ids[fp.rows], fp.ids], 1),
             torch.cat([h.features[fp.rows].to(fp.features.dtype), fp.features], 1),
             torch.cat([torch.where(alive, h.cache_pos[fp.rows], -1), fp.cache_pos], 1),
             torch.cat([h.rope_pos[..., fp.rows, :], fp.rope_pos], -1),
+            mm,
         )
         drafts = torch.zeros(B, max(k, N), dtype=torch.long, device=dev)
         qs, carry, last = self._window(win, attn_len, min(k, N), num_drafts, choose, drafts, None)
@@ -207,10 +250,22 @@ class MTPProposer(Proposer):
 
     @staticmethod
     @torch.no_grad()
-    def reference_drafts(drafter, ids, features, rope_pos, n, choose):
-        """No cache: each module recomputed over all rows (+ its reuse rows) every step."""
+    def reference_drafts(drafter, ids, features, rope_pos, n, choose, mm=None):
+        """No cache: each module recomputed over all rows (+ its reuse rows) every step.
+        `mm`: the target's input embeddings of the rows whose consumed token (row i: t_{i+1})
+        is a multimodal placeholder, `[R]` / `[R, H]`; module j's row i consumes t_{i+j+1}."""
         d, N = drafter, drafter.config.n_predict
         R = ids.shape[0]
+
+        def rows_mm(j: int, extra: int) -> TokenEmbeds | None:
+            """Module j's multimodal rows: the window's shifted by j, then `extra` text rows."""
+            if mm is None:
+                return None
+            m = TokenEmbeds(mm.mask[None], mm.embeds[None]).shifted(j)
+            pad_mask = m.mask.new_zeros(1, extra)
+            pad = m.embeds.new_zeros(1, extra, m.embeds.shape[-1])
+            return TokenEmbeds(torch.cat([m.mask, pad_mask], 1), torch.cat([m.embeds, pad], 1))
+
         feat = features.to(d.lm_head.weight.dtype)
         rows_in: list[tuple] = []  # per module: (tokens [R], h_in [R, H]) of its window rows
         extra: list[list] = [[] for _ in range(N)]  # per module: reuse rows (tok, h, rope)
@@ -226,7 +281,14 @@ class MTPProposer(Proposer):
                 tok = known[src.clamp(max=known.shape[0] - 1)]
                 h_in = carry_rows if (j > 0 and d.config.mtp_chain) else feat
                 rows_in.append((tok, h_in))
-                normed, pre = d(j, tok[None], h_in[None], (rope_pos + j)[..., None, :], causal_attn)
+                normed, pre = d(
+                    j,
+                    tok[None],
+                    h_in[None],
+                    (rope_pos + j)[..., None, :],
+                    causal_attn,
+                    rows_mm(j, 0),
+                )
                 carry_rows = d.carry(normed, pre)[0]
                 carry_last = carry_rows[-1]
                 out = normed[0, -1:]
@@ -237,7 +299,8 @@ class MTPProposer(Proposer):
                 tok = torch.cat([tok0, ids.new_tensor([t for t, _, _ in extra[j]])])
                 h_in = torch.cat([h0, torch.stack([x for _, x, _ in extra[j]])])
                 rope = torch.cat([rope_pos + j] + [r for _, _, r in extra[j]], dim=-1)
-                normed, pre = d(j, tok[None], h_in[None], rope[..., None, :], causal_attn)
+                mm_j = rows_mm(j, len(extra[j]))
+                normed, pre = d(j, tok[None], h_in[None], rope[..., None, :], causal_attn, mm_j)
                 carry_last = d.carry(normed, pre)[0, -1]
                 out = normed[0, -1:]
             choice, q = choose(d.logits(out), s)

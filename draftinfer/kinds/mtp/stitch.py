@@ -31,12 +31,18 @@ MTP_SHARD = "model-mtp.safetensors"
 
 
 def target_info(config: dict) -> TargetInfo:
+    """The facts `check_fit` reads, from a target's `config.json`: `architecture` is its HF
+    architecture, `family` the target family serving it (a family name, not an architecture)."""
+    from draftinfer.families import FAMILIES
+
+    archs = config.get("architectures") or []
     return TargetInfo(
         vocab_size=int(config["vocab_size"]),
         hidden_size=int(config["hidden_size"]),
         num_layers=int(config["num_hidden_layers"]),
         max_position_embeddings=int(config.get("max_position_embeddings", 0)),
-        family=(config.get("architectures") or [""])[0],
+        architecture=archs[0] if archs else "",
+        family=FAMILIES.for_architectures(archs).name,
     )
 
 

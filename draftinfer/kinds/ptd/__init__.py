@@ -17,6 +17,7 @@ class PTDSpec(Eagle3Spec):
     module_class = PTDDrafter
     proposer_class = ParallelProposer
     mode = "parallel drafting"
+    parallel_drafting = True
     mode_tensors = frozenset({"mask_hidden"})
 
     def check_k(self, arch, k: int) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from draftinfer.errors import ConfigError
-from draftinfer.models import TARGET_MODELS
+from draftinfer.families import FAMILIES
 from draftinfer.registry import drafter_spec
 from drafttrain.kinds.mtp.config import MTPTrainConfig
 from drafttrain.kinds.mtp.objective import MTPObjective
@@ -45,7 +45,8 @@ class MTPTrainSpec(TrainSpec):
                 f"drafter.loss_weights must be uniform or geometric, got {cfg.loss_weights!r}"
             )
         target_config = {k: v for k, v in tc.to_dict().items() if k not in ("drafttrain",)}
-        target_config.setdefault("architectures", [info.family])
+        if not target_config.get("architectures"):  # a text config inside a multimodal one
+            target_config["architectures"] = [info.architecture]
         return drafter_spec(self.name).config_class(
             n_predict=cfg.n_predict,
             target_config=target_config,
@@ -53,7 +54,7 @@ class MTPTrainSpec(TrainSpec):
             mtp_chain=cfg.mtp_chain,
             mtp_carry=cfg.mtp_carry,
             mask_pos0_embedding=cfg.mask_pos0_embedding,
-            block="native" if info.family in TARGET_MODELS else "hf",
+            block="native" if FAMILIES.is_native(info.architecture) else "hf",
         )
 
     def features(self, cfg: MTPTrainConfig, ctx: InitContext):

@@ -21,7 +21,7 @@ from draftinfer.kinds.mtp import MTPDrafter
 from draftinfer.positions import draft_step_positions
 from draftinfer.proposer import causal_attn
 from draftinfer.target import TargetOutput
-from draftinfer.window import shift_left
+from draftinfer.window import TokenEmbeds, shift_left
 from drafttrain.fused_ce import linear_soft_ce
 from drafttrain.kinds.mtp.config import MTPTrainConfig
 from drafttrain.losses import DraftLoss
@@ -33,10 +33,16 @@ class MTPObjective:
         self.drafter, self.cfg, self.backend = drafter, cfg, backend
 
     def module_normed(
-        self, input_ids: torch.Tensor, features: torch.Tensor, rope_pos: torch.Tensor, n: int
+        self,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        rope_pos: torch.Tensor,
+        n: int,
+        mm: TokenEmbeds | None = None,
     ) -> list[torch.Tensor]:
         """The normed hidden states `[B, T, H]` (the shared head's input) of modules 0..n-1
-        (teacher-forced tokens)."""
+        (teacher-forced tokens; `mm`: the target's multimodal input embeddings, unshifted:
+        module k's row i consumes token i+k+1 and so its embedding)."""
         d = self.drafter
         feat = features.to(d.lm_head.weight.dtype)
         carry, out = feat, []
@@ -48,22 +54,29 @@ class MTPObjective:
                 h_in,
                 draft_step_positions(rope_pos, k),
                 causal_attn,
+                None if mm is None else mm.shifted(1 + k),
             )
             carry = d.carry(normed, pre)
             out.append(normed)
         return out
 
     def module_logits(
-        self, input_ids: torch.Tensor, features: torch.Tensor, rope_pos: torch.Tensor, n: int
+        self,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        rope_pos: torch.Tensor,
+        n: int,
+        mm: TokenEmbeds | None = None,
     ) -> list[torch.Tensor]:
         """Full-vocabulary logits `[B, T, V]` of modules 0..n-1 (teacher-forced tokens)."""
         d = self.drafter
-        return [d.logits(x) for x in self.module_normed(input_ids, features, rope_pos, n)]
+        return [d.logits(x) for x in self.module_normed(input_ids, features, rope_pos, n, mm)]
 
-    def anchor_logits(self, ids, features, rope_pos, anchor: int, k: int) -> torch.Tensor:
+    def anchor_logits(self, ids, features, rope_pos, anchor: int, k: int, mm=None) -> torch.Tensor:
         """Module j's logits at row `anchor` for j < k: what the runner's draft step j gives
         after committed row `anchor` (S9). `[k, V]`"""
-        return torch.stack([lg[0, anchor] for lg in self.module_logits(ids, features, rope_pos, k)])
+        logits = self.module_logits(ids, features, rope_pos, k, mm)
+        return torch.stack([lg[0, anchor] for lg in logits])
 
     def __call__(
         self, batch: dict[str, torch.Tensor], tgt: TargetOutput
@@ -73,7 +86,8 @@ class MTPObjective:
         dist = target_distribution(tgt)  # the whole vocabulary, per flat row b * T + t
         B, T = dist.shape
         loss_mask = batch["loss_mask"].bool() & batch["attention_mask"].bool()
-        normed = self.module_normed(batch["input_ids"], tgt.features, tgt.rope_pos, N)
+        mm = TokenEmbeds.of(tgt)
+        normed = self.module_normed(batch["input_ids"], tgt.features, tgt.rope_pos, N, mm)
         flat = torch.arange(B * T, device=loss_mask.device).view(B, T)
         out = DraftLoss(loss_mask.device)
         for k, x in enumerate(normed):

@@ -1,0 +1,433 @@
+"""One speculative round vs one plain decode step, through the real engine, at real shapes.
+
+    python -m draftbench.round --out docs/results/h200_bench_round.json        # CUDA
+    python -m draftbench.round --device cpu --tiny --batches 1 --ks 2,3        # smoke test
+
+Shapes: the target is Llama-3.1-8B (32 layers, hidden 4096, 32/8 heads, ffn 14336, vocab
+128256, llama3 RoPE); drafters are 8B-sized EAGLE-3 (1 layer) and ptd (2 layers, K <= 8), draft
+vocabulary 32000. Weights are random bf16 (time does not depend on training).
+
+- t_plain: one compiled plain decode step (`torch.compile(target_forward, dynamic=False)`),
+  the median over a run of steps at advancing positions (CUDA-event timed per step), in the
+  same process.
+- t_round(kind, K, batch): `SpecDecoder.generate` over `--context`-token prompts; each round
+  ends in the engine's one readback, so the wall time between consecutive readbacks is the
+  round (the engine records it); the median after warm-up. Positions advance as in real
+  generation (with random weights almost every draft is rejected: one new position per
+  round, never a revisited length; a round's cost does not depend on how many drafts were
+  accepted, its shapes are fixed). The target's verify forward (and, with `--compile all`,
+  the drafter forwards) is compiled with dynamic shapes and bucketed attention lengths; with
+  `--round-graphs on` (the default; `both` times each configuration both ways) the engine
+  replays the whole round from a CUDA graph captured per attention bucket
+  (`SpecDecoder(cuda_graphs=True)`, `draftinfer.graphs`).
+- ratio = t_round / t_plain; the speedup at acceptance length a is a * t_plain / t_round.
+
+Before timing: a sync check (K=4, each kind, each batch, rounds under
+`torch.cuda.set_sync_debug_mode("error")`) and a losslessness check (speculative tokens equal
+plain greedy tokens up to the first position whose top-2 margin is below 0.1 logits, bf16).
+The table is printed last; full numbers go to `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from draftbench.shapes import (
+    DRAFT_VOCAB,
+    LLAMA31_8B,
+    QWEN3_VL_8B,
+    TINY,
+    TINY_VL,
+    drafter_arch,
+    random_llama_target,
+    vl_native_shape,
+)
+
+
+def build_vl_target(hf_kwargs: dict, device, dtype, max_batch: int, max_len: int):
+    """The native Qwen3-VL target (our decoder + transformers' vision tower), random weights."""
+    from transformers import Qwen3VLConfig
+
+    from draftinfer.families.qwen3_vl.model import Qwen3VLForConditionalGeneration as VL
+
+    cfg = VL.config_from_hf(Qwen3VLConfig(**hf_kwargs), [])
+    with torch.device("meta"):
+        model = VL(cfg)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.tie_weights()
+    model.init_rope(device)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # norms 1, biases 0, the rest N(0, 0.02)
+            if p.dim() == 1:
+                p.zero_() if name.endswith("bias") else p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    model.requires_grad_(False).eval()
+    model.setup_caches(max_batch, max_len)
+    return model
+
+
+def build_drafter(kind: str, target, shape: dict, draft_vocab: int, k_max: int, device, dtype):
+    from draftinfer.registry import drafter_spec
+
+    spec = drafter_spec(kind)
+    arch = drafter_arch(shape, draft_vocab)
+    if kind == "ptd":
+        arch.update(num_hidden_layers=2, mask_token_id=0, parallel_k=k_max)
+    torch.manual_seed(1)
+    d = spec.build(spec.config_class(**arch))
+    with torch.no_grad():
+        for p in d.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.02)
+    spec.attach_shared(d, target.shared_weights())
+    return d.to(device=device, dtype=dtype).eval()
+
+
+def plain_step_ms(
+    target, batch: int, context: int, steps: int, device, mode: str | None = None, reqs=None
+) -> tuple[float, list]:
+    """Median ms of one compiled greedy decode step at advancing positions, and its tokens.
+    `mode="reduce-overhead"`: the step replayed as a CUDA graph (the best plain decode)."""
+    from draftinfer.compiled import compiled, target_forward
+    from draftinfer.slots import Slots, attn_bucket
+
+    rows = torch.arange(batch, device=device)
+    if reqs is None:
+        reqs = [(p, None) for p in prompts(batch, context, target.config.vocab_size)]
+    ids = torch.tensor([r[0] for r in reqs], device=device)
+    # Eager prefill, per request in 512-token chunks through the target's prefill seam (with
+    # each request's image): exactly the engine's prefill, so both paths start from the same
+    # bf16 numerics.
+    last = []
+    for b in range(batch):
+        pos = torch.arange(context, device=device)[None]
+        plan = target.prefill_plan(ids[b : b + 1], pos, rows[b : b + 1], [reqs[b][1]])
+        for s in range(0, context, 512):
+            cols = slice(s, min(s + 512, context))
+            inputs, rope = plan.chunk(cols)
+            logits = target(inputs, Slots(rows[b : b + 1], pos[:, cols], rope)).logits
+        last.append(logits[0, -1])
+    last = torch.stack(last).float()
+    tok = last.argmax(-1)
+    attn_len = attn_bucket(context + steps + 16, target.max_seq_len)
+    if mode is None:
+        step = compiled(target_forward, dynamic=False)
+    else:  # CUDA graphs need static cache addresses
+        for layer in target.model.layers:
+            torch._dynamo.mark_static_address(layer.self_attn.k_cache)
+            torch._dynamo.mark_static_address(layer.self_attn.v_cache)
+        step = compiled(target_forward, dynamic=False, mode=mode)
+    top2 = last.topk(2, dim=-1).values
+    times, toks, margins = [], [tok], [(top2[:, 0] - top2[:, 1]).tolist()]
+    for s in range(steps):
+        cache = torch.full((batch, 1), context + s, device=device)
+        rope = target.rope_positions(cache, rows)  # M-RoPE: cache + mrope_delta, 3 axes
+        if device.type == "cuda":
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+        t0 = time.perf_counter()
+        logits, _ = step(target, tok[:, None], rows, cache, rope, attn_len, (), None)
+        logits = logits.clone()  # a graph replay overwrites its output buffer
+        if device.type == "cuda":
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            times.append((time.perf_counter() - t0) * 1e3)
+        top2 = logits[:, 0].float().topk(2, dim=-1).values
+        margins.append((top2[:, 0] - top2[:, 1]).tolist())
+        tok = logits[:, 0].argmax(-1)
+        toks.append(tok)
+    table = torch.stack(toks, 1).tolist()
+    return statistics.median(times[3:]), [table, margins]
+
+
+def prompts(batch: int, context: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return torch.randint(5, vocab, (batch, context), generator=g).tolist()
+
+
+def image_prompts(target, batch: int, context: int, grid=(1, 32, 32)):
+    """`context`-token prompts with one image each (`grid` patches, `t*h*w / merge^2` image
+    tokens between vision start/end, 16 text tokens after it) -> (ids, mm_inputs) per request,
+    pixel values random (time does not depend on them). None for a text target."""
+    hf = getattr(target.config, "hf_config", None)
+    if hf is None:
+        return None
+    v = hf.vision_config
+    t, h, w = grid
+    n_img = t * h * w // v.spatial_merge_size**2
+    g = torch.Generator().manual_seed(6)
+    special = min(hf.image_token_id, hf.video_token_id, hf.vision_start_token_id)
+    out = []
+    for ids in prompts(batch, context, special):
+        head = context - n_img - 2 - 16
+        ids = ids[:head] + [hf.vision_start_token_id] + [hf.image_token_id] * n_img
+        ids = ids + [hf.vision_end_token_id] + prompts(1, 16, special)[0]
+        dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
+        mm = {
+            "pixel_values": torch.randn(t * h * w, dim, generator=g),
+            "image_grid_thw": torch.tensor([list(grid)]),
+            "mm_token_type_ids": torch.tensor([int(i == hf.image_token_id) for i in ids]),
+        }
+        out.append((ids, mm))
+    return out
+
+
+def run_spec(
+    target,
+    drafter,
+    k,
+    batch,
+    context,
+    rounds,
+    device,
+    compile_mode,
+    sync_check=False,
+    reqs=None,
+    graphs=False,
+):
+    from draftinfer.engine import Request, SpecDecoder
+
+    dec = SpecDecoder(
+        target,
+        drafter,
+        k,
+        max_batch=batch,
+        max_model_len=target.max_seq_len,
+        compile=compile_mode,
+        cuda_graphs=graphs,
+    )
+    if reqs is None:
+        reqs = [(p, None) for p in prompts(batch, context, target.config.vocab_size)]
+    dec.sync_check = False  # warm-up: compile, autotune, allocate (these may sync)
+    dec.generate([Request(p, max_tokens=6, mm_inputs=mm) for p, mm in reqs])
+    dec.sync_check = sync_check
+    outs, stats = dec.generate([Request(p, max_tokens=rounds + 1, mm_inputs=mm) for p, mm in reqs])
+    return outs, stats
+
+
+TARGETS = {  # name -> (builder, shape, draft vocabulary key)
+    "llama3.1-8b": ("llama", LLAMA31_8B),
+    "qwen3-vl-8b": ("vl", QWEN3_VL_8B),
+    "tiny": ("llama", TINY),
+    "tiny-vl": ("vl", TINY_VL),
+}
+
+
+def bench_target(name: str, a, device, dtype, batches, ks, kinds) -> dict:
+    """Every row of the table for one target (built here, freed by the caller)."""
+    builder, shape = TARGETS[name]
+    max_len = 1024 if a.context + a.rounds + 32 <= 1024 else 2048
+    t0 = time.perf_counter()
+    if builder == "vl":
+        target = build_vl_target(shape, device, dtype, max(batches), max_len)
+        dshape = vl_native_shape(shape)
+    else:
+        target = random_llama_target(shape, device, dtype, max(batches), max_len)
+        dshape = shape
+    drafters = {
+        kind: build_drafter(kind, target, dshape, DRAFT_VOCAB[name], max(ks["ptd"]), device, dtype)
+        for kind in kinds
+    }
+    res = {
+        "shape": name,
+        "prompts": "one image each" if builder == "vl" else "text",
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "dtype": str(dtype),
+        "context": a.context,
+        "compile": a.compile,
+        "round_graphs": a.round_graphs,
+        "build_s": round(time.perf_counter() - t0, 1),
+        "plain": {},
+        "sync_check": {},
+        "lossless": {},
+        "rows": [],
+    }
+    for b in batches:
+        reqs = image_prompts(target, b, a.context)
+        t1 = time.perf_counter()
+        ms, (plain_tokens, margins) = plain_step_ms(
+            target, b, a.context, a.rounds + 8, device, reqs=reqs
+        )
+        res["plain"][b] = {"ms": round(ms, 4), "first_call_s": round(time.perf_counter() - t1, 1)}
+        graph_ms = float("nan")
+        if device.type == "cuda" and not a.no_graph:
+            graph_ms, (graph_tokens, _) = plain_step_ms(
+                target, b, a.context, a.rounds + 8, device, mode="reduce-overhead", reqs=reqs
+            )
+            res["plain"][b]["cuda_graph_ms"] = round(graph_ms, 4)
+            res["plain"][b]["cuda_graph_same_tokens"] = graph_tokens == plain_tokens
+        for kind, d in drafters.items():
+            k4 = 4 if 4 in ks[kind] else max(ks[kind])
+            # Sync check: any host-device sync inside a round raises.
+            try:
+                run_spec(target, d, k4, b, a.context, 4, device, a.compile, True, reqs)
+                res["sync_check"][f"{kind} K={k4} b={b}"] = "no sync"
+            except RuntimeError as e:
+                res["sync_check"][f"{kind} K={k4} b={b}"] = f"SYNC: {str(e).splitlines()[0]}"
+            modes = {"on": [True], "off": [False], "both": [False, True]}[a.round_graphs]
+            for k, graphs in ((k, g) for k in ks[kind] for g in modes):
+                if graphs and device.type != "cuda":
+                    continue
+                t2 = time.perf_counter()
+                outs, stats = run_spec(
+                    target,
+                    d,
+                    k,
+                    b,
+                    a.context,
+                    a.rounds,
+                    device,
+                    a.compile,
+                    reqs=reqs,
+                    graphs=graphs,
+                )
+                rt = stats["round_seconds"][2:]
+                t_round = statistics.median(rt) * 1e3
+                # Lossless up to the first low-margin position (bf16 batched-verify rounding):
+                # margins[j][i] is row i's top-2 margin where token j was chosen.
+                ok, notes = True, []
+                for i, o in enumerate(outs):
+                    ref = plain_tokens[i]
+                    safe = next((j for j, m in enumerate(margins) if m[i] < 0.1), len(margins))
+                    n = min(safe, len(o.token_ids), len(ref))
+                    first = next((j for j in range(n) if o.token_ids[j] != ref[j]), None)
+                    if first is not None:
+                        ok = False
+                        notes.append(
+                            {
+                                "row": i,
+                                "first_mismatch": first,
+                                "margin": round(margins[first][i], 4),
+                                "safe": safe,
+                            }
+                        )
+                res["lossless"][f"{kind} K={k} b={b}"] = ok if ok else notes
+                acc = [x for o in outs for x in o.accepted]
+                res["rows"].append(
+                    {
+                        "target": name,
+                        "kind": kind,
+                        "k": k,
+                        "batch": b,
+                        "round_graphs": graphs,
+                        "t_round_ms": round(t_round, 4),
+                        "t_plain_ms": round(ms, 4),
+                        "ratio": round(t_round / ms, 3),
+                        "t_plain_graph_ms": round(graph_ms, 4),
+                        "ratio_vs_graph": round(t_round / graph_ms, 3),
+                        "speedup_at_al3": round(3 * ms / t_round, 3),
+                        "rounds_timed": len(rt),
+                        "mean_accepted": sum(acc) / max(len(acc), 1),
+                        "wall_s": round(time.perf_counter() - t2, 1),
+                    }
+                )
+                print(json.dumps(res["rows"][-1]), flush=True)
+    res["total_s"] = round(time.perf_counter() - t0, 1)
+    return res
+
+
+def print_summary(res: dict, batches, kinds) -> None:
+    print(
+        f"\nround / plain decode step, {res['shape']} ({res['prompts']} prompts), "
+        f"{res['device']}, compile={res['compile']}"
+    )
+    for b in batches:
+        p = res["plain"][b]
+        print(
+            f"batch {b}: plain step {p['ms']:.3f} ms compiled, "
+            f"{p.get('cuda_graph_ms', float('nan')):.3f} ms compiled + CUDA graph"
+        )
+        for kind in kinds:
+            for graphs in (False, True):
+                rows = [
+                    r
+                    for r in res["rows"]
+                    if r["kind"] == kind and r["batch"] == b and r["round_graphs"] == graphs
+                ]
+                if not rows:
+                    continue
+                tag = "graphed round" if graphs else "eager round"
+                ms = "  ".join(f"K={r['k']}: {r['t_round_ms']:.2f}" for r in rows)
+                print(f"  {kind:6s} {tag}: t_round ms  {ms}")
+                ratios = "  ".join(f"K={r['k']}: {r['ratio']:.2f}" for r in rows)
+                print(f"  {kind:6s} {tag}: / plain compiled  {ratios}")
+                ratios = "  ".join(f"K={r['k']}: {r['ratio_vs_graph']:.2f}" for r in rows)
+                print(f"  {kind:6s} {tag}: / plain CUDA graph  {ratios}")
+    print("sync check:", json.dumps(res["sync_check"]))
+    bad = {k: v for k, v in res["lossless"].items() if v is not True}
+    print("lossless (margin-aware):", not bad, "" if not bad else json.dumps(bad)[:600])
+    print(f"total {res['total_s']} s")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="same as --targets tiny")
+    ap.add_argument(
+        "--targets",
+        default="llama3.1-8b",
+        help=f"comma-separated, timed one after the other in this process: {', '.join(TARGETS)}",
+    )
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--ks", default="", help="override both K lists, e.g. 2,3")
+    ap.add_argument("--kinds", default="eagle3,ptd")
+    ap.add_argument("--context", type=int, default=600)
+    ap.add_argument("--rounds", type=int, default=24)
+    ap.add_argument("--compile", default="all", choices=["none", "target", "all"])
+    ap.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph plain step")
+    ap.add_argument(
+        "--round-graphs",
+        default="on",
+        choices=["on", "off", "both"],
+        help="replay the round from CUDA graphs (SpecDecoder(cuda_graphs=True)); CUDA only",
+    )
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print("bench_round: CUDA is not available; nothing timed (use --device cpu --tiny)")
+        return 0
+    from torch._dynamo import config as dynamo_config
+
+    dynamo_config.cache_size_limit = 64
+    device = torch.device(a.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    names = ["tiny"] if a.tiny else a.targets.split(",")
+    unknown = [n for n in names if n not in TARGETS]
+    if unknown:
+        ap.error(f"unknown target {unknown[0]!r} (known: {', '.join(TARGETS)})")
+    batches = [int(x) for x in a.batches.split(",")]
+    ks = {"eagle3": list(range(1, 8)), "ptd": list(range(2, 9))}
+    if a.ks:
+        ks = {kind: [int(x) for x in a.ks.split(",")] for kind in ks}
+    kinds = a.kinds.split(",")
+    results = []
+    for name in names:
+        results.append(bench_target(name, a, device, dtype, batches, ks, kinds))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    from torch._dynamo.utils import counters
+
+    out = results[0] if len(results) == 1 else {"targets": results}
+    out["dynamo"] = {k: dict(v) for k, v in counters.items() if k in ("stats", "graph_break")}
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
+    for res in results:
+        print_summary(res, batches, kinds)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""The shape registry of the benchmarks (STYLE 16): real model dimensions, the tiny shapes of
+their CPU smoke runs, and what each benchmark builds from them (a drafter's architecture, a
+target's `config.json`, a random-weight native target)."""
+
+from __future__ import annotations
+
+# Real model dimensions (STYLE 16): NativeConfig fields of the targets the benchmarks use.
+LLAMA31_8B = dict(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    max_position_embeddings=131072,
+)
+TINY = dict(
+    LLAMA31_8B,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+)
+DRAFT_VOCAB = {"llama3.1-8b": 32000, "tiny": 256, "qwen3-vl-8b": 32000, "tiny-vl": 256}
+
+# Qwen3-VL-8B-Instruct (text: a Qwen3-8B decoder with interleaved M-RoPE [24, 20, 20], rope
+# theta 5e6, untied head; vision: 27 blocks of width 1152, patch 16, merge 2, DeepStack after
+# blocks 8/16/24), as `Qwen3VLConfig` keyword arguments.
+QWEN3_VL_8B = dict(
+    text_config=dict(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=262144,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 5000000.0,
+            "mrope_section": [24, 20, 20],
+            "mrope_interleaved": True,
+        },
+    ),
+    vision_config=dict(
+        depth=27,
+        hidden_size=1152,
+        intermediate_size=4304,
+        num_heads=16,
+        out_hidden_size=4096,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_position_embeddings=2304,
+        deepstack_visual_indexes=[8, 16, 24],
+    ),
+    image_token_id=151655,
+    video_token_id=151656,
+    vision_start_token_id=151652,
+    vision_end_token_id=151653,
+    tie_word_embeddings=False,
+)
+TINY_VL = dict(
+    text_config=dict(
+        QWEN3_VL_8B["text_config"],
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_parameters=dict(
+            QWEN3_VL_8B["text_config"]["rope_parameters"], mrope_section=[4, 2, 2]
+        ),
+    ),
+    vision_config=dict(
+        QWEN3_VL_8B["vision_config"],
+        depth=3,
+        hidden_size=32,
+        intermediate_size=48,
+        num_heads=4,
+        out_hidden_size=64,
+        patch_size=4,
+        num_position_embeddings=64,
+        deepstack_visual_indexes=[0, 1, 2],
+    ),
+    image_token_id=500,
+    video_token_id=501,
+    vision_start_token_id=502,
+    vision_end_token_id=503,
+)
+
+
+def vl_native_shape(hf_kwargs: dict) -> dict:
+    """The text decoder of a `Qwen3VLConfig` as the NativeConfig fields `drafter_arch` reads."""
+    t = hf_kwargs["text_config"]
+    rope = dict(t["rope_parameters"])
+    return dict(
+        vocab_size=t["vocab_size"],
+        hidden_size=t["hidden_size"],
+        intermediate_size=t["intermediate_size"],
+        num_layers=t["num_hidden_layers"],
+        num_heads=t["num_attention_heads"],
+        num_kv_heads=t["num_key_value_heads"],
+        head_dim=t["head_dim"],
+        rms_norm_eps=t["rms_norm_eps"],
+        rope_theta=rope.pop("rope_theta"),
+        rope_scaling=rope,
+        max_position_embeddings=t["max_position_embeddings"],
+    )
+
+
+def hf_config_dict(target: dict) -> dict:
+    """The target shape as a Llama `config.json` (what an MTP drafter's config embeds)."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": target["vocab_size"],
+        "hidden_size": target["hidden_size"],
+        "intermediate_size": target["intermediate_size"],
+        "num_hidden_layers": target["num_layers"],
+        "num_attention_heads": target["num_heads"],
+        "num_key_value_heads": target["num_kv_heads"],
+        "head_dim": target["head_dim"],
+        "rms_norm_eps": target["rms_norm_eps"],
+        "max_position_embeddings": target["max_position_embeddings"],
+        "rope_theta": target["rope_theta"],
+        "rope_scaling": target["rope_scaling"],
+        "attention_bias": False,
+        "mlp_bias": False,
+    }
+
+
+def drafter_arch(target: dict, draft_vocab: int) -> dict:
+    """EAGLE-family drafter config fields sized for a target shape: the target's width, heads,
+    RoPE and context, EAGLE-3's default taps (2, L//2, L-3), a draft vocabulary."""
+    return dict(
+        hidden_size=target["hidden_size"],
+        intermediate_size=target["intermediate_size"],
+        num_attention_heads=target["num_heads"],
+        num_key_value_heads=target["num_kv_heads"],
+        head_dim=target["head_dim"],
+        vocab_size=target["vocab_size"],
+        draft_vocab_size=draft_vocab,
+        target_hidden_size=target["hidden_size"],
+        aux_layer_ids=[2, target["num_layers"] // 2, target["num_layers"] - 3],
+        rope_theta=target["rope_theta"],
+        rope_scaling=target["rope_scaling"],
+        max_position_embeddings=target["max_position_embeddings"],
+    )
+
+
+def random_llama_target(shape: dict, device, dtype, max_batch: int, max_len: int):
+    """A native Llama-shaped target of `shape` (NativeConfig fields) with random weights
+    (norms 1, the rest N(0, 0.02), seed 0) and caches for `max_batch` x `max_len`."""
+    import torch
+
+    from draftinfer.families.causal_lm.models import LlamaForCausalLM
+    from draftinfer.models.decoder import NativeConfig
+
+    cfg = NativeConfig(architecture="LlamaForCausalLM", **shape)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.tie_weights()
+    model.init_rope(device)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
+    model.requires_grad_(False).eval()
+    model.setup_caches(max_batch, max_len)
+    return model

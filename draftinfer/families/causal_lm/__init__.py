@@ -1,0 +1,27 @@
+"""The default target family: text causal LMs. The runner serves Llama 2/3, Qwen2 and Qwen3
+natively (`models.py`); training takes any HF causal LM. Prompts render through the
+tokenizer's chat template."""
+
+from __future__ import annotations
+
+from draftinfer.families import FamilySpec, register_family
+from draftinfer.families.causal_lm.models import (
+    FAMILY,
+    LlamaForCausalLM,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+)
+
+
+class CausalLMFamily(FamilySpec):
+    name = FAMILY
+    models = {
+        "LlamaForCausalLM": LlamaForCausalLM,
+        "Qwen2ForCausalLM": Qwen2ForCausalLM,
+        "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    }
+
+
+register_family(CausalLMFamily())
+
+__all__ = ["CausalLMFamily", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]

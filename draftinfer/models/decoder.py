@@ -1,0 +1,388 @@
+"""The native decoder every target family builds on: a Llama-shaped causal LM with a static KV
+cache, gpt-fast style (the families under `draftinfer/families/` subclass it).
+
+One single-device, uncompiled `nn.Module` the runner owns end to end: the decode loop calls
+`forward` on a padded batch, `torch.compile` / CUDA graphs are applied from outside (STYLE
+rule 3). Module names equal Hugging Face's (`model.layers.N.self_attn.q_proj.weight`, ...), so
+an HF safetensors checkpoint loads by name with no renaming table.
+
+`forward(inputs, slots, features) -> TargetOutput` is the target interface of
+`draftinfer.target`; `Slots` (cache rows, cache index, RoPE position, attention length) and
+the KV-cache design (scratch column for padding slots, no rollback ever needed) are described
+in `draftinfer.slots` and `draftinfer.kv_cache`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from draftinfer.errors import ConfigError
+from draftinfer.kv_cache import cached_attention, resolve_attn_len, visibility_mask, write_index
+from draftinfer.layers import RMSNorm, SwiGLU
+from draftinfer.rope import RotaryEmbedding, apply_rope, rope_axes, rope_from_hf
+from draftinfer.slots import Slots
+from draftinfer.target import FeatureSpec, TargetInfo, TargetInputs, TargetOutput, as_inputs
+
+
+@dataclass
+class NativeConfig:
+    """Architecture facts of a Llama-shaped decoder, read once from an HF config."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # bias on q/k/v projections
+    o_bias: bool = False  # bias on the output projection
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k, before RoPE
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_hidden_layers(self) -> int:  # HF spelling, for callers that use it
+        return self.num_layers
+
+
+class CachedAttention(nn.Module):
+    """GQA attention that writes its K/V into a static cache and reads the cache prefix.
+
+    Cache buffers `k_cache`, `v_cache`: `[max_batch, max_seq_len + 1, n_kv, head_dim]`. The
+    extra last column is a scratch slot that padding slots write into, so a padded batch needs
+    no boolean indexing (no host sync); no query ever reads it (reads stop at `max_seq_len`).
+
+    Serving transforms swap two pieces from outside (`draftinfer.models.transforms`): `project`
+    (one fused q/k/v GEMM) and `attention` (a backend of `draftinfer.kv_cache.ATTENTION`).
+    """
+
+    # How this forward's K/V are written to the cache and attended; an instance may hold
+    # another backend of `kv_cache.ATTENTION` (`transforms.use_attention`).
+    attention = staticmethod(cached_attention)
+
+    def __init__(self, cfg: NativeConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(h, self.n_heads * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, self.n_kv * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, self.n_kv * d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * d, h, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.k_cache: torch.Tensor | None
+        self.v_cache: torch.Tensor | None
+        self.register_buffer("k_cache", None, persistent=False)
+        self.register_buffer("v_cache", None, persistent=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, T, H]
+        cos: torch.Tensor,  # [B, T, head_dim] fp32
+        sin: torch.Tensor,  # [B, T, head_dim] fp32
+        rows: torch.Tensor,  # [B] cache row of each batch row
+        write_pos: torch.Tensor,  # [B, T] cache index of each slot (scratch column for padding)
+        mask: torch.Tensor,  # [B, 1, T * group, L] bool, True = may attend
+        attn_len: int,  # L: number of cache indices read
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        nh, nkv, d = self.n_heads, self.n_kv, self.head_dim
+        q, k, v = self.project(x)
+        q, k, v = q.view(B, T, nh, d), k.view(B, T, nkv, d), v.view(B, T, nkv, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # Write first, then read: a slot sees its own K/V and those of earlier slots of the
+        # same forward (causal prefill chunk) through the same cache path.
+        o = self.attention(q, k, v, self.k_cache, self.v_cache, rows, write_pos, mask, attn_len)
+        return self.o_proj(o.reshape(B, T, nh * d))
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q `[B, T, nh * d]`, k and v `[B, T, nkv * d]`."""
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: NativeConfig):
+        super().__init__()
+        self.self_attn = CachedAttention(cfg)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, *attn_args: Any) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), *attn_args)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class PrefillPlan:
+    """The target inputs of one prefill, chunk by chunk: what `NativeCausalLM.prefill_plan`
+    returns. Text targets feed the token ids and derive RoPE positions from the cache index;
+    a multimodal family subclasses it (per-chunk encoder rows, its own position table)."""
+
+    def __init__(self, ids: torch.Tensor):
+        self.ids = ids  # [n, P]
+
+    def chunk(self, cols: slice) -> tuple[TargetInputs, torch.Tensor | None]:
+        """(inputs, rope_pos) of slot columns `cols`: `TargetInputs` over `[n, len(cols)]` and
+        the RoPE positions to pass in `Slots.rope_pos` (None: the target's `rope_positions`)."""
+        return TargetInputs(self.ids[:, cols]), None
+
+
+class Backbone(nn.Module):
+    """HF's `model.*` submodule: embeddings, decoder layers, final norm."""
+
+    def __init__(self, cfg: NativeConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class NativeCausalLM(nn.Module):
+    """A Llama-shaped causal LM with a preallocated static KV cache (base of the family).
+
+    Subclasses only say how an HF config maps onto `NativeConfig` (`config_from_hf`).
+    Call `setup_caches` before `forward`.
+    """
+
+    hf_model_types: tuple[str, ...] = ()
+    # The target family (`draftinfer.families`) whose registration serves this class.
+    family: ClassVar[str] = ""
+
+    def __init__(self, config: NativeConfig):
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.max_batch = 0
+        self.max_seq_len = 0
+        self.tie_weights()
+
+    # ---- construction -----------------------------------------------------------------
+    @classmethod
+    def config_from_hf(cls, hf: Any, eos_token_ids: list[int]) -> NativeConfig:
+        """Map an HF config to `NativeConfig`; a one-line `ConfigError` on what we lack."""
+        arch = cls.__name__
+        act = getattr(hf, "hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"{arch}: hidden_act {act!r} is not supported (only silu)")
+        layer_types = getattr(hf, "layer_types", None) or []
+        if getattr(hf, "use_sliding_window", False) or "sliding_attention" in layer_types:
+            raise ConfigError(f"{arch}: sliding-window attention layers are not supported")
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        theta, scaling = rope_from_hf(hf, head_dim)  # strict: unknown rope keys are errors
+        qkv_bias, o_bias, mlp_bias, qk_norm = cls.block_flags(
+            bool(getattr(hf, "attention_bias", False)), bool(getattr(hf, "mlp_bias", False))
+        )
+        return NativeConfig(
+            architecture=arch,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=hf.num_attention_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(hf.rms_norm_eps),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(hf.max_position_embeddings),
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=mlp_bias,
+            qk_norm=qk_norm,
+            eos_token_ids=list(eos_token_ids),
+        )
+
+    @classmethod
+    def block_flags(cls, attention_bias: bool, mlp_bias: bool) -> tuple[bool, bool, bool, bool]:
+        """(qkv_bias, o_bias, mlp_bias, qk_norm) of this family's decoder layer, from the HF
+        config's `attention_bias` / `mlp_bias` (one rule for the target and MTP blocks)."""
+        return attention_bias, attention_bias, mlp_bias, False
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def init_rope(self, device: torch.device | str) -> None:
+        """(Re)compute the fp32 RoPE tables, e.g. after building on the meta device."""
+        self.rotary.reset_parameters(device)
+
+    @property
+    def info(self) -> TargetInfo:
+        c = self.config
+        return TargetInfo(
+            vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size,
+            num_layers=c.num_layers,
+            max_position_embeddings=c.max_position_embeddings,
+            rope_axes=rope_axes(c.rope_scaling),
+            architecture=c.architecture,
+            family=self.family,
+        )
+
+    def setup_caches(self, max_batch: int, max_seq_len: int) -> None:
+        """Allocate per-layer K/V caches `[max_batch, max_seq_len + 1, n_kv, head_dim]` (the
+        `+ 1` is the padding scratch column) on the model's device, in the model's dtype."""
+        if max_batch < 1 or max_seq_len < 1:
+            raise ValueError(
+                f"max_batch and max_seq_len must be >= 1, got {max_batch}, {max_seq_len}"
+            )
+        w = self.model.embed_tokens.weight
+        c = self.config
+        shape = (max_batch, max_seq_len + 1, c.num_kv_heads, c.head_dim)
+        for layer in self.model.layers:
+            layer.self_attn.k_cache = torch.zeros(shape, dtype=w.dtype, device=w.device)
+            layer.self_attn.v_cache = torch.zeros(shape, dtype=w.dtype, device=w.device)
+        self.max_batch, self.max_seq_len = max_batch, max_seq_len
+
+    # ---- access the drafter and the runner need ----------------------------------------
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        """The token embedding (EAGLE-3 / MTP drafters share its weight)."""
+        return self.model.embed_tokens
+
+    def shared_weights(self) -> dict[str, torch.Tensor]:
+        """The weights drafters share with their target, by role (`draftinfer.checkpoint`)."""
+        return {
+            "input_embeddings": self.model.embed_tokens.weight,
+            "output_embeddings": self.lm_head.weight,
+        }
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    # ---- forward (the target interface, `draftinfer.target`) -------------------------
+    def _check_rows(self, slots: Slots) -> None:
+        lo, hi, pmin = torch.stack(
+            [slots.rows.min(), slots.rows.max(), slots.cache_pos.min()]
+        ).tolist()
+        if lo < 0 or hi >= self.max_batch:
+            raise ValueError(
+                f"cache row {hi if hi >= self.max_batch else lo} out of range "
+                f"0..{self.max_batch - 1} (max_batch={self.max_batch})"
+            )
+        if pmin < -1:
+            raise ValueError(f"cache index {pmin} is invalid: >= 0, or -1 for padding")
+
+    def rope_positions(self, cache_pos: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Text targets: the RoPE position is the cache index (all three axes for an M-RoPE
+        rope config). `[B, T]` or `[3, B, T]`; padding slots at 0."""
+        pos = cache_pos.clamp(min=0)
+        return pos if self.rotary.axes == 1 else pos[None].expand(3, *pos.shape)
+
+    def prefill_plan(
+        self,
+        ids: torch.Tensor,  # [n, P] prompt ids, padded (left or right)
+        cache_pos: torch.Tensor,  # [n, P]: 0..P_b-1 at request b's tokens, -1 at padding
+        rows: torch.Tensor,  # [n] cache rows
+        mm_inputs: Sequence[dict | None] | None = None,  # per request: family inputs or None
+    ) -> PrefillPlan:
+        """The prefill seam: what to feed each chunk of a prefill from cache index 0 (the
+        engine's chunked prefill, the plain greedy baseline and the reference loop all call
+        it). Text targets: the ids, positions from the cache index; a request that carries
+        multimodal inputs is a one-line `ValueError`."""
+        if mm_inputs is not None and any(m is not None for m in mm_inputs):
+            raise ValueError(
+                f"{self.config.architecture} is a text target: a request carries "
+                "multimodal inputs (images)"
+            )
+        return PrefillPlan(ids)
+
+    def forward(
+        self,
+        inputs: TargetInputs | torch.Tensor,
+        slots: Slots,
+        features: FeatureSpec | None = None,
+        *,
+        logit_index: torch.Tensor | None = None,
+    ) -> TargetOutput:
+        """Run a padded batch of slots through the target, writing its K/V into the cache.
+
+        Args:
+            inputs: token ids `[B, T]` int64 (or `TargetInputs`); ids of padding slots are
+                ignored.
+            slots: rows `[B]`, `cache_pos [B, T]` (-1 = padding: writes nothing, finite garbage
+                out), `rope_pos` (None: `rope_positions(cache_pos)`), `attn_len` (None: max
+                cache index + 1 with one host sync that also checks the bounds; pass a fixed or
+                bucketed value for a sync-free, static-shape step; the caller then guarantees
+                `-1 <= cache_pos < attn_len <= max_seq_len`).
+            features: the features to return (layer-input taps, final hidden pre/post norm).
+            logit_index: optional `[B, T']` slot indices; logits only for those slots.
+
+        Returns `TargetOutput`: logits `[B, T, V]` fp32 (or `[B, T', V]`), features
+        `[B, T, F]` in the model dtype (None without `features`), the RoPE positions used and
+        the input embeddings. Why no KV rollback is needed: `draftinfer.kv_cache`.
+        """
+        if self.max_seq_len == 0:
+            raise RuntimeError("call setup_caches(max_batch, max_seq_len) before forward")
+        c = self.config
+        ids = as_inputs(inputs).input_ids
+        B, T = ids.shape
+        if slots.attn_len is None:  # the synced path (prefill, tests) also checks the rows
+            self._check_rows(slots)
+        attn_len = resolve_attn_len(slots, self.max_seq_len)
+        if features is not None:
+            features.check(c.num_layers)
+        valid = slots.cache_pos >= 0  # [B, T]
+        ids = torch.where(valid, ids, torch.zeros_like(ids))
+        write_pos = write_index(slots.cache_pos, self.max_seq_len)
+        mask = visibility_mask(slots.cache_pos, attn_len, c.num_heads // c.num_kv_heads)
+        rope_pos = slots.rope_pos
+        if rope_pos is None:
+            rope_pos = self.rope_positions(slots.cache_pos, slots.rows)
+        cos, sin = self.rotary(rope_pos)  # [B, T, head_dim] fp32
+        x = embeds = self.model.embed_tokens(ids)  # [B, T, H]
+        taps: dict[int, torch.Tensor] = {}
+        wanted = set(features.layer_inputs) if features is not None else set()
+        for j, layer in enumerate(self.model.layers):
+            if j in wanted:
+                taps[j] = x
+            x = layer(x, cos, sin, slots.rows, write_pos, mask, attn_len)
+        return self.head_output(x, taps, features, logit_index, rope_pos, embeds)
+
+    def head_output(
+        self,
+        x: torch.Tensor,
+        taps: dict[int, torch.Tensor],
+        features: FeatureSpec | None,
+        logit_index: torch.Tensor | None,
+        rope_pos: torch.Tensor,
+        embeds: torch.Tensor,
+    ) -> TargetOutput:
+        """After the last layer: final norm, the requested features (layer-input `taps`, the
+        final hidden), logits (at `logit_index` rows if given)."""
+        normed = self.model.norm(x)
+        feats = None
+        if features is not None:
+            parts = [taps[j] for j in features.layer_inputs]
+            if features.final_hidden is not None:
+                parts.append(x if features.final_hidden == "pre_norm" else normed)
+            feats = torch.cat(parts, dim=-1) if parts else x.new_zeros(*x.shape[:2], 0)
+        if logit_index is not None:
+            normed = torch.gather(
+                normed, 1, logit_index[..., None].expand(-1, -1, normed.shape[-1])
+            )
+        logits = self.lm_head(normed).float()
+        return TargetOutput(logits, feats, rope_pos, embeds)

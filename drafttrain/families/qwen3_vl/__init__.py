@@ -1,0 +1,84 @@
+"""The Qwen3-VL target family on the training side: transformers' own
+`Qwen3VLForConditionalGeneration` behind the target interface (`target.py`), image+text chat
+through its processor (`data.py`), and the serving facts of its drafters' exports."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from drafttrain.config import TargetConfig
+from drafttrain.families import TrainFamily, register_train_family
+
+# Where vLLM's behaviour for these drafters was read (docs/training.md, "Exporting a drafter
+# of a Qwen3-VL target").
+VLLM_SOURCES = {
+    "registry": "vllm/model_executor/models/registry.py",
+    "eagle_model": "vllm/model_executor/models/llama_eagle3.py",
+    "eagle_config": "vllm/transformers_utils/configs/eagle.py",
+    "rope": "vllm/model_executor/layers/rotary_embedding/__init__.py",
+    "uses_mrope": "vllm/transformers_utils/config.py",
+    "proposer": "vllm/v1/spec_decode/eagle.py",
+}
+
+
+class Qwen3VLTrainFamily(TrainFamily):
+    name = "qwen3_vl"
+    # The offline cache stores text features only: no vision embeddings, no [3, T] positions.
+    feature_cache = False
+    pipeline_tag = "image-text-to-text"
+
+    def target(self, cfg: TargetConfig, device: torch.device):
+        from drafttrain.families.qwen3_vl.target import Qwen3VLFrozenTarget
+
+        return Qwen3VLFrozenTarget(cfg, device)
+
+    def data(self, target_name: str, tokenizer):
+        from draftinfer.families.qwen3_vl.processor import load_processor
+        from drafttrain.families.qwen3_vl.data import VLChatData
+
+        return VLChatData(load_processor(target_name))
+
+    def export_fields(self, target_config: Any) -> dict[str, Any]:
+        # SpecForge's VL drafter configs name the target family this way; engines ignore it.
+        return {"target_model_type": target_config.model_type}
+
+    def card_notes(self, spec) -> list[str]:
+        taps = "layer_inputs" in spec.needs  # an EAGLE-style drafter over aux taps
+        notes = [
+            "Target family Qwen3-VL: the drafter was trained on the target's own `[3, N]` "
+            "interleaved M-RoPE positions"
+            + (
+                ", with DeepStack-inclusive aux taps (the input each tapped decoder layer receives)"
+                if taps
+                else ""
+            )
+            + " and, at rows that consume an image token, that token's vision embedding."
+        ]
+        if taps:
+            notes += [
+                "`config.json` carries the target's `mrope_section` with `mrope_interleaved: "
+                "true` under `rope_scaling` and `rope_parameters`: vLLM gives an EAGLE-3 drafter "
+                "3-D positions only when the *draft* config declares M-RoPE "
+                f"(`uses_mrope`, `{VLLM_SOURCES['proposer']}`), and its M-RoPE rotary defaults "
+                f"to the non-interleaved (Qwen2-VL) layout (`{VLLM_SOURCES['rope']}`).",
+                "vLLM loads `LlamaForCausalLMEagle3` and `Eagle3Qwen3vlForCausalLM` with the same "
+                f"class, `Eagle3LlamaForCausalLM` (`{VLLM_SOURCES['registry']}`).",
+            ]
+        else:
+            notes.append(
+                "vLLM and SGLang load next-token (MTP) modules only as part of a target "
+                "architecture that ships them, and no Qwen3-VL architecture does: serve this "
+                "drafter with `draftinfer`."
+            )
+        if spec.parallel_drafting:
+            notes.append(
+                "vLLM refuses parallel drafting with an M-RoPE drafter (`_raise_if_mrope`: "
+                '"Speculative Decoding with draft models or parallel drafting does not support '
+                f'M-RoPE yet", `{VLLM_SOURCES["proposer"]}`); serve it with `draftinfer`.'
+            )
+        return notes
+
+
+register_train_family(Qwen3VLTrainFamily())

@@ -1,0 +1,13 @@
+"""Builders of the target zoo (DESIGN 5): small targets trained here, offline, so acceptance
+numbers mean something. The built assets ship in `draftinfer/zoo/` (package data; `zoo:<name>`
+resolves there) and are committed: rebuilding them changes the golden numbers.
+
+- `build_text` (CLI): chat data from the standard library's source (`text_data`), a BPE
+  tokenizer, a trained tiny Llama-3.1-shaped target (`text_train`) -> `llama-tiny/`, `chat/`;
+- `build_vl` (CLI): synthetic image-caption chat (`vl_data`, also a CLI), a tokenizer with
+  Qwen3-VL's special tokens, a trained tiny Qwen3-VL (`vl_train`) -> `qwen3-vl-tiny/`,
+  `vl_caption/`.
+
+`python -m drafttrain.zoo.build_text --out DIR` / `build_vl --out DIR`; `draftinfer/zoo/README.md`
+gives the recipes and what each build measured.
+"""

@@ -1,0 +1,184 @@
+"""Serving transforms of native targets (`draftinfer.models.transforms`) change how a step
+runs, never what it computes: fused q/k/v and gate/up projections, the `maths_decode`
+attention backend, the single-row cache view. Exact or fp32-tight against the untransformed
+model, through the HF-named loader and state dict."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftinfer.baseline import greedy_generate
+from draftinfer.kv_cache import (
+    ATTENTION,
+    cached_attention,
+    decode_attention,
+    read_rows,
+    visibility_mask,
+    write_index,
+)
+from draftinfer.loading import load_native_target, load_weights
+from draftinfer.models.decoder import NativeCausalLM, NativeConfig
+from draftinfer.models.transforms import (
+    FusedQKVAttention,
+    FusedSwiGLU,
+    fuse_projections,
+    use_attention,
+)
+from draftinfer.slots import Slots
+from draftinfer.target import FeatureSpec
+
+ATOL = 1e-5  # fp32, the same maths in another order
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _biased_model(seed: int = 0) -> NativeCausalLM:
+    """A Qwen2-like tiny model with biases on q/k/v and the MLP (the fused biases)."""
+    cfg = NativeConfig(
+        architecture="Qwen2ForCausalLM",
+        vocab_size=97,
+        hidden_size=48,
+        intermediate_size=80,
+        num_layers=2,
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=128,
+        qkv_bias=True,
+        mlp_bias=True,
+    )
+    torch.manual_seed(seed)
+    model = NativeCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    model.requires_grad_(False).eval()
+    model.setup_caches(3, 40)
+    return model
+
+
+def _forward(model, ids, pos, rows, attn_len=None, features=None):
+    t = torch.tensor
+    return model(t(ids), Slots(t(rows), t(pos), attn_len=attn_len), features)
+
+
+def _prefill_and_decode(model):
+    """Logits and features of a ragged prefill (a padding slot) then a one-token decode
+    in permuted rows: the cache paths the runner uses."""
+    feats = FeatureSpec((0, 1), "post_norm")
+    a = _forward(model, [[5, 6, 7, 8], [9, 10, 11, 0]], [[0, 1, 2, 3], [0, 1, 2, -1]], [2, 0])
+    b = _forward(model, [[12], [13]], [[4], [3]], [2, 0], attn_len=16, features=feats)
+    return a.logits, b.logits, b.features
+
+
+def test_decode_attention_equals_sdpa():
+    """The plain-maths one-token attention equals the SDPA path on a ragged batch (GQA
+    group 3, a prime attention length, a padding slot, rows out of order)."""
+    g = torch.Generator().manual_seed(0)
+    B, nh, nkv, d, max_len, L = 3, 6, 2, 8, 40, 37
+    k_cache = torch.randn(4, max_len + 1, nkv, d, generator=g)
+    v_cache = torch.randn(4, max_len + 1, nkv, d, generator=g)
+    q = torch.randn(B, 1, nh, d, generator=g)
+    k, v = torch.randn(B, 1, nkv, d, generator=g), torch.randn(B, 1, nkv, d, generator=g)
+    rows = torch.tensor([3, 0, 1])
+    cache_pos = torch.tensor([[20], [36], [-1]])
+    mask = visibility_mask(cache_pos, L, nh // nkv)
+    write_pos = write_index(cache_pos, max_len)
+    kc1, vc1 = k_cache.clone(), v_cache.clone()
+    want = cached_attention(q, k, v, kc1, vc1, rows, write_pos, mask, L)
+    got = decode_attention(q, read_rows(kc1, rows, L), read_rows(vc1, rows, L), mask)
+    torch.testing.assert_close(got[:2], want[:2], atol=ATOL, rtol=0)
+    assert torch.isfinite(got).all()  # the padding row reads index 0 only
+
+
+def test_single_row_cache_is_read_as_a_view():
+    cache = torch.randn(1, 9, 2, 4)
+    view = read_rows(cache, torch.tensor([0]), 5)
+    assert view.data_ptr() == cache.data_ptr() and view.shape == (1, 5, 2, 4)
+    two = torch.randn(2, 9, 2, 4)
+    torch.testing.assert_close(read_rows(two, torch.tensor([1]), 5), two[1:, :5])
+
+
+@pytest.mark.parametrize("which", ["tiny_llama3_dir", "tiny_qwen3_dir"])
+def test_fused_projections_keep_names_weights_and_outputs(which, request):
+    path = request.getfixturevalue(which)
+    model = load_native_target(path, "cpu", torch.float32, 4, 32)
+    want = _prefill_and_decode(model)
+    names = list(model.state_dict())
+    shared = model.shared_weights()
+    model = load_native_target(path, "cpu", torch.float32, 4, 32)
+    fuse_projections(model)
+    assert all(isinstance(layer.self_attn, FusedQKVAttention) for layer in model.model.layers)
+    assert all(isinstance(layer.mlp, FusedSwiGLU) for layer in model.model.layers)
+    assert list(model.state_dict()) == names  # HF names; the fused tensors are not saved
+    for role, w in model.shared_weights().items():
+        assert torch.equal(w, shared[role])
+    got = _prefill_and_decode(model)
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, atol=ATOL, rtol=0)
+
+
+def test_fused_projections_with_biases_and_a_later_load(tmp_path):
+    """Biases fuse too; the loader writes through the HF-named views into the fused
+    tensors (a checkpoint loaded after fusing gives the checkpoint's outputs)."""
+    from safetensors.torch import save_file
+
+    src = _biased_model(seed=1)
+    want = _prefill_and_decode(src)
+    save_file({k: v.contiguous() for k, v in src.state_dict().items()}, tmp_path / "m.safetensors")
+    model = _biased_model(seed=2)
+    fuse_projections(model)
+    fuse_projections(model)  # idempotent: re-fuses from the current weights
+    load_weights(model, [tmp_path / "m.safetensors"])
+    model.setup_caches(3, 40)
+    got = _prefill_and_decode(model)
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, atol=ATOL, rtol=0)
+
+
+def test_maths_decode_backend_traced_matches_eager(tiny_llama3_dir):
+    """`maths_decode` under torch.compile (aot_eager: the traced one-token attention) decodes
+    the same greedy tokens as eager SDPA, fused or not; prefill stays on SDPA."""
+    prompts = [[5, 9, 11], [7, 3], [4, 4, 8, 15, 16]]
+    eager = load_native_target(tiny_llama3_dir, "cpu", torch.float32, 4, 32)
+    ref = greedy_generate(eager, prompts, 6, [])
+    torch._dynamo.reset()
+    for fuse in (False, True):
+        model = load_native_target(tiny_llama3_dir, "cpu", torch.float32, 4, 32)
+        if fuse:
+            fuse_projections(model)
+        use_attention(model, "maths_decode")
+        step = torch.compile(
+            lambda i, p, r, m=model: m(i, Slots(r, p, attn_len=32)).logits,
+            backend="aot_eager",
+            dynamic=False,
+        )
+        assert greedy_generate(model, prompts, 6, [], step_fn=step) == ref
+        first = torch.tensor([[3], [5]]), torch.tensor([[3], [2]]), torch.tensor([0, 1])
+        torch.testing.assert_close(
+            step(*first),
+            model(first[0], Slots(first[2], first[1], attn_len=32)).logits,
+            atol=ATOL,
+            rtol=0,
+        )
+    torch._dynamo.reset()
+
+
+def test_use_attention_names_the_backends(tiny_llama3_dir):
+    model = load_native_target(tiny_llama3_dir, "cpu", torch.float32, 1, 16)
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'.*sdpa"):
+        use_attention(model, "flash")
+    use_attention(model, "maths_decode")
+    assert all(
+        layer.self_attn.attention is ATTENTION["maths_decode"] for layer in model.model.layers
+    )

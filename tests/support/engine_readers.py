@@ -1,0 +1,512 @@
+"""Independent readers of exported drafters: each reads one export layout the way its engine's
+documented rule reads it (`../shared/REFERENCES.md`; docs/training.md names the engine files
+checked), with plain `json` and `safetensors`, never through `draftinfer.checkpoint`, and
+checks every engine-facing field and tensor against what training recorded in the run
+directory (`RunRecord`: the latest checkpoint's `state.json` and `drafter.safetensors`, the
+draft-vocabulary cache, the target's own `config.json` and weights). A writer and a loader of
+ours that agreed on a wrong convention would pass our round-trip tests; they fail here.
+
+A reader returns the `EngineView` it read: the values the engine acts on in our own terms
+(draft vocabulary as target ids, layer-tap slots, mask token, ...), which the tests compare
+across the layouts of one export and with an HF oracle (`tests/contracts/test_engine_readers.py`).
+
+`LAYOUTS` lists the layouts of every registered kind; a new kind adds its readers there (the
+test fails for a registered kind without an entry). `speculators_kinds()` is the kinds whose
+spec writes a speculators folder (`DrafterSpec.speculators_layout`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+# ---- plain file access ---------------------------------------------------------------------
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    return json.loads(Path(path).read_text())
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint folder: `model.safetensors`, or the shards an index maps
+    (the engine's rule: the index's `weight_map` says which file holds each name)."""
+    index = folder / "model.safetensors.index.json"
+    if not index.is_file():
+        return read_tensors(folder / "model.safetensors")
+    weight_map = read_json(index)["weight_map"]
+    out: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(weight_map.values())):
+        tensors = read_tensors(folder / shard)
+        out.update({k: v for k, v in tensors.items() if weight_map.get(k) == shard})
+    assert set(out) == set(weight_map), "index names tensors its shards do not hold"
+    return out
+
+
+def ids_of_offsets(d2t: torch.Tensor) -> torch.Tensor:
+    """The engines' rule for `d2t` (vLLM `llama_eagle3.py`, SGLang `hot_token_id`): an offset
+    per draft id, target id = `i + d2t[i]`."""
+    return torch.arange(d2t.numel()) + d2t.long()
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The text decoder's fields of a target `config.json` (nested for Qwen3-VL)."""
+    return config.get("text_config", config)
+
+
+# ---- what training recorded ------------------------------------------------------------------
+
+
+@dataclass
+class RunRecord:
+    """A training run's own record: the latest checkpoint's `state.json` and drafter tensors
+    (module names), the draft vocabulary training chose (target ids, from the run's
+    draft-vocabulary cache; None for a kind without one), the resolved target folder, its
+    `config.json` and its weights."""
+
+    run_dir: Path
+    state: dict[str, Any]
+    drafter: dict[str, torch.Tensor]
+    draft_vocab: torch.Tensor | None
+    target_dir: Path
+    target_config: dict[str, Any]
+    target_weights: dict[str, torch.Tensor] = field(repr=False)
+
+    @property
+    def arch(self) -> dict[str, Any]:
+        return self.state["drafter_config"]
+
+    @property
+    def num_layers(self) -> int:
+        return int(text_config(self.target_config)["num_hidden_layers"])
+
+    def target_head(self) -> torch.Tensor:
+        """The target's output embedding: `lm_head.weight`, or the input embedding a tied
+        target shares (what HF, vLLM and speculators read when no head is stored)."""
+        if any(k.endswith("lm_head.weight") for k in self.target_weights):
+            return self.target_tensor("lm_head.weight")
+        assert text_config(self.target_config).get("tie_word_embeddings", True)
+        return self.target_tensor("embed_tokens.weight")
+
+    def target_tensor(self, suffix: str) -> torch.Tensor:
+        """The target's tensor whose name ends in `suffix` (shortest match, like speculators'
+        `load_model_layers`)."""
+        names = sorted((k for k in self.target_weights if k.endswith(suffix)), key=len)
+        assert names, f"target has no tensor *{suffix}"
+        return self.target_weights[names[0]]
+
+
+def run_record(run_dir: str | Path) -> RunRecord:
+    import yaml
+
+    from draftinfer.paths import resolve_path
+
+    run = Path(run_dir)
+    ckpts = run / "checkpoints"
+    latest = ckpts / (ckpts / "latest").read_text().strip()
+    state = read_json(latest / "state.json")
+    caches = sorted((run / "cache" / "draft_vocab").glob("draft_vocab_*.safetensors"))
+    vocab = None
+    if caches:
+        assert len(caches) == 1, caches
+        cache = read_tensors(caches[0])
+        vocab = ids_of_offsets(cache["d2t"])
+        # The cache's two maps describe one set: its bool mask marks exactly those ids.
+        assert torch.equal(torch.nonzero(cache["t2d"]).flatten(), vocab)
+    args = yaml.safe_load((run / "training_args.yaml").read_text())
+    target_dir = Path(resolve_path(args["target"]["name_or_path"]))
+    return RunRecord(
+        run,
+        state,
+        read_tensors(latest / "drafter.safetensors"),
+        vocab,
+        target_dir,
+        read_json(target_dir / "config.json"),
+        read_weights(target_dir),
+    )
+
+
+# ---- what an engine reads --------------------------------------------------------------------
+
+
+@dataclass
+class EngineView:
+    """What one engine reads from one layout, in our terms."""
+
+    layout: str
+    draft_vocab: torch.Tensor | None = None  # target ids the drafter's head rows stand for
+    layer_taps: list[int] | None = None  # HF `hidden_states` indices the engine feeds
+    final_hidden: str | None = None  # which target final hidden the engine feeds
+    mask_token_id: int | None = None
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, name: str) -> None:
+    """A tensor as written (export dtype) against training's fp32 value cast the same way."""
+    assert a.shape == b.shape, (name, a.shape, b.shape)
+    assert torch.equal(a, b.to(a.dtype)), name
+
+
+def _check_rope(cfg: dict[str, Any], rec: RunRecord, rope_parameters: bool) -> None:
+    """RoPE as the engines build it from the drafter's config: the target's theta and scaling;
+    for an M-RoPE target `mrope_section` with `mrope_interleaved: true` under `rope_scaling`
+    and `rope_parameters` (vLLM `uses_mrope` / `get_rope`, docs/training.md)."""
+    tc = text_config(rec.target_config)
+    want = dict(tc.get("rope_parameters") or tc.get("rope_scaling") or {})
+    theta = want.pop("rope_theta", tc.get("rope_theta"))
+    assert cfg["rope_theta"] == theta
+    got = dict(cfg["rope_scaling"] or {})
+    for key, value in want.items():
+        if key != "rope_type" or value != "default":
+            assert got.get(key) == value, (key, got.get(key), value)
+    if "mrope_section" in want:
+        assert got["mrope_interleaved"] is True
+        if rope_parameters:  # vLLM reads M-RoPE from `rope_parameters` first
+            assert cfg["rope_parameters"] == {"rope_theta": theta, **got}
+        assert sum(got["mrope_section"]) == cfg["head_dim"] // 2
+
+
+def _eagle3_tensor_names(cfg: dict[str, Any], prefix0: str) -> dict[str, tuple[int, ...]]:
+    """The tensors vLLM's `llama_eagle3.py` / SGLang's `llama_eagle3.py` load, with shapes:
+    `fc` (3 taps -> H), layer 0 attending over `[embedding, feature]` (2H wide q/k/v, plus
+    `hidden_norm`), layers >= 1 plain, `norm`, `lm_head` over the draft vocabulary, `d2t`,
+    `t2d` (vLLM skips it; SGLang reads it)."""
+    H, tH, ffn = cfg["hidden_size"], cfg["target_hidden_size"], cfg["intermediate_size"]
+    nq, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    Dd, V = cfg["draft_vocab_size"], cfg["vocab_size"]
+    n_aux = len(cfg["eagle_aux_hidden_state_layer_ids"])
+    names = {
+        "fc.weight": (H, n_aux * tH),
+        "norm.weight": (H,),
+        "lm_head.weight": (Dd, H),
+        "d2t": (Dd,),
+        "t2d": (V,),
+    }
+    for i in range(cfg["num_hidden_layers"]):
+        p = prefix0 if i == 0 else f"layers.{i}."
+        width = 2 * H if i == 0 else H
+        names.update(
+            {
+                p + "self_attn.q_proj.weight": (nq * hd, width),
+                p + "self_attn.k_proj.weight": (nkv * hd, width),
+                p + "self_attn.v_proj.weight": (nkv * hd, width),
+                p + "self_attn.o_proj.weight": (H, nq * hd),
+                p + "mlp.gate_proj.weight": (ffn, H),
+                p + "mlp.up_proj.weight": (ffn, H),
+                p + "mlp.down_proj.weight": (H, ffn),
+                p + "input_layernorm.weight": (H,),
+                p + "post_attention_layernorm.weight": (H,),
+            }
+        )
+        if i == 0:
+            names[p + "hidden_norm.weight"] = (H,)
+    return names
+
+
+def _vllm_to_module(name: str) -> str:
+    """vLLM's rename of a single-layer EAGLE-3 checkpoint: `midlayer.` is layer 0."""
+    return "layers.0." + name[len("midlayer.") :] if name.startswith("midlayer.") else name
+
+
+def _eagle3_common(
+    cfg, tensors, rec: RunRecord, layout: str, prefix0: str, rope_parameters: bool = True
+) -> EngineView:
+    a, tc, L = rec.arch, text_config(rec.target_config), rec.num_layers
+    # Sizes the engine builds the model from, against the target and the trained drafter.
+    assert cfg["vocab_size"] == tc["vocab_size"] and cfg["target_hidden_size"] == tc["hidden_size"]
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "head_dim"):
+        assert cfg[key] == a[key], key
+    assert cfg["num_key_value_heads"] == a["num_key_value_heads"]
+    assert cfg["num_hidden_layers"] == a["num_hidden_layers"]
+    assert cfg["draft_vocab_size"] == a["draft_vocab_size"] < cfg["vocab_size"]
+    assert cfg["max_position_embeddings"] >= tc["max_position_embeddings"]
+    _check_rope(cfg, rec, rope_parameters)
+    # Names and shapes as the engine loads them; every one present, nothing else.
+    want = _eagle3_tensor_names(cfg, prefix0)
+    want.update({k: tuple(v.shape) for k, v in tensors.items() if k == "mask_hidden"})
+    got = {k: tuple(v.shape) for k, v in tensors.items() if k != "embed_tokens.weight"}
+    assert got == want, sorted(set(got) ^ set(want))
+    # Values: the trained drafter's, under the engine's names.
+    for name, t in tensors.items():
+        if name != "embed_tokens.weight":
+            _close(t, rec.drafter[_vllm_to_module(name)], name)
+    d2t, t2d = tensors["d2t"], tensors["t2d"]
+    assert d2t.dtype == torch.int64 and t2d.dtype == torch.bool
+    ids = ids_of_offsets(d2t)
+    assert int(ids.min()) >= 0 and int(ids.max()) < cfg["vocab_size"]
+    assert torch.equal(torch.nonzero(t2d).flatten(), ids)  # t2d is the mask of the same set
+    aux = cfg["eagle_aux_hidden_state_layer_ids"]
+    assert all(0 <= j < L for j in aux) and len(set(aux)) == len(aux)
+    return EngineView(layout, draft_vocab=ids, layer_taps=list(aux), tensors=tensors)
+
+
+def vllm_eagle3(export: Path, rec: RunRecord) -> EngineView:
+    """vLLM / SGLang EAGLE-3 (`LlamaForCausalLMEagle3`): `config.json` + `model.safetensors`
+    at the export's root. Aux taps: vLLM `get_eagle3_aux_layers_from_config` reads
+    `eagle_aux_hidden_state_layer_ids` as is, SGLang `eagle_config.eagle_aux_hidden_state_layer_ids`;
+    slot k is captured before layer k runs (= HF `hidden_states[k]`)."""
+    cfg = read_json(export / "config.json")
+    tensors = read_tensors(export / "model.safetensors")
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["model_type"] == "llama"
+    assert (
+        cfg["eagle_aux_hidden_state_layer_ids"]
+        == cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    )
+    assert cfg["eagle_config"]["use_aux_hidden_state"] is True
+    assert cfg["norm_before_residual"] == rec.arch["norm_before_residual"]
+    assert cfg["tie_word_embeddings"] is False and cfg["hidden_act"] == "silu"
+    assert cfg["torch_dtype"] == str(next(iter(_floats(tensors))).dtype).removeprefix("torch.")
+    if "mrope_section" in (text_config(rec.target_config).get("rope_parameters") or {}):
+        assert cfg["target_model_type"] == rec.target_config["model_type"]
+    prefix0 = "midlayer." if cfg["num_hidden_layers"] == 1 else "layers.0."
+    return _eagle3_common(cfg, tensors, rec, "vllm-eagle3", prefix0)
+
+
+def _floats(tensors: dict[str, torch.Tensor]):
+    return (t for t in tensors.values() if t.is_floating_point())
+
+
+def vllm_ptd(export: Path, rec: RunRecord) -> EngineView:
+    """vLLM parallel drafting on the EAGLE-3 layout: `parallel_drafting: true`, the mask token
+    under `ptd_token_id` / `pard_token` (older) and `mask_token_id` (newer), `mask_hidden`
+    `[1, 1, 3H]` at the pre-`fc` aux width, and the K trained."""
+    view = vllm_eagle3(export, rec)
+    cfg = read_json(export / "config.json")
+    assert cfg["parallel_drafting"] is True
+    tok = cfg["ptd_token_id"]
+    assert tok == cfg["pard_token"] == cfg["mask_token_id"] == rec.arch["mask_token_id"]
+    assert 0 <= tok < cfg["vocab_size"]
+    assert tuple(view.tensors["mask_hidden"].shape) == (1, 1, 3 * cfg["target_hidden_size"])
+    assert cfg["parallel_k"] == rec.arch["parallel_k"] == rec.state["objective"]["serving_k"]
+    view.layout, view.mask_token_id = "vllm-ptd", tok
+    return view
+
+
+def _verifier_dir(folder: Path, name: str) -> Path | None:
+    """speculators' rule (`utils/loading.py::_resolve_file`): a local directory if one exists at
+    `name` (from the working directory, which the loader sets to the folder), else a hub id."""
+    local = folder / name
+    return local if local.is_dir() else None
+
+
+def speculators_eagle3(export: Path, rec: RunRecord, stype: str = "eagle3") -> EngineView:
+    """vllm-project/speculators 0.9.0 `Eagle3DraftModel` (`speculators/config.py`, `model.py`,
+    `models/eagle3/{config,core}.py`): `speculators_model_type`, `transformer_layer_config`,
+    `speculators_config.verifier{name_or_path, architectures}`, tensors under module names
+    (`layers.0.*`, no `midlayer.*`), the target's `embed_tokens`, `d2t`/`t2d` when pruned."""
+    from drafttrain.target import is_hub_id
+
+    folder = export / "speculators"
+    cfg = read_json(folder / "config.json")
+    tensors = read_tensors(folder / "model.safetensors")
+    assert cfg["speculators_model_type"] == stype
+    assert cfg["speculators_config"]["algorithm"] == stype
+    layer = cfg["transformer_layer_config"]  # a transformers config: model_type picks classes
+    assert layer["model_type"] == "llama"
+    assert layer["vocab_size"] == text_config(rec.target_config)["vocab_size"]
+    assert cfg["norm_before_residual"] == rec.arch["norm_before_residual"]
+    keys = ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids")
+    flat = {**layer, **{k: cfg[k] for k in keys}}
+    # speculators requires distinct taps within [0, L] (`resolve_target_layer_ids`).
+    aux = cfg["eagle_aux_hidden_state_layer_ids"]
+    assert len(set(aux)) == len(aux) and all(0 <= j <= rec.num_layers for j in aux)
+    proposal = cfg["speculators_config"]["proposal_methods"][0]
+    assert proposal["speculative_tokens"] == rec.state["objective"]["serving_k"]
+    verifier = cfg["speculators_config"]["verifier"]
+    assert verifier["architectures"] == rec.target_config["architectures"]
+    name = verifier["name_or_path"]
+    vdir = _verifier_dir(folder, name)
+    if vdir is None:  # a hub id; `export.hub_base_model` or the target's own name
+        assert is_hub_id(name), f"verifier {name!r} is neither inside the folder nor a hub id"
+    else:  # the copy inside the folder is the target
+        vcfg = read_json(vdir / "config.json")
+        assert vcfg["architectures"] == verifier["architectures"]
+        assert {k: v for k, v in vcfg.items() if k != "_name_or_path"} == {
+            k: v for k, v in rec.target_config.items() if k != "_name_or_path"
+        }
+        for k, v in read_weights(vdir).items():
+            assert torch.equal(v, rec.target_weights[k]), k
+    # The shared embedding speculators would otherwise fetch from the verifier.
+    assert torch.equal(
+        tensors["embed_tokens.weight"],
+        rec.target_tensor("embed_tokens.weight").to(tensors["embed_tokens.weight"].dtype),
+    )
+    return _eagle3_common(flat, tensors, rec, f"speculators-{stype}", "layers.0.", False)
+
+
+def speculators_peagle(export: Path, rec: RunRecord) -> EngineView:
+    """speculators' `PEagleDraftModel` (`models/peagle/{config,core}.py`): the EAGLE-3 layout
+    plus `mask_hidden` and `mask_token_id` at the top level of its config."""
+    view = speculators_eagle3(export, rec, "peagle")
+    cfg = read_json(export / "speculators" / "config.json")
+    view.mask_token_id = cfg["mask_token_id"]
+    assert view.mask_token_id == rec.arch["mask_token_id"]
+    return view
+
+
+# ---- MTP ----------------------------------------------------------------------------------------
+_MTP_OWN = ("enorm", "hnorm", "eh_proj")
+
+
+def _mtp_module_name(L: int, name: str) -> str | None:
+    """vLLM `deepseek_mtp.py` `_rewrite_spec_layer_name`, expressed in our module's roles:
+    `model.layers.{L+k}.{enorm,hnorm,eh_proj}` kept, `shared_head.norm` the module's final
+    norm, `shared_head.head` / `embed_tokens` the target's (shared), the rest the block
+    (vLLM inserts `mtp_block.`). None for the shared copies."""
+    m = re.match(r"^model\.layers\.(\d+)\.(.*)$", name)
+    assert m and int(m.group(1)) >= L, name
+    k, rest = int(m.group(1)) - L, m.group(2)
+    if rest.startswith(("shared_head.head.", "embed_tokens.")):
+        return None
+    if rest.startswith("shared_head.norm."):
+        return f"layers.{k}.norm.{rest[len('shared_head.norm.') :]}"
+    if rest.split(".")[0] in _MTP_OWN:
+        return f"layers.{k}.{rest}"
+    return f"layers.{k}.block.{rest}"
+
+
+def _mtp_check(cfg: dict, tensors: dict, rec: RunRecord, layout: str) -> EngineView:
+    tc = rec.target_config
+    L, N = rec.num_layers, cfg["num_nextn_predict_layers"]
+    H, V = text_config(tc)["hidden_size"], text_config(tc)["vocab_size"]
+    meta = cfg["drafttrain"]
+    assert N == meta["n_predict"] == rec.arch["n_predict"] == rec.state["objective"]["serving_k"]
+    assert cfg["architectures"] == (text_config(tc).get("architectures") or tc["architectures"])
+    assert cfg["num_hidden_layers"] == L
+    ours = {k: v for k, v in cfg.items() if k not in ("drafttrain", "num_nextn_predict_layers")}
+    theirs = text_config(tc)
+    # The target family's own config, field for field (dtype aside): what the engine's
+    # `hf_config_override` rewrites into the MTP architecture.
+    for key, value in theirs.items():
+        if key not in (
+            "torch_dtype",
+            "dtype",
+            "_name_or_path",
+            "architectures",
+            "transformers_version",
+        ):
+            assert ours.get(key) == value, (key, ours.get(key), value)
+    for k in range(N):
+        p = f"model.layers.{L + k}."
+        assert tuple(tensors[p + "eh_proj.weight"].shape) == (H, 2 * H)  # [emb | hidden] -> H
+        for n in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight"):
+            assert tuple(tensors[p + n].shape) == (H,)
+        head = tensors[p + "shared_head.head.weight"]
+        _close(head, rec.target_head(), p + "shared_head.head.weight")
+        for n in ("self_attn.q_proj.weight", "self_attn.o_proj.weight", "mlp.down_proj.weight"):
+            assert p + n in tensors, p + n
+    emb = tensors[f"model.layers.{L}.embed_tokens.weight"]  # vLLM lifts it to the shared one
+    _close(emb, rec.target_tensor("embed_tokens.weight"), "embed_tokens")
+    assert tuple(emb.shape) == (V, H)
+    seen = set()
+    for name, t in tensors.items():
+        module = _mtp_module_name(L, name)
+        if module is not None:
+            _close(t, rec.drafter[module], name)
+            seen.add(module)
+    assert seen == set(rec.drafter), sorted(set(rec.drafter) ^ seen)
+    # What the engine feeds module 0: the tensor the target forward returns, after the final
+    # norm in vLLM's models; the run must have trained on that one.
+    assert meta["mtp_feature_tap"] == rec.arch["mtp_feature_tap"] == "post_norm"
+    return EngineView(layout, final_hidden="post_norm", tensors=tensors)
+
+
+def mtp_standalone(export: Path, rec: RunRecord) -> EngineView:
+    """The standalone draft directory vLLM loads as `speculative_config.model` with
+    `method: mtp` (`speculative.py` `hf_config_override`, `deepseek_mtp.py` loader): the
+    target family's `config.json` with `num_nextn_predict_layers = N`, the modules'
+    tensors `model.layers.{L+k}.*` and nothing of the target's own layers."""
+    cfg = read_json(export / "config.json")
+    tensors = read_tensors(export / "model.safetensors")
+    L = rec.num_layers
+    assert all(int(n.split(".")[2]) >= L for n in tensors), "target layers in a draft directory"
+    return _mtp_check(cfg, tensors, rec, "vllm-mtp-standalone")
+
+
+def mtp_stitched(export: Path, rec: RunRecord) -> EngineView:
+    """The modules stitched into a copy of the target (`python -m drafttrain.stitch`), read
+    through the index as vLLM (no draft model) and transformers' `MtpModel` read a target:
+    every target tensor unchanged, the modules' tensors as in the standalone directory."""
+    import subprocess
+    import sys
+
+    out = Path(tempfile.mkdtemp(prefix="stitched_")) / "target"
+    r = subprocess.run(
+        [sys.executable, "-m", "drafttrain.stitch", str(export), str(rec.target_dir), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    cfg = read_json(out / "config.json")
+    weights = read_weights(out)
+    L = rec.num_layers
+    for name, t in rec.target_weights.items():
+        assert torch.equal(weights[name], t), name
+    mtp = {k: v for k, v in weights.items() if k not in rec.target_weights}
+    assert all(int(n.split(".")[2]) >= L for n in mtp)
+    return _mtp_check(cfg, mtp, rec, "vllm-mtp-stitched")
+
+
+# ---- paths of the training machine ------------------------------------------------------------
+REPO = Path(__file__).resolve().parents[2]
+# The user's own record (the resolved training config, the human-readable card with local
+# launch commands, the runner's reports of where it ran) and pictures; every other exported
+# file is read by an engine or a loader.
+OWN_RECORD = ("training_args.yaml", "README.md", "runner_report*.json", "*.png")
+
+
+def machine_paths(*extra: str | Path) -> list[str]:
+    """Absolute paths of this machine an export must not name."""
+    paths = {str(REPO), str(_zoo_dir()), *map(str, extra)}
+    return sorted({p for p in paths if p and p != "/"}, key=len)
+
+
+def files_naming(folder: Path, paths: list[str]) -> list[str]:
+    """`grep -r` for `paths` over every file an engine or loader reads (text and the headers
+    and metadata of safetensors files alike: all read as bytes)."""
+    hits = []
+    for f in sorted(folder.rglob("*")):
+        if not f.is_file() or any(f.match(pattern) for pattern in OWN_RECORD):
+            continue
+        data = f.read_bytes()
+        hits += [f"{f.relative_to(folder)}: {p}" for p in paths if p.encode() in data]
+    return hits
+
+
+def _zoo_dir() -> Path:
+    from draftinfer.paths import ZOO_DIR
+
+    return ZOO_DIR
+
+
+Reader = Callable[[Path, RunRecord], EngineView]
+# Every export layout of every registered kind, read as its engine reads it.
+LAYOUTS: dict[str, tuple[Reader, ...]] = {
+    "eagle3": (vllm_eagle3, speculators_eagle3),
+    "ptd": (vllm_ptd, speculators_peagle),
+    "mtp": (mtp_standalone, mtp_stitched),
+}
+
+
+def speculators_kinds() -> list[str]:
+    """Registered kinds whose spec writes the speculators layout."""
+    from draftinfer.registry import DrafterSpec, drafter_spec, registered_kinds
+
+    return [
+        k
+        for k in registered_kinds()
+        if type(drafter_spec(k)).speculators_layout is not DrafterSpec.speculators_layout
+    ]

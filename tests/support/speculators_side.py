@@ -1,0 +1,118 @@
+"""The speculators side of `tests/jobs/test_third_party_loaders.py`: a script run by the python
+of the speculators virtualenv (`tests.support.speculators_env`), never imported by the tests.
+
+    cd EXPORT/speculators
+    .ci-venvs/speculators/bin/python tests/support/speculators_side.py KIND INPUTS OUT
+
+It loads the folder *as it is* with vllm-project/speculators 0.9.0's own `from_pretrained(".")`
+(the export's recorded verifier resolves from this working directory), in fp32, runs its
+forward on the inputs our side wrote (`INPUTS`, safetensors) and writes what it computed to
+`OUT` (safetensors): the `lm_head` outputs (`logits`), every tensor of its state dict
+(`state.<name>`) and, for P-EAGLE, the (anchor, depth) slots it sampled. Metadata (versions,
+the verifier it resolved, keys it loaded from nowhere) goes into the file's metadata.
+Only torch, safetensors and speculators are imported: this runs beside transformers 5.19.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+
+def _load(kind: str):
+    if kind == "eagle3":
+        from speculators.models.eagle3 import Eagle3DraftModel as cls
+    elif kind == "peagle":
+        from speculators.models.peagle import PEagleDraftModel as cls
+    else:
+        raise SystemExit(f"unknown speculators kind {kind!r}")
+    return cls.from_pretrained(".", dtype=torch.float32).eval()
+
+
+def _capture_lm_head(model) -> list[torch.Tensor]:
+    """speculators' forward returns draft tokens and losses; its logits are `lm_head`'s output."""
+    seen: list[torch.Tensor] = []
+    model.lm_head.register_forward_hook(lambda _m, _i, out: seen.append(out.detach()))
+    return seen
+
+
+def _forward_eagle3(model, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    seen = _capture_lm_head(model)
+    T = x["input_ids"].shape[1]
+    with torch.no_grad():
+        model(
+            hidden_states=x["hidden_states"],
+            input_ids=x["input_ids"],
+            document_ids=torch.zeros(1, T, dtype=torch.long),
+            position_ids=x["position_ids"],
+            ttt_steps=1,
+        )
+    return {"logits": seen[0]}
+
+
+def _forward_peagle(model, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    from speculators.models.peagle.data import generate_cod_sample_indices
+
+    # P-EAGLE samples (anchor, depth) slots at random (COD sampling); with both keep ratios at 1
+    # and a fixed seed the slots are known in advance by drawing them the same way first.
+    K = int(x["num_depths"])
+    T = x["input_ids"].shape[1]
+    cod = {"num_depths": K, "down_sample_ratio": 1.0, "down_sample_ratio_min": 1.0}
+    loss_mask = torch.ones(1, T)
+    torch.manual_seed(5)
+    anchor, depth = generate_cod_sample_indices(T, loss_mask, **cod)
+    seen = _capture_lm_head(model)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        model(
+            hidden_states=x["hidden_states"],
+            input_ids=x["input_ids"],
+            document_ids=torch.zeros(1, T, dtype=torch.long),
+            loss_mask=loss_mask,
+            verifier_last_hidden_states=torch.zeros(1, T, int(x["verifier_hidden_size"])),
+            **cod,
+        )
+    return {
+        "logits": seen[0],
+        "anchor": torch.as_tensor(anchor).long(),
+        "depth": torch.as_tensor(depth).long(),
+    }
+
+
+def main(kind: str, inputs: str, out: str) -> None:
+    import importlib.metadata
+
+    import transformers
+
+    x = load_file(inputs)
+    model = _load(kind)
+    result = {}
+    if x:  # no inputs: load only
+        result = (_forward_eagle3 if kind == "eagle3" else _forward_peagle)(model, x)
+    state = {f"state.{k}": v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    on_disk = set(load_file("model.safetensors"))
+    cfg = model.config
+    meta = {
+        "speculators": importlib.metadata.version("speculators"),
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "verifier": cfg.speculators_config.verifier.name_or_path,
+        "mask_token_id": getattr(model, "mask_token_id", None),
+        # Model tensors the folder does not hold (filled from the verifier or left at init).
+        "not_in_folder": sorted(set(model.state_dict()) - on_disk),
+        # Folder tensors the model has no place for (dropped silently by from_pretrained).
+        "unused_in_folder": sorted(on_disk - set(model.state_dict())),
+    }
+    tensors = {**{k: v.contiguous() for k, v in result.items()}, **state}
+    save_file(tensors, out, metadata={"info": json.dumps(meta)})
+    print(json.dumps(meta))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 4:
+        raise SystemExit(__doc__)
+    main(sys.argv[1], str(Path(sys.argv[2]).resolve()), str(Path(sys.argv[3]).resolve()))
