@@ -4,7 +4,7 @@
     python -m draftbench.parallel_layout --quick --no-compile   # a few shapes, no inductor
 
 Shapes: batch B in {1, 8, 64, 256}, K in {2, 4, 8} drafts per parallel forward, and query
-width Q in {K + 1 (a decode round: up to K accepted drafts + the bonus token), 128 (a chunk
+width Q in {K + 1 (a decode round: up to K accepted drafts + the recovered or bonus token), 128 (a chunk
 of prefill)}; `max_model_len` and the mask token id come from the target named by `--target`.
 Every shape is first checked for correctness (kernel == reference, exactly); a mismatch stops
 the run before anything is timed. Times are medians of `triton.testing.do_bench` (ms, printed

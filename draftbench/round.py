@@ -20,7 +20,19 @@ vocabulary 32000. Weights are random bf16 (time does not depend on training).
   `--round-graphs on` (the default; `both` times each configuration both ways) the engine
   replays the whole round from a CUDA graph captured per attention bucket
   (`SpecDecoder(cuda_graphs=True)`, `draftinfer.graphs`).
+- t_gptfast (`--peer-dir`, default `peers/gpt-fast`, fetched by `scripts/fetch_peers.sh`):
+  gpt-fast's compiled decode step (`draftbench.decode_peer`: its `model.py`, its generate.py's
+  `decode_one_token` and inductor settings, CUDA graphs) at the same batch and context, in the
+  same process, before our target is built: the best plain decoder a user could run instead
+  (DESIGN section 7). The table leads with t_round / t_gptfast.
 - ratio = t_round / t_plain; the speedup at acceptance length a is a * t_plain / t_round.
+- `--breakdown`: where a graphed round's time goes, each piece replayed from a CUDA graph
+  (`draftbench.timing.graph_ms`) at the round's shapes: the target's verify forward over K+1
+  slots (compiled as the engine compiles it), the proposer's `propose` (after a real run, so
+  its caches hold a prompt), and the rest of the round (verification, next first pass, the
+  upload and readback, host work) as t_round minus the two.
+- `--fuse`: also time every configuration with the target's q/k/v and gate/up projections
+  fused (`draftinfer.models.transforms.fuse_projections`, the same weights).
 
 Before timing: a sync check (K=4, each kind, each batch, rounds under
 `torch.cuda.set_sync_debug_mode("error")`) and a losslessness check (speculative tokens equal
@@ -46,6 +58,7 @@ from draftbench.shapes import (
     TINY,
     TINY_VL,
     drafter_arch,
+    hf_config_dict,
     random_llama_target,
     vl_native_shape,
 )
@@ -79,7 +92,10 @@ def build_drafter(kind: str, target, shape: dict, draft_vocab: int, k_max: int, 
     from draftinfer.registry import drafter_spec
 
     spec = drafter_spec(kind)
-    arch = drafter_arch(shape, draft_vocab)
+    if kind == "mtp":  # N = 3 modules over the target's own layer shape, full vocabulary
+        arch = {"n_predict": 3, "target_config": hf_config_dict(shape)}
+    else:
+        arch = drafter_arch(shape, draft_vocab)
     if kind == "ptd":
         arch.update(num_hidden_layers=2, mask_token_id=0, parallel_k=k_max)
     torch.manual_seed(1)
@@ -93,7 +109,14 @@ def build_drafter(kind: str, target, shape: dict, draft_vocab: int, k_max: int, 
 
 
 def plain_step_ms(
-    target, batch: int, context: int, steps: int, device, mode: str | None = None, reqs=None
+    target,
+    batch: int,
+    context: int,
+    steps: int,
+    device,
+    mode: str | None = None,
+    reqs=None,
+    options: dict | None = None,
 ) -> tuple[float, list]:
     """Median ms of one compiled greedy decode step at advancing positions, and its tokens.
     `mode="reduce-overhead"`: the step replayed as a CUDA graph (the best plain decode)."""
@@ -119,13 +142,18 @@ def plain_step_ms(
     last = torch.stack(last).float()
     tok = last.argmax(-1)
     attn_len = attn_bucket(context + steps + 16, target.max_seq_len)
+    opts = {} if options is None else {"options": options}
     if mode is None:
-        step = compiled(target_forward, dynamic=False)
+        step = compiled(target_forward, dynamic=False, **opts)
     else:  # CUDA graphs need static cache addresses
         for layer in target.model.layers:
             torch._dynamo.mark_static_address(layer.self_attn.k_cache)
             torch._dynamo.mark_static_address(layer.self_attn.v_cache)
-        step = compiled(target_forward, dynamic=False, mode=mode)
+        if options:  # torch.compile takes a mode or options, not both
+            opts = {"options": {**options, "triton.cudagraphs": True}}
+        else:
+            opts = {"mode": mode}
+        step = compiled(target_forward, dynamic=False, **opts)
     top2 = last.topk(2, dim=-1).values
     times, toks, margins = [], [tok], [(top2[:, 0] - top2[:, 1]).tolist()]
     for s in range(steps):
@@ -149,6 +177,66 @@ def plain_step_ms(
         toks.append(tok)
     table = torch.stack(toks, 1).tolist()
     return statistics.median(times[3:]), [table, margins]
+
+
+@torch.no_grad()
+def gpt_fast_step(shape, batch, context, steps, device, dtype, max_len, peer_dir) -> dict:
+    """gpt-fast's compiled, CUDA-graphed decode step at `batch` x `context` (its generate.py's
+    `decode_one_token` and inductor settings; `draftbench.decode_peer`), timed in this process
+    and freed again: {ms (median), warmup_s, same_first_token_as_eager}."""
+    from types import SimpleNamespace
+
+    from draftbench import decode_peer as dp
+
+    gf = dp.load_gpt_fast(peer_dir)
+    model = dp.build_gpt_fast(gf, shape, device, dtype, batch, max_len)
+    ids = torch.tensor(prompts(batch, context, shape["vocab_size"]), device=device)
+    tok0 = model(ids, torch.arange(context, device=device))[:, -1].argmax(-1)
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        pos = torch.tensor([context], device=device)
+        eager_first = dp.gpt_fast_decode_one_token(model, tok0.view(-1, 1).int(), pos).long()
+    a = SimpleNamespace(compile=True, context=context, steps=steps)
+    with torch._inductor.config.patch(dp.GPT_FAST_INDUCTOR):
+        r = dp.run_gpt_fast(model, a, device, tok0, eager_first, warm=3)
+    dp.reset_compile_state()
+    del model
+    torch.cuda.empty_cache()
+    return {k: r[k] for k in ("ms", "ms_mean", "warmup_s", "same_first_token_as_eager")}
+
+
+def breakdown_ms(dec, target, k: int, context: int) -> dict:
+    """Device ms of the pieces of a round at its shapes, each replayed from a CUDA graph: the
+    target's verify forward over K+1 slots and a one-slot forward through the same compiled
+    function, and the proposer's `propose` on the decoder's last first pass."""
+    from draftbench.timing import graph_ms
+    from draftinfer.proposer import greedy_chooser
+    from draftinfer.slots import attn_bucket
+
+    B, dev = dec.max_batch, dec.device
+    rows, f = dec.rows, dec.features
+    attn_len = attn_bucket(min(context + 64 + k, dec.max_model_len), dec.max_model_len)
+    out = {}
+    for name, T in (("verify", k + 1), ("one_slot", 1)):
+        ids = torch.randint(5, 1000, (B, T), device=dev)
+        cache = context + torch.arange(T, device=dev)[None].expand(B, T)
+        rope = target.rope_positions(cache, rows)
+
+        def fwd(ids=ids, cache=cache, rope=rope):
+            dec._target_fwd(
+                target, ids, rows, cache, rope, attn_len, f.layer_inputs, f.final_hidden
+            )
+
+        out[f"t_{name}_ms"] = round(graph_ms(fwd), 4)
+    fp = dec.fp
+    num = torch.full((B,), k, dtype=torch.long, device=dev)
+    out["t_propose_ms"] = round(
+        graph_ms(lambda: dec.proposer.propose(fp, num, k, greedy_chooser, attn_len)), 4
+    )
+    return out
+
+
+# `--inductor`: settings our compiled round (and plain step) runs with.
+INDUCTOR_OPTIONS = {"default": None, "cdt": {"coordinate_descent_tuning": True}}
 
 
 def prompts(batch: int, context: int, vocab: int) -> list[list[int]]:
@@ -195,6 +283,7 @@ def run_spec(
     sync_check=False,
     reqs=None,
     graphs=False,
+    options=None,
 ):
     from draftinfer.engine import Request, SpecDecoder
 
@@ -206,6 +295,7 @@ def run_spec(
         max_model_len=target.max_seq_len,
         compile=compile_mode,
         cuda_graphs=graphs,
+        compile_options=options,
     )
     if reqs is None:
         reqs = [(p, None) for p in prompts(batch, context, target.config.vocab_size)]
@@ -213,7 +303,7 @@ def run_spec(
     dec.generate([Request(p, max_tokens=6, mm_inputs=mm) for p, mm in reqs])
     dec.sync_check = sync_check
     outs, stats = dec.generate([Request(p, max_tokens=rounds + 1, mm_inputs=mm) for p, mm in reqs])
-    return outs, stats
+    return outs, stats, dec
 
 
 TARGETS = {  # name -> (builder, shape, draft vocabulary key)
@@ -229,6 +319,28 @@ def bench_target(name: str, a, device, dtype, batches, ks, kinds) -> dict:
     builder, shape = TARGETS[name]
     max_len = 1024 if a.context + a.rounds + 32 <= 1024 else 2048
     t0 = time.perf_counter()
+    res = {
+        "shape": name,
+        "prompts": "one image each" if builder == "vl" else "text",
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "dtype": str(dtype),
+        "context": a.context,
+        "compile": a.compile,
+        "round_graphs": a.round_graphs,
+        "gpt_fast": {},
+        "plain": {},
+        "sync_check": {},
+        "lossless": {},
+        "rows": [],
+    }
+    # gpt-fast first, alone on the device and on a process that has compiled nothing yet.
+    peer = device.type == "cuda" and builder == "llama" and (a.peer_dir / "model.py").is_file()
+    for b in batches if peer else []:
+        res["gpt_fast"][b] = gpt_fast_step(
+            shape, b, a.context, a.rounds + 8, device, dtype, max_len, a.peer_dir
+        )
+        print(json.dumps({"gpt_fast": b, **res["gpt_fast"][b]}), flush=True)
     if builder == "vl":
         target = build_vl_target(shape, device, dtype, max(batches), max_len)
         dshape = vl_native_shape(shape)
@@ -239,132 +351,136 @@ def bench_target(name: str, a, device, dtype, batches, ks, kinds) -> dict:
         kind: build_drafter(kind, target, dshape, DRAFT_VOCAB[name], max(ks["ptd"]), device, dtype)
         for kind in kinds
     }
-    res = {
-        "shape": name,
-        "prompts": "one image each" if builder == "vl" else "text",
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "dtype": str(dtype),
-        "context": a.context,
-        "compile": a.compile,
-        "round_graphs": a.round_graphs,
-        "build_s": round(time.perf_counter() - t0, 1),
-        "plain": {},
-        "sync_check": {},
-        "lossless": {},
-        "rows": [],
-    }
-    for b in batches:
-        reqs = image_prompts(target, b, a.context)
-        t1 = time.perf_counter()
-        ms, (plain_tokens, margins) = plain_step_ms(
-            target, b, a.context, a.rounds + 8, device, reqs=reqs
-        )
-        res["plain"][b] = {"ms": round(ms, 4), "first_call_s": round(time.perf_counter() - t1, 1)}
-        graph_ms = float("nan")
-        if device.type == "cuda" and not a.no_graph:
-            graph_ms, (graph_tokens, _) = plain_step_ms(
-                target, b, a.context, a.rounds + 8, device, mode="reduce-overhead", reqs=reqs
-            )
-            res["plain"][b]["cuda_graph_ms"] = round(graph_ms, 4)
-            res["plain"][b]["cuda_graph_same_tokens"] = graph_tokens == plain_tokens
-        for kind, d in drafters.items():
-            k4 = 4 if 4 in ks[kind] else max(ks[kind])
-            # Sync check: any host-device sync inside a round raises.
-            try:
-                run_spec(target, d, k4, b, a.context, 4, device, a.compile, True, reqs)
-                res["sync_check"][f"{kind} K={k4} b={b}"] = "no sync"
-            except RuntimeError as e:
-                res["sync_check"][f"{kind} K={k4} b={b}"] = f"SYNC: {str(e).splitlines()[0]}"
-            modes = {"on": [True], "off": [False], "both": [False, True]}[a.round_graphs]
-            for k, graphs in ((k, g) for k in ks[kind] for g in modes):
-                if graphs and device.type != "cuda":
-                    continue
-                t2 = time.perf_counter()
-                outs, stats = run_spec(
-                    target,
-                    d,
-                    k,
-                    b,
-                    a.context,
-                    a.rounds,
-                    device,
-                    a.compile,
-                    reqs=reqs,
-                    graphs=graphs,
-                )
-                rt = stats["round_seconds"][2:]
-                t_round = statistics.median(rt) * 1e3
-                # Lossless up to the first low-margin position (bf16 batched-verify rounding):
-                # margins[j][i] is row i's top-2 margin where token j was chosen.
-                ok, notes = True, []
-                for i, o in enumerate(outs):
-                    ref = plain_tokens[i]
-                    safe = next((j for j, m in enumerate(margins) if m[i] < 0.1), len(margins))
-                    n = min(safe, len(o.token_ids), len(ref))
-                    first = next((j for j in range(n) if o.token_ids[j] != ref[j]), None)
-                    if first is not None:
-                        ok = False
-                        notes.append(
-                            {
-                                "row": i,
-                                "first_mismatch": first,
-                                "margin": round(margins[first][i], 4),
-                                "safe": safe,
-                            }
-                        )
-                res["lossless"][f"{kind} K={k} b={b}"] = ok if ok else notes
-                acc = [x for o in outs for x in o.accepted]
-                res["rows"].append(
-                    {
-                        "target": name,
-                        "kind": kind,
-                        "k": k,
-                        "batch": b,
-                        "round_graphs": graphs,
-                        "t_round_ms": round(t_round, 4),
-                        "t_plain_ms": round(ms, 4),
-                        "ratio": round(t_round / ms, 3),
-                        "t_plain_graph_ms": round(graph_ms, 4),
-                        "ratio_vs_graph": round(t_round / graph_ms, 3),
-                        "speedup_at_al3": round(3 * ms / t_round, 3),
-                        "rounds_timed": len(rt),
-                        "mean_accepted": sum(acc) / max(len(acc), 1),
-                        "wall_s": round(time.perf_counter() - t2, 1),
-                    }
-                )
-                print(json.dumps(res["rows"][-1]), flush=True)
+    res["build_s"] = round(time.perf_counter() - t0, 1)
+    for fused in [True] if a.fuse_only else [False, True] if a.fuse else [False]:
+        if fused:
+            from draftinfer.models.transforms import fuse_projections
+
+            fuse_projections(target)  # same weights, one GEMM for q/k/v and for gate/up
+            torch._dynamo.reset()  # recompile every function over the fused modules
+        for b in batches:
+            bench_batch(a, res, target, drafters, b, ks, device, fused, name)
     res["total_s"] = round(time.perf_counter() - t0, 1)
     return res
 
 
+def bench_batch(a, res, target, drafters, b, ks, device, fused, name) -> None:
+    """The plain steps and every (kind, K, graphs) round at batch `b`, appended to `res`."""
+    tag = f"{b}{' fused' if fused else ''}"
+    opts = INDUCTOR_OPTIONS[a.inductor]
+    reqs = image_prompts(target, b, a.context)
+    t1 = time.perf_counter()
+    graph_ms, ms = float("nan"), float("nan")
+    if not a.graph_only or device.type != "cuda":
+        ms, (plain_tokens, margins) = plain_step_ms(
+            target, b, a.context, a.rounds + 8, device, reqs=reqs, options=opts
+        )
+    res["plain"][tag] = {"ms": round(ms, 4), "first_call_s": round(time.perf_counter() - t1, 1)}
+    if device.type == "cuda" and not a.no_graph:
+        graph_ms, (graph_tokens, graph_margins) = plain_step_ms(
+            target, b, a.context, a.rounds + 8, device, "reduce-overhead", reqs, opts
+        )
+        res["plain"][tag]["cuda_graph_ms"] = round(graph_ms, 4)
+        if a.graph_only:
+            plain_tokens, margins = graph_tokens, graph_margins
+        else:
+            res["plain"][tag]["cuda_graph_same_tokens"] = graph_tokens == plain_tokens
+    gf_ms = res["gpt_fast"].get(b, {}).get("ms", float("nan"))
+    for kind, d in drafters.items():
+        k4 = 4 if 4 in ks[kind] else max(ks[kind])
+        # Sync check: any host-device sync inside a round raises.
+        try:
+            run_spec(target, d, k4, b, a.context, 4, device, a.compile, True, reqs, False, opts)
+            res["sync_check"][f"{kind} K={k4} b={tag}"] = "no sync"
+        except RuntimeError as e:
+            res["sync_check"][f"{kind} K={k4} b={tag}"] = f"SYNC: {str(e).splitlines()[0]}"
+        modes = {"on": [True], "off": [False], "both": [False, True]}[a.round_graphs]
+        for k, graphs in ((k, g) for k in ks[kind] for g in modes):
+            if graphs and device.type != "cuda":
+                continue
+            t2 = time.perf_counter()
+            outs, stats, dec = run_spec(
+                target,
+                d,
+                k,
+                b,
+                a.context,
+                a.rounds,
+                device,
+                a.compile,
+                reqs=reqs,
+                graphs=graphs,
+                options=opts,
+            )
+            rt = stats["round_seconds"][2:]
+            t_round = statistics.median(rt) * 1e3
+            # Lossless up to the first low-margin position (bf16 batched-verify rounding):
+            # margins[j][i] is row i's top-2 margin where token j was chosen.
+            ok, notes = True, []
+            for i, o in enumerate(outs):
+                ref = plain_tokens[i]
+                safe = next((j for j, m in enumerate(margins) if m[i] < 0.1), len(margins))
+                n = min(safe, len(o.token_ids), len(ref))
+                first = next((j for j in range(n) if o.token_ids[j] != ref[j]), None)
+                if first is not None:
+                    ok = False
+                    notes.append(
+                        {
+                            "row": i,
+                            "first_mismatch": first,
+                            "margin": round(margins[first][i], 4),
+                            "safe": safe,
+                        }
+                    )
+            res["lossless"][f"{kind} K={k} b={tag}"] = ok if ok else notes
+            acc = [x for o in outs for x in o.accepted]
+            row = {
+                "target": name,
+                "kind": kind,
+                "k": k,
+                "batch": b,
+                "fused": fused,
+                "round_graphs": graphs,
+                "t_round_ms": round(t_round, 4),
+                "t_gptfast_ms": gf_ms,
+                "ratio_vs_gptfast": round(t_round / gf_ms, 3),
+                "t_plain_ms": round(ms, 4),
+                "ratio": round(t_round / ms, 3),
+                "t_plain_graph_ms": round(graph_ms, 4),
+                "ratio_vs_graph": round(t_round / graph_ms, 3),
+                "speedup_at_al3": round(3 * min(ms, graph_ms, gf_ms) / t_round, 3),
+                "rounds_timed": len(rt),
+                "mean_accepted": sum(acc) / max(len(acc), 1),
+                "wall_s": round(time.perf_counter() - t2, 1),
+            }
+            if a.breakdown and graphs:
+                row.update(breakdown_ms(dec, target, k, a.context))
+                row["t_rest_ms"] = round(t_round - row["t_verify_ms"] - row["t_propose_ms"], 4)
+            res["rows"].append(row)
+            print(json.dumps(row), flush=True)
+            del dec
+
+
 def print_summary(res: dict, batches, kinds) -> None:
+    """One table per target, led by t_round / t_gptfast (DESIGN section 7)."""
     print(
-        f"\nround / plain decode step, {res['shape']} ({res['prompts']} prompts), "
-        f"{res['device']}, compile={res['compile']}"
+        f"\nround vs plain decode, {res['shape']} ({res['prompts']} prompts), {res['device']}, "
+        f"compile={res['compile']}"
     )
-    for b in batches:
-        p = res["plain"][b]
+    for b, g in res["gpt_fast"].items():
+        print(f"batch {b}: gpt-fast compiled step {g['ms']:.3f} ms")
+    for tag, p in res["plain"].items():
         print(
-            f"batch {b}: plain step {p['ms']:.3f} ms compiled, "
+            f"batch {tag}: ours plain step {p['ms']:.3f} ms compiled, "
             f"{p.get('cuda_graph_ms', float('nan')):.3f} ms compiled + CUDA graph"
         )
-        for kind in kinds:
-            for graphs in (False, True):
-                rows = [
-                    r
-                    for r in res["rows"]
-                    if r["kind"] == kind and r["batch"] == b and r["round_graphs"] == graphs
-                ]
-                if not rows:
-                    continue
-                tag = "graphed round" if graphs else "eager round"
-                ms = "  ".join(f"K={r['k']}: {r['t_round_ms']:.2f}" for r in rows)
-                print(f"  {kind:6s} {tag}: t_round ms  {ms}")
-                ratios = "  ".join(f"K={r['k']}: {r['ratio']:.2f}" for r in rows)
-                print(f"  {kind:6s} {tag}: / plain compiled  {ratios}")
-                ratios = "  ".join(f"K={r['k']}: {r['ratio_vs_graph']:.2f}" for r in rows)
-                print(f"  {kind:6s} {tag}: / plain CUDA graph  {ratios}")
+    cols = ["kind", "k", "batch", "fused", "round_graphs", "t_round_ms", "ratio_vs_gptfast"]
+    cols += ["ratio_vs_graph", "ratio"]
+    extra = ["t_verify_ms", "t_one_slot_ms", "t_propose_ms", "t_rest_ms"]
+    cols += [c for c in extra if any(c in r for r in res["rows"])]
+    print(" | ".join(cols))
+    for r in res["rows"]:
+        print(" | ".join(str(r.get(c, "")) for c in cols))
     print("sync check:", json.dumps(res["sync_check"]))
     bad = {k: v for k, v in res["lossless"].items() if v is not True}
     print("lossless (margin-aware):", not bad, "" if not bad else json.dumps(bad)[:600])
@@ -381,8 +497,10 @@ def main() -> int:
         help=f"comma-separated, timed one after the other in this process: {', '.join(TARGETS)}",
     )
     ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--ks", default="", help="override both K lists, e.g. 2,3")
-    ap.add_argument("--kinds", default="eagle3,ptd")
+    ap.add_argument(
+        "--ks", default="", help="override every K list (2,3) or per kind (eagle3:3,ptd:4,mtp:3)"
+    )
+    ap.add_argument("--kinds", default="eagle3,ptd,mtp")
     ap.add_argument("--context", type=int, default=600)
     ap.add_argument("--rounds", type=int, default=24)
     ap.add_argument("--compile", default="all", choices=["none", "target", "all"])
@@ -392,6 +510,21 @@ def main() -> int:
         default="on",
         choices=["on", "off", "both"],
         help="replay the round from CUDA graphs (SpecDecoder(cuda_graphs=True)); CUDA only",
+    )
+    ap.add_argument("--peer-dir", type=Path, default=Path("peers/gpt-fast"))
+    ap.add_argument("--breakdown", action="store_true", help="verify / propose / rest per round")
+    ap.add_argument("--fuse", action="store_true", help="also time a fused-projection target")
+    ap.add_argument("--fuse-only", action="store_true", help="time only the fused target")
+    ap.add_argument(
+        "--inductor",
+        default="default",
+        choices=sorted(INDUCTOR_OPTIONS),
+        help="inductor settings of our compiled round and plain step (cdt: coordinate descent)",
+    )
+    ap.add_argument(
+        "--graph-only",
+        action="store_true",
+        help="time our plain step only as a CUDA graph (skip the compiled step without one)",
     )
     ap.add_argument("--out", default="")
     a = ap.parse_args()
@@ -408,8 +541,11 @@ def main() -> int:
     if unknown:
         ap.error(f"unknown target {unknown[0]!r} (known: {', '.join(TARGETS)})")
     batches = [int(x) for x in a.batches.split(",")]
-    ks = {"eagle3": list(range(1, 8)), "ptd": list(range(2, 9))}
-    if a.ks:
+    ks = {"eagle3": list(range(1, 8)), "ptd": list(range(2, 9)), "mtp": [3, 6]}
+    if a.ks and ":" in a.ks:  # per kind: eagle3:3,ptd:4,mtp:3
+        per = [x.split(":") for x in a.ks.split(",")]
+        ks = {kind: [int(k) for kk, k in per if kk == kind] or ks[kind] for kind in ks}
+    elif a.ks:
         ks = {kind: [int(x) for x in a.ks.split(",")] for kind in ks}
     kinds = a.kinds.split(",")
     results = []

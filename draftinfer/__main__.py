@@ -51,7 +51,7 @@ def _hydra_main(cfg: DictConfig) -> None:
         )
     report = run_or_exit(run_eval, icfg)
     print(format_report(report))
-    if not report["lossless"]:
+    if not report.lossless:
         sys.exit(3)
 
 

@@ -34,13 +34,17 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def drafter_config(
-    drafter: torch.nn.Module, meta: dict[str, Any], dtype: torch.dtype
+    drafter: torch.nn.Module,
+    meta: dict[str, Any],
+    dtype: torch.dtype,
+    top_level: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The `config.json` of `drafter`: the kind's serving config, with our fields (`meta`
-    merged with the kind's convention fields) under `config["drafttrain"]`."""
+    """The `config.json` of `drafter`: the kind's serving config plus `top_level` (the target
+    family's engine-facing fields), with our fields (`meta` merged with the kind's convention
+    fields) under `config["drafttrain"]`."""
     spec = spec_of(drafter)
     arch = drafter.config
-    config = spec.hf_config(arch)
+    config = {**spec.hf_config(arch), **(top_level or {})}
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     config["drafttrain"] = {
         "format_version": FORMAT_VERSION,
@@ -76,15 +80,17 @@ def write_drafter(
     drafter: torch.nn.Module,
     meta: dict[str, Any],
     dtype: torch.dtype = torch.bfloat16,
+    top_level: dict[str, Any] | None = None,
 ) -> Path:
-    """Write `config.json` + `model.safetensors` for `drafter` into `out_dir`.
+    """Write `config.json` + `model.safetensors` for `drafter` into `out_dir`, each once.
 
     meta: our fields (target name, training facts); merged with the kind's convention fields
-    and stored under `config["drafttrain"]`.
+    and stored under `config["drafttrain"]`. top_level: engine-facing fields the target family
+    adds beside the kind's (e.g. Qwen3-VL's `target_model_type`).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = drafter_config(drafter, meta, dtype)
+    config = drafter_config(drafter, meta, dtype, top_level)
     _save_file(out / "model.safetensors", serving_tensors(drafter, dtype))
     atomic_write_text(out / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out

@@ -24,11 +24,16 @@ _COMPILED: dict[tuple, Callable] = {}
 
 
 def compiled(fn: Callable, **options) -> Callable:
-    """`torch.compile(fn, **options)`, built once per (function, options)."""
-    key = (fn, tuple(sorted(options.items())))
+    """`torch.compile(fn, **options)`, built once per (function, options); `options=` (the
+    inductor settings dict) is part of the key."""
+    key = (fn, tuple(sorted((k, _frozen(v)) for k, v in options.items())))
     if key not in _COMPILED:
         _COMPILED[key] = torch.compile(fn, **options)
     return _COMPILED[key]
+
+
+def _frozen(value):
+    return tuple(sorted(value.items())) if isinstance(value, dict) else value
 
 
 _EAGER: set[Callable] = set()

@@ -61,16 +61,20 @@ class InferConfig:
     # Compile the target's verify forward and the drafter forward(s) (useful on CUDA).
     compile: bool = False
     # Run the target's q/k/v and gate/up projections as one GEMM each
-    # (`draftinfer.models.transforms.fuse_projections`; at batch 1 on an H200 the plain decode
-    # step goes from 1.07x to 0.92x gpt-fast's, docs/results.md).
-    fuse_projections: bool = False
+    # (`draftinfer.models.transforms.fuse_projections`, the same weights). null (the default) =
+    # on for CUDA, off on the CPU (where the fp32 lossless check and the golden AL files are
+    # kept on the unfused GEMMs). On one H100 at batch 1 (Llama-3.1-8B shapes) it takes the
+    # graph-captured plain step from 1.31x to 1.14x gpt-fast's (docs/results.md).
+    fuse_projections: bool | None = None
     # Replay each round from a CUDA graph (`draftinfer.graphs`; CUDA only, best with compile).
     cuda_graphs: bool = False
     # "fast" (KV-cached loop) or "reference" (recompute everything each round).
     mode: str = "fast"
     # Also run the reference loop and require token equality with the fast path.
     check_reference: bool = False
-    # JSON report path (a PNG of per-position acceptance is written beside it).
+    # JSON report path (`draftinfer.report.RunReport`).
     report: str = ""
+    # PNG of per-position acceptance: empty = beside the report (same stem), `none` = no plot.
+    plot: str = ""
     progress: bool = True
     eval: EvalConfig = field(default_factory=EvalConfig)

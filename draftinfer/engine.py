@@ -1,7 +1,7 @@
 """The speculative decoding loop (DESIGN section 2), for every drafter kind.
 
 Vocabulary: a *round* = the proposer drafts up to K *drafts* per request -> the target scores
-`[bonus, d_1..d_K]` in one forward -> verification accepts `a` drafts and emits one more
+`[pending, d_1..d_K]` in one forward -> verification accepts `a` drafts and emits one more
 token (the *recovered* token at the first rejection, or the *bonus* token when all K are
 accepted) -> commit `a + 1` tokens -> the committed rows become the drafter's next first pass.
 
@@ -158,6 +158,7 @@ class SpecDecoder:
         compile: bool | str = False,
         sync_check: bool = False,
         cuda_graphs: bool = False,
+        compile_options: dict | None = None,
     ):
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
@@ -179,7 +180,7 @@ class SpecDecoder:
         self.verifier = Verifier(verify, target.info.vocab_size)
         self.sampling = SamplingState(max_batch, self.device)
         self.rows = torch.arange(max_batch, device=self.device)
-        # Per-row device state: the pending first pass (width K + 1) and the bonus token.
+        # Per-row device state: the pending first pass (width K + 1) and the pending token.
         B, W, dev = max_batch, k + 1, self.device
         width = self.features.width(target.info.hidden_size)
         fdtype = next(target.parameters()).dtype
@@ -191,17 +192,18 @@ class SpecDecoder:
             torch.full((B, W), -1, dtype=torch.long, device=dev),
             torch.zeros(*axes, B, W, dtype=torch.long, device=dev),
         )
-        self.bonus = torch.zeros(B, dtype=torch.long, device=dev)
+        self.pending_token = torch.zeros(B, dtype=torch.long, device=dev)
         pin = dev.type == "cuda"
         self._upload = torch.zeros(3, B, dtype=torch.long, pin_memory=pin)  # L, remaining, live
         self._target_fwd = target_forward
         mode = {False: "none", True: "all"}.get(compile, compile)
         if mode not in ("none", "target", "all"):
             raise ValueError(f"compile must be none, target or all, got {compile!r}")
+        opts = {} if compile_options is None else {"options": dict(compile_options)}
         if mode != "none":
-            self._target_fwd = compiled(target_forward, dynamic=True)
+            self._target_fwd = compiled(target_forward, dynamic=True, **opts)
         if mode == "all":
-            self.proposer.compile(dynamic=True)
+            self.proposer.compile(dynamic=True, **opts)
         self._graphed = None
         if cuda_graphs:
             if self.device.type != "cuda":
@@ -270,7 +272,7 @@ class SpecDecoder:
         self.fp.features[r, :w] = pending.features
         self.fp.cache_pos[r, :w] = pending.cache_pos
         self.fp.rope_pos[..., r, :w] = pending.rope_pos
-        self.bonus[r] = torch.tensor(first, device=dev)[k]
+        self.pending_token[r] = torch.tensor(first, device=dev)[k]
 
     def _round(self, live: list[_Active]) -> None:
         """One round for every live request: tensor work with no host sync, then one readback."""
@@ -289,12 +291,12 @@ class SpecDecoder:
         self._upload[2] = 0
         self._upload[2, [s.row for s in live]] = 1
         host = self._upload.to(self.device, non_blocking=True, copy=True)
-        state = (*self.fp.tensors(), self.bonus, host)
+        state = (*self.fp.tensors(), self.pending_token, host)
         if self._graphed is not None:
             out = self._graphed(state, attn_len, all_greedy)
         else:
             out = self._round_tensors(*state, attn_len, all_greedy)
-        *fp, self.bonus, packed = out
+        *fp, self.pending_token, packed = out
         self.fp = FirstPass.of_tensors(fp)
         table = packed.tolist()  # the round's one readback: [B, K + 2]
         for s in live:
@@ -315,16 +317,16 @@ class SpecDecoder:
         fp_features: torch.Tensor,
         fp_cache_pos: torch.Tensor,
         fp_rope_pos: torch.Tensor,
-        bonus: torch.Tensor,
+        pending: torch.Tensor,
         host: torch.Tensor,
         attn_len: int,
         all_greedy: bool,
     ) -> tuple[torch.Tensor, ...]:
         """The round's tensor work, a function of the round state alone (so it can be replayed
         from a CUDA graph, `draftinfer.graphs`): propose, verify forward, verify, next first
-        pass. In: the pending first pass (`FirstPass.tensors()`), the bonus slot `[B]`, the
+        pass. In: the pending first pass (`FirstPass.tensors()`), the pending token `[B]`, the
         uploaded `[3, B]` (L, remaining, live). Out: the next first pass's tensors, the next
-        bonus slot, and `[B, K + 2]`: emitted tokens (-1 padded) and the accepted count last."""
+        pending token, and `[B, K + 2]`: emitted tokens (-1 padded) and the accepted count last."""
         K = self.k
         with no_host_sync(self.sync_check, self.device):
             L, remaining, live = host[0], host[1], host[2].bool()
@@ -343,7 +345,7 @@ class SpecDecoder:
             drafts, q = self.proposer.propose(fp, num_drafts, K, choose, attn_len)
             # Verify forward over [t_{L-1}, d_1..d_n] at cache indices L-1..L-1+n.
             j = torch.arange(K + 1, device=self.device)
-            v_ids = torch.cat([bonus[:, None], drafts], 1)  # [B, K + 1]
+            v_ids = torch.cat([pending[:, None], drafts], 1)  # [B, K + 1]
             v_live = live[:, None] & (j[None] <= num_drafts[:, None])
             v_cache = torch.where(v_live, (L - 1)[:, None] + j[None], -1)
             v_rope = self.target.rope_positions(v_cache, self.rows)
@@ -363,12 +365,12 @@ class SpecDecoder:
             )
             # Next first pass: rows L-1..L-1+a consume the emitted tokens with the verify
             # forward's target features (the KV refresh of convention 6); the last emitted
-            # token is the next bonus slot. Built on the device for the whole batch. The RoPE
+            # token is the next pending token. Built on the device for the whole batch. The RoPE
             # table is made dense (an M-RoPE target returns an expanded view): it is state
             # the next round reads, and a graph's static input.
-            fp_ids, fp_cache, _, next_bonus = prepare_chain_inputs(out_ids, n_acc, L)
+            fp_ids, fp_cache, _, next_pending = prepare_chain_inputs(out_ids, n_acc, L)
             packed = torch.cat([out_ids, n_acc[:, None]], dim=1)
-            return fp_rows, fp_ids, v_feat, fp_cache, v_rope.contiguous(), next_bonus, packed
+            return fp_rows, fp_ids, v_feat, fp_cache, v_rope.contiguous(), next_pending, packed
 
     def generate(self, requests: list[Request], on_finish=None) -> tuple[list[RequestOutput], dict]:
         """Continuous batching over `max_batch` cache rows; outputs in request order.

@@ -72,7 +72,7 @@ def reference_generate(
             rows_mm = None if mm is None else mm.shifted(1).batch(0)  # rows [L-1]
             drafts, qs = reference_drafts(drafter, ids, feats, rope, n, choose, rows_mm)
             v_logits, *_ = full_target(tokens + drafts, req.mm_inputs)
-            v_logits = v_logits[L - 1 : L + n]  # [n+1, V]: scores for d_1..d_n and the bonus
+            v_logits = v_logits[L - 1 : L + n]  # [n+1, V]: scores for d_1..d_n and the bonus token
             V = v_logits.shape[-1]
             pad = torch.zeros(k + 1, V, device=dev, dtype=v_logits.dtype)
             pad[: n + 1] = v_logits

@@ -19,10 +19,8 @@ distribution is pinned by tests (T2).
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -34,6 +32,7 @@ from draftinfer.families import family_spec
 from draftinfer.metrics import acceptance_length, per_position_acceptance
 from draftinfer.paths import resolve_path
 from draftinfer.prompts import load_prompts
+from draftinfer.report import RunReport
 from draftinfer.sampling import SamplingParams
 
 
@@ -100,7 +99,7 @@ def check_infer_config(cfg: InferConfig) -> None:
         )
 
 
-def run_eval(cfg: InferConfig) -> dict[str, Any]:
+def run_eval(cfg: InferConfig) -> RunReport:
     from tqdm.auto import tqdm
 
     from draftinfer.baseline import greedy_generate
@@ -118,7 +117,8 @@ def run_eval(cfg: InferConfig) -> dict[str, Any]:
     target = load_native_target(
         target_path, device, dtype, max_batch=cfg.batch_size, max_seq_len=cfg.max_model_len
     )
-    if cfg.fuse_projections:
+    fuse = device.type == "cuda" if cfg.fuse_projections is None else cfg.fuse_projections
+    if fuse:
         from draftinfer.models.transforms import fuse_projections
 
         fuse_projections(target)  # one GEMM for q/k/v, one for gate/up (same model)
@@ -215,60 +215,67 @@ def run_eval(cfg: InferConfig) -> dict[str, Any]:
                 mismatches.append({"prompt": i, "reference_mismatch": True})
     n_plain = sum(len(p) for p in plain)
     n_spec = sum(len(o.token_ids) for o in outs)
-    report = {
-        "drafter": str(cfg.drafter),
-        "target": target_name,
-        "drafter_kind": spec.name,
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "dtype": str(dtype).removeprefix("torch."),
-        "mode": cfg.mode,
-        "k": cfg.k,
-        "temperature": cfg.temperature,
-        "verify": cfg.verify,
-        "num_prompts": len(prompts),
-        "image_prompts": sum(m is not None for m in mm),
-        "batch_size": cfg.batch_size,
-        "max_new_tokens": cfg.max_new_tokens,
-        "rounds": len(accepted),
-        "acceptance_length": al,
-        "per_position_acceptance": per_pos,
-        "lossless": not mismatches,
-        "lossless_check": lossless_check,
-        "mismatches": mismatches,
-        "tokens_plain": n_plain,
-        "tokens_spec": n_spec,
-        "tokens_per_s_plain": n_plain / t_plain,
-        "tokens_per_s_spec": n_spec / t_spec,
-        "speedup": (n_spec / t_spec) / (n_plain / t_plain),
-    }
+    report = RunReport(
+        drafter=str(cfg.drafter),
+        target=target_name,
+        drafter_kind=spec.name,
+        device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        dtype=str(dtype).removeprefix("torch."),
+        mode=cfg.mode,
+        k=cfg.k,
+        temperature=cfg.temperature,
+        verify=cfg.verify,
+        num_prompts=len(prompts),
+        image_prompts=sum(m is not None for m in mm),
+        batch_size=cfg.batch_size,
+        max_new_tokens=cfg.max_new_tokens,
+        rounds=len(accepted),
+        acceptance_length=al,
+        per_position_acceptance=per_pos,
+        lossless=not mismatches,
+        lossless_check=lossless_check,
+        mismatches=mismatches,
+        tokens_plain=n_plain,
+        tokens_spec=n_spec,
+        tokens_per_s_plain=n_plain / t_plain,
+        tokens_per_s_spec=n_spec / t_spec,
+        speedup=(n_spec / t_spec) / (n_plain / t_plain),
+    )
     if cfg.report:
-        path = Path(cfg.report)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2) + "\n")
+        report.write(cfg.report)
+    plot = plot_path(cfg)
+    if plot is not None:
         save_acceptance_plot(
-            per_pos,
-            al,
-            f"{spec.name} k={cfg.k} on {Path(target_name).name}",
-            path.with_suffix(".png"),
+            per_pos, al, f"{spec.name} k={cfg.k} on {Path(target_name).name}", plot
         )
     return report
 
 
-def format_report(r: dict[str, Any]) -> str:
+def plot_path(cfg: InferConfig) -> Path | None:
+    """Where the per-position acceptance plot goes: `cfg.plot`, else beside the report (same
+    stem, `.png`); none without either, or with `plot=none`."""
+    if cfg.plot == "none":
+        return None
+    if cfg.plot:
+        return Path(cfg.plot)
+    return Path(cfg.report).with_suffix(".png") if cfg.report else None
+
+
+def format_report(r: RunReport) -> str:
     """The short table `python -m draftinfer` prints last."""
-    pos = " ".join(f"{v:.2f}" for v in r["per_position_acceptance"])
-    n_img = r.get("image_prompts", 0)
+    pos = " ".join(f"{v:.2f}" for v in r.per_position_acceptance)
+    n_img = r.image_prompts
     images = f" ({n_img} with images)" if n_img else ""
     rows = [
-        ("drafter", f"{r['drafter_kind']} {r['drafter']}"),
-        ("target", f"{r['target']} ({r['device']}, {r['dtype']})"),
-        ("k / temperature", f"{r['k']} / {r['temperature']}"),
-        ("prompts / rounds", f"{r['num_prompts']}{images} / {r['rounds']}"),
-        ("acceptance length", f"{r['acceptance_length']:.3f}"),
+        ("drafter", f"{r.drafter_kind} {r.drafter}"),
+        ("target", f"{r.target} ({r.device}, {r.dtype})"),
+        ("k / temperature", f"{r.k} / {r.temperature}"),
+        ("prompts / rounds", f"{r.num_prompts}{images} / {r.rounds}"),
+        ("acceptance length", f"{r.acceptance_length:.3f}"),
         ("per-position acceptance", pos),
-        ("lossless", f"{r['lossless']} ({r['lossless_check']})"),
-        ("tokens/s plain | spec", f"{r['tokens_per_s_plain']:.1f} | {r['tokens_per_s_spec']:.1f}"),
-        ("speedup", f"{r['speedup']:.2f}x"),
+        ("lossless", f"{r.lossless} ({r.lossless_check})"),
+        ("tokens/s plain | spec", f"{r.tokens_per_s_plain:.1f} | {r.tokens_per_s_spec:.1f}"),
+        ("speedup", f"{r.speedup:.2f}x"),
     ]
     w = max(len(a) for a, _ in rows)
     return "\n".join(f"{a:<{w}}  {b}" for a, b in rows)

@@ -24,6 +24,7 @@ import yaml
 
 from draftinfer.checkpoint import atomic_write_text, read_drafter_config
 from draftinfer.paths import resolve_path
+from draftinfer.report import RunReport
 from draftinfer.suite_report import PLOT_NAME as SUITES_PLOT
 from draftinfer.suite_report import (
     SUITES_DIR,
@@ -43,34 +44,32 @@ RUNNER_REPORT = "runner_report.json"
 RUNNER_PLOT = "acceptance.png"
 
 
-def runner_reports(export_dir: Path) -> list[dict[str, Any]]:
+def runner_reports(export_dir: Path) -> list[RunReport]:
     """The runner's reports in `export_dir`, one per measured K, sorted by K."""
     paths = [export_dir / RUNNER_REPORT, *sorted(export_dir.glob("runner_report_k*.json"))]
-    reports = [json.loads(p.read_text()) for p in paths if p.is_file()]
-    return sorted(reports, key=lambda r: r["k"])
+    reports = [RunReport.read(p) for p in paths if p.is_file()]
+    return sorted(reports, key=lambda r: r.k)
 
 
-def _al_table(reports: list[dict[str, Any]]) -> list[str]:
+def _al_table(reports: list[RunReport]) -> list[str]:
     r0 = reports[0]
-    width = max(len(r["per_position_acceptance"]) for r in reports)
+    width = max(len(r.per_position_acceptance) for r in reports)
     lines = [
         "## Acceptance measured by the runner",
         "",
         f"`python -m draftinfer` loaded this directory from disk and decoded "
-        f"{r0['num_prompts']} held-out prompts against `{r0['target']}` "
-        f"({r0['device']}, {r0['dtype']}, temperature {r0['temperature']}). Acceptance length "
+        f"{r0.num_prompts} held-out prompts against `{r0.target}` "
+        f"({r0.device}, {r0.dtype}, temperature {r0.temperature}). Acceptance length "
         "(AL) = mean accepted drafts + 1 per round; position j = P(drafts 1..j all accepted).",
         "",
         "| K | AL | " + " | ".join(f"pos {j + 1}" for j in range(width)) + " | lossless |",
         "|---|---|" + "---|" * width + "---|",
     ]
     for r in reports:
-        pos = [f"{v:.3f}" for v in r["per_position_acceptance"]]
+        pos = [f"{v:.3f}" for v in r.per_position_acceptance]
         pos += [""] * (width - len(pos))
         lines.append(
-            f"| {r['k']} | {r['acceptance_length']:.3f} | "
-            + " | ".join(pos)
-            + f" | {r['lossless']} |"
+            f"| {r.k} | {r.acceptance_length:.3f} | " + " | ".join(pos) + f" | {r.lossless} |"
         )
     return lines
 
@@ -83,7 +82,7 @@ def card_text(
     metrics: list[dict[str, float]],
     has_plot: bool,
     evaluation: dict[str, float] | None = None,
-    reports: list[dict[str, Any]] | None = None,
+    reports: list[RunReport] | None = None,
     has_acceptance_plot: bool = False,
     notes: list[str] | None = None,
     runner_eval: dict[str, Any] | None = None,

@@ -195,14 +195,13 @@ def export_run(
         "preset": cfg.preset,
         **objective_meta,
     }
-    write_drafter(out, drafter, meta, _DTYPES[dtype_name])
     target_config = load_target_config(target_name)
     archs = list(getattr(target_config, "architectures", None) or [])
-    extra = family_for(archs).export_fields(target_config)
-    if extra:  # the target family's top-level fields (e.g. `target_model_type` for Qwen3-VL)
-        path = out / "config.json"
-        written = json.loads(path.read_text())
-        atomic_write_text(path, json.dumps({**written, **extra}, indent=2, sort_keys=True) + "\n")
+    # The target family's top-level fields (e.g. `target_model_type` for Qwen3-VL) are written
+    # with the kind's: config.json is written once.
+    write_drafter(
+        out, drafter, meta, _DTYPES[dtype_name], family_for(archs).export_fields(target_config)
+    )
     if cfg.export.speculators_config:
         verifier = speculators_verifier(cfg)
         sub = write_speculators(

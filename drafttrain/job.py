@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from draftinfer.report import RunReport
 from draftinfer.threads import torch_threads
 from drafttrain.card import RUNNER_PLOT, RUNNER_REPORT, runner_reports, write_model_card
 from drafttrain.config import TrainConfig
@@ -23,7 +24,7 @@ from drafttrain.export import export_run
 from drafttrain.train import train
 
 
-def verify(cfg: TrainConfig, export_dir: str | Path, k: int | None = None) -> dict[str, Any]:
+def verify(cfg: TrainConfig, export_dir: str | Path, k: int | None = None) -> RunReport:
     """Run `draftinfer` on the exported files (read back from disk) over held-out prompts
     (`data.eval_split` of `data.eval_path`, default `data.path`) at `k` drafts per round
     (default `export.verify_k`): `runner_report.json` and `acceptance.png` for `verify_k`,
@@ -46,14 +47,10 @@ def verify(cfg: TrainConfig, export_dir: str | Path, k: int | None = None) -> di
         batch_size=e.verify_batch_size,
         max_model_len=min(2048, cfg.data.max_length + e.verify_max_new_tokens + 8),
         report=str(export_dir / name),
+        plot=str(export_dir / RUNNER_PLOT) if k == e.verify_k else "none",
         progress=cfg.trainer.progress,
     )
     report = run_eval(icfg)
-    plot = (export_dir / name).with_suffix(".png")
-    if k == e.verify_k:
-        plot.replace(export_dir / RUNNER_PLOT)
-    else:
-        plot.unlink()
     print(format_report(report))
     return report
 

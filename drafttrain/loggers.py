@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from draftinfer.report import RunReport
 from drafttrain.config import LoggerConfig
 from drafttrain.errors import ConfigError
 
@@ -44,26 +45,26 @@ class MetricLogger:
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
 
-    def log_runner(self, reports: list[dict[str, Any]], plot: Path | None, step: int) -> None:
+    def log_runner(self, reports: list[RunReport], plot: Path | None, step: int) -> None:
         """The runner's reports (one per K, `draftinfer.run.run_eval`) and its acceptance plot,
         at training step `step` (wandb only; `metrics.jsonl` keeps training metrics)."""
         if self.wandb is None or not reports:
             return
         import wandb
 
-        width = max(len(r["per_position_acceptance"]) for r in reports)
+        width = max(len(r.per_position_acceptance) for r in reports)
         columns = ["K", "acceptance_length", *(f"pos_{j + 1}" for j in range(width))]
         columns += ["lossless", "tokens_per_s_spec", "speedup"]
         rows, scalars = [], {}
         for r in reports:
-            pos = list(r["per_position_acceptance"])
+            pos = list(r.per_position_acceptance)
             rows.append(
-                [r["k"], r["acceptance_length"], *pos, *[None] * (width - len(pos))]
-                + [r["lossless"], r["tokens_per_s_spec"], r["speedup"]]
+                [r.k, r.acceptance_length, *pos, *[None] * (width - len(pos))]
+                + [r.lossless, r.tokens_per_s_spec, r.speedup]
             )
-            scalars[f"runner/k{r['k']}/acceptance_length"] = r["acceptance_length"]
+            scalars[f"runner/k{r.k}/acceptance_length"] = r.acceptance_length
             for j, v in enumerate(pos):
-                scalars[f"runner/k{r['k']}/acceptance_pos_{j + 1}"] = v
+                scalars[f"runner/k{r.k}/acceptance_pos_{j + 1}"] = v
         data: dict[str, Any] = {**scalars, "runner/al_table": wandb.Table(columns, rows)}
         if plot is not None and plot.is_file():
             data["runner/acceptance"] = wandb.Image(str(plot))
@@ -80,7 +81,7 @@ class NullLogger:
     def log(self, metrics: dict[str, float], step: int) -> None:
         pass
 
-    def log_runner(self, reports: list[dict[str, Any]], plot: Path | None, step: int) -> None:
+    def log_runner(self, reports: list[RunReport], plot: Path | None, step: int) -> None:
         pass
 
     def finish(self) -> None:

@@ -1,17 +1,17 @@
-"""Chain-drafter input preparation after verification: shift, bonus insert, positions.
+"""Chain-drafter input preparation after verification: shift, pending-token insert, positions.
 
 After a round, request `b` (committed length `L_b` before the round) emitted
 `output_token_ids[b, :a_b + 1]`: its `a_b` accepted drafts, then the recovered or bonus
 token. The drafter's next first pass consumes exactly those rows (convention 1, shifted by
 one: drafter row `i = L_b - 1 + j` consumes token `t_{i+1} = output_token_ids[b, j]` with the
 verify forward's target feature of slot `j`, at position `L_b - 1 + j`), and the last emitted
-token becomes the *bonus* slot of the next verify forward (`[t_{L'-1}, d_1..d_K]`).
+token becomes the *pending* token, the first slot of the next verify forward (`[t_{L'-1}, d_1..d_K]`).
 
     prepare_chain_inputs(output_token_ids [B, K+1] int64 (-1 past the emitted tokens),
                          num_accepted [B] int64, seq_lens [B] int64)
       -> first_pass_ids [B, K+1] int64 (0 at padding), first_pass_pos [B, K+1] int64
          (-1 = padding: no KV write), new_seq_lens [B] int64 (L + a + 1),
-         next_bonus [B] int64 (the last emitted token)
+         next_pending [B] int64 (the last emitted token)
 
 One Triton program per request; `prepare_chain_inputs_ref` is the pure-torch reference with
 the same signature (test oracle, CPU fallback, benchmark baseline).
@@ -35,7 +35,7 @@ if triton_available():
         ids_ptr,  # [B, W] first-pass ids
         pos_ptr,  # [B, W] first-pass positions (-1 padding)
         new_len_ptr,  # [B]
-        bonus_ptr,  # [B]
+        pending_ptr,  # [B]
         W,
         BLOCK: tl.constexpr,
     ):
@@ -49,7 +49,7 @@ if triton_available():
         tl.store(ids_ptr + b * W + j, tl.where(live, tok, 0), mask=inside)
         tl.store(pos_ptr + b * W + j, tl.where(live, L - 1 + j, -1), mask=inside)
         tl.store(new_len_ptr + b, L + a + 1)
-        tl.store(bonus_ptr + b, tl.load(out_ptr + b * W + a))
+        tl.store(pending_ptr + b, tl.load(out_ptr + b * W + a))
 
 
 def _check_inputs(output_token_ids, num_accepted, seq_lens) -> tuple[int, int]:
@@ -71,8 +71,8 @@ def prepare_chain_inputs_ref(
     live = j <= num_accepted[:, None]  # [B, W]
     ids = torch.where(live, output_token_ids, 0)
     pos = torch.where(live, seq_lens[:, None] - 1 + j, -1)
-    bonus = output_token_ids.gather(1, num_accepted[:, None])[:, 0]
-    return ids, pos, seq_lens + num_accepted + 1, bonus
+    pending = output_token_ids.gather(1, num_accepted[:, None])[:, 0]
+    return ids, pos, seq_lens + num_accepted + 1, pending
 
 
 def prepare_chain_inputs(
@@ -88,7 +88,7 @@ def prepare_chain_inputs(
     ids = torch.empty(B, W, dtype=torch.int64, device=dev)
     pos = torch.empty(B, W, dtype=torch.int64, device=dev)
     new_len = torch.empty(B, dtype=torch.int64, device=dev)
-    bonus = torch.empty(B, dtype=torch.int64, device=dev)
+    pending = torch.empty(B, dtype=torch.int64, device=dev)
     _prepare_chain_inputs_kernel[(B,)](
         output_token_ids,
         num_accepted,
@@ -96,8 +96,8 @@ def prepare_chain_inputs(
         ids,
         pos,
         new_len,
-        bonus,
+        pending,
         W,
         BLOCK=triton.next_power_of_2(W),
     )
-    return ids, pos, new_len, bonus
+    return ids, pos, new_len, pending

@@ -3,23 +3,24 @@
 Vocabulary (used the same way in `draftinfer`):
 
 - A *round* verifies a request's drafts with the target, commits the accepted drafts plus one
-  recovered or *bonus* token, then drafts again. The pending token of the last commit is
-  called the bonus token here (it is the recovered token when a draft was rejected).
+  recovered or *bonus* token (`docs/architecture.md`, glossary), then drafts again. The last
+  committed token is the *pending* token: not yet in the target KV, the first slot of the next
+  verify forward.
 - *First-pass rows* of request `b`: the drafter rows the last commit made final. Row `j`
   consumes `(token_ids[b, j], target feature f_j)` at position `pos_start[b] + j`
   (convention 1: row `i` consumes `t_{i+1}` at the target position of token `i`). The first
-  `n_valid[b]` rows are *committed* (the accepted drafts plus the bonus token of the last
-  round, or a whole prompt after prefill); the *bonus row* is the last of them, at
+  `n_valid[b]` rows are *committed* (the accepted drafts plus the recovered or bonus token of
+  the last round, or a whole prompt after prefill); the *pending row* is the last of them, at
   `p_last = pos_start + n_valid - 1`. Rows `j >= n_valid` held drafts the target *rejected*.
 - A *mask slot* `m = 1..K-1` carries the mask token id and `mask_hidden` (no target feature)
   at position `p_last + m` on every axis (DESIGN 3.9). One forward yields `K` drafts: draft 1
-  from the bonus row, draft `m + 1` from mask slot `m`.
+  from the pending row, draft `m + 1` from mask slot `m`.
 - *Padding*: a slot with position -1, token id 0, no KV write and no feature. Rejected rows
   become padding, and so does every mask slot past the draft cap.
 
 Output layout, per request, `W = Q + K - 1` columns (DESIGN 3.9):
 
-    | valid rows 0..n_valid-1 (bonus row last) | K-1 mask slots | rejected-as-padding |
+    | valid rows 0..n_valid-1 (pending row last) | K-1 mask slots | rejected-as-padding |
 
     column c              out_ids          out_pos          feat_src
     c < n_valid           token_ids[b, c]  pos_start + c    c   (first-pass row index)
@@ -27,12 +28,12 @@ Output layout, per request, `W = Q + K - 1` columns (DESIGN 3.9):
     otherwise             0                -1               -2  (padding)
 
 `sample_idx[b, m]` (m = 0..K-1) is the column whose drafter output yields draft `m + 1`:
-`n_valid - 1 + m` (the bonus row for m = 0, mask slot m after it) while `m < num_drafts`,
+`n_valid - 1 + m` (the pending row for m = 0, mask slot m after it) while `m < num_drafts`,
 else -1. Every `sample_idx >= 0` points at a live (non-padding) column.
 
-Draft cap. The bonus row sits at `p_last` and consumes the bonus token, which sits at
+Draft cap. The pending row sits at `p_last` and consumes the pending token, which sits at
 `p_last + 1`; the committed length is therefore `L = p_last + 2` (tokens at 0..L-1). The next
-round verifies `[bonus, d_1..d_n]` at positions `L-1 .. L-1+n` and emits up to `n + 1` tokens
+round verifies `[pending, d_1..d_n]` at positions `L-1 .. L-1+n` and emits up to `n + 1` tokens
 (`a` accepted drafts plus one recovered or bonus token), leaving up to `L + n + 1` committed
 tokens, which must not exceed `max_model_len`:
 
@@ -144,7 +145,7 @@ def _check_inputs(
         raise ValueError("token_ids must be a [B, Q] tensor")
     b, q = token_ids.shape
     if q < 1:
-        raise ValueError("token_ids must have Q >= 1 columns (every request has a bonus row)")
+        raise ValueError("token_ids must have Q >= 1 columns (every request has a pending row)")
     _check(token_ids, "token_ids", (torch.int64,), (b, q))
     _check(n_valid, "n_valid", (torch.int32, torch.int64), (b,))
     _check(pos_start, "pos_start", (torch.int64,), (b,))

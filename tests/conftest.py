@@ -141,8 +141,8 @@ def preset_run(tmp_path_factory):
     """`preset_run(name)` -> the job summary of CPU preset `name`'s shortened recipe
     (`tests.support.presets.SHORT_RECIPE`), run once per session with one intra-op thread for
     the whole job (training, export and the runner's check), so its numbers are deterministic."""
+    from draftinfer.threads import torch_threads
     from drafttrain.job import run_job
-    from drafttrain.threads import torch_threads
     from tests.support.presets import SHORT_RECIPE, compose_preset
 
     runs: dict[str, dict] = {}

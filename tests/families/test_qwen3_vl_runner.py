@@ -623,8 +623,8 @@ def test_run_eval_with_image_prompts(tmp_path):
         progress=False,
     )
     report = run_eval(cfg)
-    assert report["lossless"] and report["image_prompts"] == 5, report
-    assert report["acceptance_length"] > 1.3  # measured 1.84
+    assert report.lossless and report.image_prompts == 5, report
+    assert report.acceptance_length > 1.3  # measured 1.84
     assert "(5 with images)" in format_report(report)
 
 

@@ -71,9 +71,17 @@ def test_l1_stops_exactly_at_max_model_len(env):
         assert max(o.proposed[-2:]) < 7  # drafts were capped near the limit, not wrapped
 
 
-def test_l2_context_past_drafter_max_position_embeddings(env, tmp_path):
+def test_l2_context_past_drafter_max_position_embeddings(env, tmp_path, zoo_target):
+    """L2: a drafter whose config declares max_position_embeddings 16 drafts contexts far past
+    16 exactly as the unchanged drafter does (RoPE is computed per position, never read from a
+    table of the declared length). Checked to bite: the short value is what the loaded drafter
+    holds, positions past it reach its rotary, the drafter accepts; and the check engines need
+    (a declared length shorter than the target's corrupts their RoPE tables) refuses it."""
     import json
     import shutil
+
+    from draftinfer.checkpoint import read_drafter_config
+    from draftinfer.errors import CheckpointError
 
     short = tmp_path / "short"
     shutil.copytree(env["export"], short)
@@ -81,13 +89,21 @@ def test_l2_context_past_drafter_max_position_embeddings(env, tmp_path):
     cfg["max_position_embeddings"] = 16
     (short / "config.json").write_text(json.dumps(cfg))
     d_short, _ = load_drafter(short, env["target"].shared_weights())
+    assert d_short.config.max_position_embeddings == 16
+    seen = []
+    rotary = d_short.rotary.forward
+    d_short.rotary.forward = lambda pos: seen.append(int(pos.max())) or rotary(pos)
     ps = [p for p in zoo_prompts(12, seed=8) if len(p) > 30][:6]  # every position is past 16
     reqs = [Request(p, max_tokens=24) for p in ps]
     a = spec(env, reqs)
     b = SpecDecoder(env["target"], d_short, 3, max_batch=4, max_model_len=MAX_LEN).generate(reqs)[0]
+    assert max(seen) > 16 + 30
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert [o.accepted for o in a] == [o.accepted for o in b]
     assert sum(x for o in a for x in o.accepted) > 0
+    spec_, arch, _ = read_drafter_config(short)
+    with pytest.raises(CheckpointError, match="max_position_embeddings 16 is shorter"):
+        spec_.check_fit(arch, zoo_target.info)
 
 
 def test_l3_eos_inside_accepted_run(env):
@@ -241,6 +257,32 @@ def test_drafter_target_mismatch_is_one_line_error(env, tiny_qwen3_dir):
     with pytest.raises(CheckpointError) as e:
         run_eval(cfg)
     assert "does not match" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_fused_projections_serve_the_same_tokens(env):
+    """`fuse_projections=true` (the default on CUDA) runs the same target: lossless, and the
+    drafter accepts as it does on the unfused target (fp32: the fused GEMM sums in another
+    order, so equal tokens rather than equal bits)."""
+    from draftinfer.config import InferConfig
+    from draftinfer.run import run_eval
+
+    reps = []
+    for fuse in (False, True):
+        cfg = InferConfig(
+            drafter=env["export"],
+            prompts="zoo:chat",
+            prompts_split="test",
+            num_prompts=4,
+            max_new_tokens=16,
+            batch_size=4,
+            max_model_len=MAX_LEN,
+            fuse_projections=fuse,
+            progress=False,
+        )
+        reps.append(run_eval(cfg))
+    assert all(r.lossless is True for r in reps)
+    assert reps[0].acceptance_length > 1.2
+    assert reps[1].acceptance_length == pytest.approx(reps[0].acceptance_length, abs=0.05)
 
 
 @pytest.mark.parametrize("kind", registered_kinds())

@@ -53,12 +53,12 @@ def test_every_cpu_preset_is_pinned():
 def test_preset_golden_losses_and_acceptance(preset_run, preset):
     summary = preset_run(preset)
     rep = summary["runner"]
-    assert rep["lossless"] is True
-    assert rep["acceptance_length"] >= AL_FLOOR, rep["acceptance_length"]
+    assert rep.lossless is True
+    assert rep.acceptance_length >= AL_FLOOR, rep.acceptance_length
     got = {
         "losses": [round(x, 5) for x in summary["losses"]],
-        "acceptance_length": round(rep["acceptance_length"], 4),
-        "per_position_acceptance": [round(x, 4) for x in rep["per_position_acceptance"]],
+        "acceptance_length": round(rep.acceptance_length, 4),
+        "per_position_acceptance": [round(x, 4) for x in rep.per_position_acceptance],
     }
     path = GOLDEN / "presets" / f"{preset}.json"
     if os.environ.get("DRAFTTRAIN_UPDATE_GOLDEN") == "1":

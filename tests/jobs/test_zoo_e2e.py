@@ -30,12 +30,12 @@ def test_zoo_recipe_end_to_end(zoo_run, kind):
     rows = [r for r in read_metrics(run_dir) if "loss" in r]
     assert rows[-1]["loss"] < 0.7 * rows[0]["loss"]
     rep = summary["runner"]
-    assert rep["lossless"] is True and rep["drafter_kind"] == kind
-    assert rep["acceptance_length"] >= 1.2, rep["acceptance_length"]
-    assert len(rep["per_position_acceptance"]) == rep["k"] == 3
+    assert rep.lossless is True and rep.drafter_kind == kind
+    assert rep.acceptance_length >= 1.2, rep.acceptance_length
+    assert len(rep.per_position_acceptance) == rep.k == 3
     card = (export / "README.md").read_text()
     assert card.startswith("---\nbase_model:") and "## Acceptance measured by the runner" in card
-    assert f"| 3 | {rep['acceptance_length']:.3f} |" in card
+    assert f"| 3 | {rep.acceptance_length:.3f} |" in card
     assert (export / "acceptance.png").stat().st_size > 1000
 
 
@@ -44,7 +44,7 @@ def test_golden_losses_and_acceptance(zoo_run, kind):
     summary = zoo_run(kind)
     got = {
         "losses": [round(x, 5) for x in summary["losses"]],
-        "acceptance_length": round(summary["runner"]["acceptance_length"], 4),
+        "acceptance_length": round(summary["runner"].acceptance_length, 4),
     }
     path = GOLDEN / f"{kind}.json"
     if os.environ.get("DRAFTTRAIN_UPDATE_GOLDEN") == "1":

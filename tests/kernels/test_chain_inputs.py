@@ -16,7 +16,7 @@ DEVICE = kernel_test_device()
 
 
 def oracle(out, acc, lens):
-    """Row-by-row: first-pass rows = the emitted tokens at L-1+j; bonus = last emitted."""
+    """Row-by-row: first-pass rows = the emitted tokens at L-1+j; pending = last emitted."""
     B, W = len(out), len(out[0])
     ids = [[0] * W for _ in range(B)]
     pos = [[-1] * W for _ in range(B)]

@@ -44,8 +44,8 @@ def oracle(token_ids, n_valid, pos_start, max_drafts, k, mask_token_id, max_mode
     for b in range(bsz):
         nv, start = int(n_valid[b]), int(pos_start[b])
         p_last = start + nv - 1
-        committed = p_last + 2  # tokens 0..p_last+1: the bonus row consumes t_{p_last+1}
-        # the next round verifies [bonus, d_1..d_n] and commits up to n + 1 more tokens
+        committed = p_last + 2  # tokens 0..p_last+1: the pending row consumes t_{p_last+1}
+        # the next round verifies [pending, d_1..d_n] and commits up to n + 1 more tokens
         n = k
         n = min(n, int(max_drafts[b]))
         n = min(n, max_model_len - committed - 1)
@@ -63,7 +63,7 @@ def oracle(token_ids, n_valid, pos_start, max_drafts, k, mask_token_id, max_mode
                 continue
             out_ids[b][col], out_pos[b][col], feat_src[b][col] = tok, pos, src
 
-        for draft in range(1, n + 1):  # draft 1 from the bonus row, draft m + 1 from slot m
+        for draft in range(1, n + 1):  # draft 1 from the pending row, draft m + 1 from slot m
             sample_idx[b][draft - 1] = (nv - 1) + (draft - 1)
 
     return (
@@ -153,7 +153,7 @@ def check_invariants(case: dict, outs) -> None:
         assert live[:num_live].all()
         if num_live:
             assert torch.equal(out_pos[b][:num_live], out_pos[b][0] + torch.arange(num_live))
-        # the drafted columns: the bonus row then the mask slots, each live, in order
+        # the drafted columns: the pending row then the mask slots, each live, in order
         drafted = sample_idx[b][:n]
         assert torch.equal(drafted, nv - 1 + torch.arange(n))
         assert (sample_idx[b][n:] == -1).all()
@@ -254,7 +254,7 @@ def test_k1_has_no_mask_slots():
 @pytest.mark.usefixtures("poison_empty")
 def test_all_valid_and_single_valid_row():
     """n_valid = Q (nothing rejected: the layout fills all Q + K - 1 columns, the buffer bound
-    `Q + K - 1` per request is attained) and n_valid = 1 (only the bonus row)."""
+    `Q + K - 1` per request is attained) and n_valid = 1 (only the pending row)."""
     k = 4
     case = make_case([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]], [5, 1], [100, 0], [k, k], k=k)
     out_ids, out_pos, feat_src, sample_idx, num_drafts = run_kernel(case)
@@ -290,7 +290,7 @@ def test_boundary_sweep(k):
     over = p_lasts.index(mml - 1)  # L = max_model_len + 1: beyond the contract, still in range
     assert num_drafts[over] == 0
     assert out_pos[over].tolist() == [mml - 3, mml - 2, mml - 1] + [-1] * (k - 1)
-    past = p_lasts.index(mml)  # the bonus row would sit at the limit: padding, not position 0
+    past = p_lasts.index(mml)  # the pending row would sit at the limit: padding, not position 0
     assert out_pos[past].tolist() == [mml - 2, mml - 1] + [-1] * k
 
 

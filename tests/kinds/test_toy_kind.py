@@ -1,83 +1,48 @@
 """A new drafter kind is new files plus a registration (DESIGN 2.1 seam 1).
 
-This file defines a toy kind (`toy3`, a renamed subclass of EAGLE-3 with its own config,
-module, proposer and specs), registers it on both sides and runs it through composing the
-config tree, training, export, loading the export from disk and the runner's lossless check,
-without any package file edited.
+The kind under test, `toymlp` (`tests/support/toy_mlp_kind.py`), is defined outside the
+package and shares no code with the shipped kinds: no attention, no RoPE, no KV cache, no draft
+vocabulary, one tap. Registered here on both sides, it goes through composing the config tree,
+training, export, loading the export from disk, the runner's lossless check and the model
+card without any package file edited; a multimodal target is refused for it in one line.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from hydra.core.config_store import ConfigStore
 
 from draftinfer.checkpoint import load_drafter
-from draftinfer.kinds.eagle3 import Eagle3ChainProposer, Eagle3Config, Eagle3Drafter, Eagle3Spec
-from draftinfer.registry import DRAFTERS, register_drafter, unregister_drafter
-from drafttrain.kinds.eagle3 import Eagle3TrainConfig, Eagle3TrainSpec
-from drafttrain.registry import TRAIN_SPECS, register_train_kind, unregister_train_kind
+from draftinfer.registry import DRAFTERS
+from drafttrain.registry import TRAIN_SPECS
+from tests.support import toy_mlp_kind as toy
 
 pytestmark = pytest.mark.slow
 
 
-@dataclass
-class ToyConfig(Eagle3Config):
-    kind = "toy3"
-
-
-class ToyDrafter(Eagle3Drafter):
-    pass
-
-
-class ToyProposer(Eagle3ChainProposer):
-    mode = "toy chain drafting"
-
-
-class ToySpec(Eagle3Spec):
-    name = "toy3"
-    config_class = ToyConfig
-    module_class = ToyDrafter
-    proposer_class = ToyProposer
-    mode = "toy chain drafting"
-
-
-@dataclass
-class ToyTrainConfig(Eagle3TrainConfig):
-    kind: str = "toy3"
-
-
-class ToyTrainSpec(Eagle3TrainSpec):
-    name = "toy3"
-    config_class = ToyTrainConfig
-
-
 @pytest.fixture
 def toy_kind():
-    register_drafter(ToySpec())
-    register_train_kind(ToyTrainSpec())
-    # What `conf/drafter/<kind>.yaml` would be for a kind shipped in the package.
-    ConfigStore.instance().store(group="drafter", name="toy3", node=ToyTrainConfig)
-    yield "toy3"
-    unregister_drafter("toy3")
-    unregister_train_kind("toy3")
+    toy.register()
+    # What `drafttrain/conf/drafter/<kind>.yaml` would be for a kind shipped in the package.
+    ConfigStore.instance().store(group="drafter", name=toy.KIND, node=toy.ToyMLPTrainConfig)
+    yield toy.KIND
+    toy.unregister()
 
 
 def test_toy_kind_trains_exports_loads_and_is_lossless(toy_kind, tmp_path, zoo_target):
     from drafttrain.job import run_job
     from tests.support.presets import compose_preset
 
-    assert "toy3" in DRAFTERS and "toy3" in TRAIN_SPECS
+    assert toy.KIND in DRAFTERS and toy.KIND in TRAIN_SPECS
     cfg = compose_preset(
         "eagle3",
         [
             f"drafter={toy_kind}",
             f"output_dir={tmp_path}",
-            "drafter.ttt_steps=2",
-            "drafter.draft_vocab_size=2048",
+            "drafter.steps=2",
             "trainer.max_steps=60",
             "trainer.warmup_steps=10",
             "trainer.progress=false",
@@ -87,14 +52,25 @@ def test_toy_kind_trains_exports_loads_and_is_lossless(toy_kind, tmp_path, zoo_t
             "export.verify_max_new_tokens=24",
         ],
     )
-    assert type(cfg.drafter) is ToyTrainConfig
+    assert type(cfg.drafter) is toy.ToyMLPTrainConfig
     summary = run_job(cfg)
     export = Path(summary["export_dir"])
     config = json.loads((export / "config.json").read_text())
-    assert config["drafttrain"]["drafter_kind"] == "toy3"
+    assert config["architectures"] == ["ToyMLPDrafter"]
+    assert config["drafttrain"]["drafter_kind"] == toy.KIND
     drafter, _ = load_drafter(export, zoo_target.shared_weights())
-    assert type(drafter) is ToyDrafter
+    assert type(drafter) is toy.ToyMLPDrafter
     report = summary["runner"]
-    assert report["drafter_kind"] == "toy3" and report["lossless"] is True
-    assert report["acceptance_length"] > 1.1  # it learned something and drafts were accepted
-    assert "# toy3 drafter" in (export / "README.md").read_text()
+    assert report.drafter_kind == toy.KIND and report.lossless is True
+    assert report.acceptance_length > 1.1  # it learned something and drafts were accepted
+    assert f"# {toy.KIND} drafter" in (export / "README.md").read_text()
+
+
+def test_toy_kind_refuses_a_multimodal_family_in_one_line(toy_kind):
+    from draftinfer.errors import CheckpointError, ConfigError
+    from draftinfer.families import check_pair, family_spec
+    from draftinfer.registry import drafter_spec
+
+    with pytest.raises((CheckpointError, ConfigError)) as e:
+        check_pair(drafter_spec(toy.KIND), family_spec("qwen3_vl"))
+    assert "\n" not in str(e.value) and toy.KIND in str(e.value)

@@ -109,19 +109,19 @@ def test_wandb_offline_run_holds_training_and_runner_results(train_env, tmp_path
     assert len(runs) == 1  # training and runner results in one run
     history = _wandb_history(next(runs[0].glob("run-*.wandb")))
     reports = runner_reports(Path(summary["export_dir"]))
-    assert [r["k"] for r in reports] == [1, 2]
+    assert [r.k for r in reports] == [1, 2]
     for key in ("loss", "acc_0", "sim_al", "lr"):
         assert key in history, key
     for r in reports:
-        assert history[f"runner/k{r['k']}/acceptance_length"] == r["acceptance_length"]
-        for j, v in enumerate(r["per_position_acceptance"]):
-            assert history[f"runner/k{r['k']}/acceptance_pos_{j + 1}"] == v
+        assert history[f"runner/k{r.k}/acceptance_length"] == r.acceptance_length
+        for j, v in enumerate(r.per_position_acceptance):
+            assert history[f"runner/k{r.k}/acceptance_pos_{j + 1}"] == v
     assert history["runner/al_table/_type"] == "table-file"
     assert history["runner/acceptance/_type"] == "image-file"
     (table_file,) = (runs[0] / "files" / "media" / "table" / "runner").glob("al_table_*.table.json")
     table = json.loads(table_file.read_text())
     assert table["columns"][:4] == ["K", "acceptance_length", "pos_1", "pos_2"]
-    assert [row[:2] for row in table["data"]] == [[r["k"], r["acceptance_length"]] for r in reports]
-    assert table["data"][1][2:4] == reports[1]["per_position_acceptance"]
+    assert [row[:2] for row in table["data"]] == [[r.k, r.acceptance_length] for r in reports]
+    assert table["data"][1][2:4] == reports[1].per_position_acceptance
     (image,) = (runs[0] / "files" / "media" / "images" / "runner").glob("acceptance_*.png")
     assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

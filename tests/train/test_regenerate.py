@@ -406,7 +406,6 @@ def test_eval_path_points_verification_at_the_original_data(monkeypatch, tmp_pat
 
     def fake_run_eval(icfg):
         seen.update(prompts=icfg.prompts, split=icfg.prompts_split)
-        Path(icfg.report).with_suffix(".png").write_bytes(b"")
         return {}
 
     monkeypatch.setattr(runner, "run_eval", fake_run_eval)

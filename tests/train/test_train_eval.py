@@ -135,7 +135,7 @@ def test_runner_al_in_training_equals_the_runner_on_the_export(zoo_run):
     hook = RunnerEval(cfg, torch.device("cpu"))
     m = hook(ck["state"]["step"], kind, arch, ck["drafter"], {})
     rep = summary["runner"]
-    assert rep["lossless"] and m["runner_lossless"] == 1.0
-    assert m["runner_al"] == rep["acceptance_length"]
-    assert [m[f"runner_pos_{j}"] for j in (1, 2, 3)] == rep["per_position_acceptance"]
-    assert rep["acceptance_length"] > 1.3
+    assert rep.lossless and m["runner_lossless"] == 1.0
+    assert m["runner_al"] == rep.acceptance_length
+    assert [m[f"runner_pos_{j}"] for j in (1, 2, 3)] == rep.per_position_acceptance
+    assert rep.acceptance_length > 1.3

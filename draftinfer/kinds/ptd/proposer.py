@@ -1,6 +1,6 @@
 """Parallel drafting (`ptd`): ONE drafter forward per round yields K drafts.
 
-The first pass is laid out as `valid | bonus | K-1 mask slots | rejected-as-padding`
+The first pass is laid out as `valid (pending row last) | K-1 mask slots | rejected-as-padding`
 (`draftkernels.parallel_layout`, convention 9): the last committed row gives draft 1 and
 mask slot `m` (token `mask_token_id`, feature `fc(mask_hidden)`, cache index and RoPE
 position `p_last + m` on every axis) gives draft `m + 1`. Committed rows still carry target
