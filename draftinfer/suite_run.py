@@ -150,7 +150,8 @@ def run_suites(cfg: InferConfig) -> SuitesReport:
     target = load_native_target(
         target_path, device, dtype, max_batch=cfg.batch_size, max_seq_len=cfg.max_model_len
     )
-    if cfg.fuse_projections:
+    # As `run_eval`: null = fused on CUDA (the same weights, one GEMM for q/k/v and gate/up).
+    if device.type == "cuda" if cfg.fuse_projections is None else cfg.fuse_projections:
         from draftinfer.models.transforms import fuse_projections
 
         fuse_projections(target)
