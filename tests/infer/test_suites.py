@@ -266,13 +266,24 @@ def test_mmstar_prompts_render_through_the_vl_processor(copies):
 
 
 def _compose(overrides: list[str]):
+    """The runner's config as `python -m draftinfer` composes it, in a process of its own:
+    Hydra's ConfigStore is global, and training's schemas (its `drafter` group, stored when a
+    test in this session composed a training preset) would turn `drafter=DIR` into a group
+    choice; that group is set aside while composing."""
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
     from draftinfer.__main__ import CONF_DIR, register_configs
 
-    register_configs()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        from omegaconf import OmegaConf
-
-        return OmegaConf.to_object(compose(config_name="infer", overrides=overrides))
+    store = ConfigStore.instance()
+    saved = store.repo
+    store.repo = {group: node for group, node in saved.items() if group != "drafter"}
+    try:
+        register_configs()
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            return OmegaConf.to_object(compose(config_name="infer", overrides=overrides))
+    finally:
+        store.repo = saved
 
 
 def test_config_tree_selects_suites_and_temperatures():
