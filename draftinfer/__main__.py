@@ -1,11 +1,13 @@
 """`python -m draftinfer drafter=DIR [target=...] [prompts=...] [k=3] [temperature=0]
 [batch_size=8] [report=FILE.json] [eval=greedy|sampling] ...`
+`python -m draftinfer drafter=DIR eval=<suite>|standard [eval.path=LOCAL] [temperatures=[0,1]]`
 
 `prompts` is chat data in the `messages` format (or a .txt file); for a target with a
 processor (Qwen3-VL) its messages may hold image parts (`draftinfer.prompts`).
 
 Thin entry point: compose `draftinfer/conf/infer.yaml` (package data; + the `eval/` group)
-against `draftinfer.config.InferConfig`, convert once, run `run_eval`, print the table.
+against `draftinfer.config.InferConfig`, convert once, run `run_eval` (the held-out prompts) or
+`run_suites` (acceptance suites, `draftinfer.suite_run`), print the table.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from draftinfer.config import InferConfig
-from draftinfer.errors import run_or_exit
+from draftinfer.errors import ConfigError, run_or_exit
 from draftinfer.paths import package_dir
 
 CONF_DIR = str(package_dir("draftinfer", "conf"))
@@ -29,12 +31,32 @@ def register_configs() -> None:
 
 @hydra.main(config_path=CONF_DIR, config_name="infer", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
+    icfg: InferConfig = OmegaConf.to_object(cfg)
+    if icfg.eval.suites:  # acceptance suites (eval=<suite>|standard)
+        from draftinfer.suite_report import format_suites_table
+        from draftinfer.suite_run import run_suites
+
+        suites = run_or_exit(run_suites, icfg)
+        print(format_suites_table(suites))
+        if not suites.lossless:
+            sys.exit(3)
+        return
     from draftinfer.run import format_report, run_eval
 
-    report = run_or_exit(run_eval, OmegaConf.to_object(cfg))
+    if icfg.temperatures is not None:
+        run_or_exit(
+            _refuse,
+            "temperatures=[...] is for acceptance suites (eval=<suite>); "
+            "the held-out run takes temperature=",
+        )
+    report = run_or_exit(run_eval, icfg)
     print(format_report(report))
     if not report.lossless:
         sys.exit(3)
+
+
+def _refuse(message: str) -> None:
+    raise ConfigError(message)
 
 
 def main() -> None:

@@ -33,6 +33,48 @@ def atomic_write_text(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
+def drafter_config(
+    drafter: torch.nn.Module,
+    meta: dict[str, Any],
+    dtype: torch.dtype,
+    top_level: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The `config.json` of `drafter`: the kind's serving config plus `top_level` (the target
+    family's engine-facing fields), with our fields (`meta` merged with the kind's convention
+    fields) under `config["drafttrain"]`."""
+    spec = spec_of(drafter)
+    arch = drafter.config
+    config = {**spec.hf_config(arch), **(top_level or {})}
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    config["drafttrain"] = {
+        "format_version": FORMAT_VERSION,
+        "drafter_kind": spec.name,
+        **spec.conventions(arch),
+        **meta,
+    }
+    return config
+
+
+def _cast(named: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Tensors as an export stores them: on the CPU, floating ones cast to `dtype`, every one
+    its own storage (safetensors refuses shared ones; a layout may hold copies of one tensor
+    for the engines)."""
+    tensors, seen = {}, set()
+    for name, t in named.items():
+        t = t.detach().cpu()
+        t = (t.to(dtype) if t.is_floating_point() else t).contiguous()
+        if t.data_ptr() in seen:
+            t = t.clone()
+        seen.add(t.data_ptr())
+        tensors[name] = t
+    return tensors
+
+
+def serving_tensors(drafter: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The tensors an export of `drafter` holds, under their serving names (`_cast`)."""
+    return _cast(spec_of(drafter).serving_state_dict(drafter), dtype)
+
+
 def write_drafter(
     out_dir: str | Path,
     drafter: torch.nn.Module,
@@ -48,34 +90,21 @@ def write_drafter(
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    spec = spec_of(drafter)
-    arch = drafter.config
-    config = {**spec.hf_config(arch), **(top_level or {})}
-    config["torch_dtype"] = str(dtype).removeprefix("torch.")
-    config["drafttrain"] = {
-        "format_version": FORMAT_VERSION,
-        "drafter_kind": spec.name,
-        **spec.conventions(arch),
-        **meta,
-    }
-    _save_tensors(out / "model.safetensors", spec.serving_state_dict(drafter), dtype)
+    config = drafter_config(drafter, meta, dtype, top_level)
+    _save_file(out / "model.safetensors", serving_tensors(drafter, dtype))
     atomic_write_text(out / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out
 
 
-def _save_tensors(path: Path, named: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
-    """Floating tensors cast to `dtype`, written atomically as safetensors."""
-    tensors, seen = {}, set()
-    for name, t in named.items():
-        t = t.detach().cpu()
-        t = (t.to(dtype) if t.is_floating_point() else t).contiguous()
-        if t.data_ptr() in seen:  # a layout may hold copies of one tensor (engine copies)
-            t = t.clone()
-        seen.add(t.data_ptr())
-        tensors[name] = t
+def _save_file(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     tmp.replace(path)
+
+
+def _save_tensors(path: Path, named: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    """`named` as an export stores them (`_cast`), written atomically as safetensors."""
+    _save_file(path, _cast(named, dtype))
 
 
 def write_speculators(
@@ -117,25 +146,33 @@ def read_drafter_config(ckpt_dir: str | Path) -> tuple[DrafterSpec, Any, dict[st
         config = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"corrupted {path}: {e}") from None
+    return parse_drafter_config(config, str(path))
+
+
+def parse_drafter_config(
+    config: dict[str, Any], where: str
+) -> tuple[DrafterSpec, Any, dict[str, Any]]:
+    """A drafter's `config.json` (parsed) -> (kind spec, architecture config, drafttrain meta),
+    every convention field checked against what this code implements."""
     meta = config.get("drafttrain")
     if not isinstance(meta, dict):
-        raise CheckpointError(f"{path} has no 'drafttrain' section; not exported by drafttrain")
+        raise CheckpointError(f"{where} has no 'drafttrain' section; not exported by drafttrain")
     if meta.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(
-            f"{path}: format_version {meta.get('format_version')!r}, "
+            f"{where}: format_version {meta.get('format_version')!r}, "
             f"this code reads {FORMAT_VERSION}"
         )
     spec = drafter_spec(meta.get("drafter_kind"))
-    arch = spec.arch_from_hf(config, str(path))
+    arch = spec.arch_from_hf(config, where)
     for key, want in spec.conventions(arch).items():
         if meta.get(key) != want:
             raise CheckpointError(
-                f"{path}: {key} is {meta.get(key)!r}, this code implements {want!r}"
+                f"{where}: {key} is {meta.get(key)!r}, this code implements {want!r}"
             )
     want_arch = spec.hf_config(arch).get("architectures")
     if config.get("architectures") != want_arch:
         raise CheckpointError(
-            f"{path}: architectures {config.get('architectures')} do not "
+            f"{where}: architectures {config.get('architectures')} do not "
             f"match drafter_kind {spec.name!r} ({want_arch})"
         )
     return spec, arch, meta
@@ -162,9 +199,16 @@ def read_drafter_tensors(
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             first = (str(e).splitlines() or [type(e).__name__])[0]
             raise CheckpointError(f"corrupted safetensors file {path}: {first}") from None
+    return _module_and_tensors(spec, arch, tensors, str(Path(ckpt_dir)))
+
+
+def _module_and_tensors(
+    spec: DrafterSpec, arch: Any, serving: dict[str, torch.Tensor], where: str
+) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """An unloaded module and `serving` (serving names) under module names, validated."""
     module = spec.build(arch)
-    tensors = spec.from_serving_names(arch, tensors)
-    spec.validate_state_dict(arch, tensors, module, str(Path(ckpt_dir)))
+    tensors = spec.from_serving_names(arch, serving)
+    spec.validate_state_dict(arch, tensors, module, where)
     return module, tensors
 
 
@@ -185,3 +229,34 @@ def load_drafter(
     spec.attach_shared(drafter, shared)
     drafter.load_own_state(tensors)
     return drafter.to(device=device, dtype=dtype).eval(), meta
+
+
+def snapshot_drafter(
+    drafter: torch.nn.Module,
+    meta: dict[str, Any],
+    shared: dict[str, torch.Tensor],
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    export_dtype: torch.dtype = torch.bfloat16,
+) -> torch.nn.Module:
+    """What `load_drafter` returns for an export of `drafter` written with `write_drafter`
+    (`meta`, `export_dtype`), built in memory, with no file written or read.
+
+    The same steps as the disk round trip, each through the function the writer or the reader
+    calls: the config (`drafter_config`, parsed back by `parse_drafter_config` after a JSON
+    round trip), the serving tensors cast to `export_dtype` (`serving_tensors`), filtered by
+    `wants_tensor`, renamed and validated (`_module_and_tensors`), the shared target weights
+    attached and the state loaded. Only the file I/O is skipped: JSON text and safetensors
+    store exactly what they are given (`tests/train/test_train_eval.py` compares the two tensor by
+    tensor for every kind)."""
+    config = json.loads(json.dumps(drafter_config(drafter, meta, export_dtype)))
+    spec, arch, _ = parse_drafter_config(config, "<in-memory snapshot>")
+    serving = {
+        k: v
+        for k, v in serving_tensors(drafter, export_dtype).items()
+        if spec.wants_tensor(arch, k)
+    }
+    module, tensors = _module_and_tensors(spec, arch, serving, "<in-memory snapshot>")
+    spec.attach_shared(module, shared)
+    module.load_own_state(tensors)
+    return module.to(device=device, dtype=dtype).eval()

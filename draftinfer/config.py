@@ -2,7 +2,33 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EvalConfig:
+    """`eval=<suite>|standard`: the acceptance suites a run decodes (`draftinfer.suite_run`).
+    No suite (`eval=greedy|sampling`): the held-out prompts of `prompts=` (`draftinfer.run`)."""
+
+    # Suite presets (draftinfer/conf/suite/<name>.yaml) or paths of suite .yaml files.
+    suites: list[str] = field(default_factory=list)
+    # A local copy in the hub dataset's schema: a file or directory for one suite, or a
+    # directory holding `<suite>.jsonl|.json|.parquet` or `<suite>/` per suite.
+    path: str | None = None
+    # Override every suite's number of prompts / new tokens / thinking switch (null: its own).
+    num_prompts: int | None = None
+    max_new_tokens: int | None = None
+    enable_thinking: bool | None = None
+    # Where the report (`suites.json`, `suites.png`) and the per-request results go
+    # (null: `<drafter>/suites`); the drafter's model card (`README.md`) gets the table.
+    out_dir: str | None = None
+    # Skip requests already decoded there with the same settings (false: decode them again).
+    resume: bool = True
+    # At temperature > 0, check the fast path against the reference loop (token equality on
+    # the same seeds); false skips it (slow for long outputs) and reports lossless as unchecked.
+    check_sampled: bool = True
+    # Write the "Acceptance by benchmark" section into the drafter's README.md, if it has one.
+    card: bool = True
 
 
 @dataclass
@@ -18,6 +44,8 @@ class InferConfig:
     num_prompts: int = 64
     k: int = 3
     temperature: float = 0.0
+    # Suites only: the temperatures each suite is decoded at (null: [temperature]), e.g. [0, 1].
+    temperatures: list[float] | None = None
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
@@ -49,3 +77,4 @@ class InferConfig:
     # PNG of per-position acceptance: empty = beside the report (same stem), `none` = no plot.
     plot: str = ""
     progress: bool = True
+    eval: EvalConfig = field(default_factory=EvalConfig)

@@ -58,14 +58,39 @@ def load_conversations(source: str, split: str, limit: int) -> list[list[dict]]:
     return [c for _, c in _conversations(source, split, limit)]
 
 
+def chat_ids(tokenizer, conv: list[dict], template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of one conversation with the generation prompt; `template_kwargs` go to the
+    chat template (e.g. Qwen3's `enable_thinking`; templates without the switch ignore it)."""
+    enc = tokenizer.apply_chat_template(
+        conv, add_generation_prompt=True, tokenize=True, **(template_kwargs or {})
+    )
+    return [int(t) for t in (enc["input_ids"] if hasattr(enc, "keys") else enc)]
+
+
 def render_prompts(convs: list[list[dict]], tokenizer, max_len: int) -> list[list[int]]:
     """Token ids of each conversation with the generation prompt, cut to `max_len` tokens."""
-    out = []
-    for c in convs:
-        enc = tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True)
-        ids = enc["input_ids"] if hasattr(enc, "keys") else enc
-        out.append([int(t) for t in ids][:max_len])
-    return out
+    return [chat_ids(tokenizer, c)[:max_len] for c in convs]
+
+
+class TextPromptEncoder:
+    """A text target's prompts one conversation at a time, its tokenizer loaded once
+    (`FamilySpec.prompt_encoder`): for runs that render prompts as they go (a suite's later
+    turns follow the replies to the earlier ones)."""
+
+    def __init__(self, target_path: str):
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(target_path)
+
+    def encode(
+        self,
+        conv: list[dict],
+        name: str = "",
+        template_kwargs: dict | None = None,
+        base_dir: Path | None = None,
+    ) -> Prompt:
+        """The whole prompt (never cut; the caller decides what does not fit)."""
+        return Prompt(chat_ids(self.tokenizer, conv, template_kwargs), None, name)
 
 
 def render_text_prompts(

@@ -9,7 +9,9 @@ Body: the exact launch commands (the kind's `DrafterSpec.serving_hint`) and the 
 serving facts (`TrainFamily.card_notes`, e.g. what vLLM reads for a Qwen3-VL drafter), the
 training metrics,
 the runner's acceptance-length table by K and its per-position acceptance plot when the export
-has them, and the training config.
+has them, how far simulated and real AL were apart at the end when the run measured the
+runner's AL during training (`eval.every_n_steps`), the "Acceptance by benchmark" section
+when `python -m draftinfer eval=...` ran on the export, and the training config.
 """
 
 from __future__ import annotations
@@ -23,9 +25,17 @@ import yaml
 from draftinfer.checkpoint import atomic_write_text, read_drafter_config
 from draftinfer.paths import resolve_path
 from draftinfer.report import RunReport
+from draftinfer.suite_report import PLOT_NAME as SUITES_PLOT
+from draftinfer.suite_report import (
+    SUITES_DIR,
+    SuitesReport,
+    card_section,
+    read_suites_report,
+)
 from drafttrain.config import load_train_config
 from drafttrain.families import family_for
 from drafttrain.loggers import read_metrics
+from drafttrain.runner_eval import read_runner_eval
 from drafttrain.target import is_hub_id, load_target_config
 
 # The runner's report for `export.verify_k` and its plot; extra K values write
@@ -75,9 +85,13 @@ def card_text(
     reports: list[RunReport] | None = None,
     has_acceptance_plot: bool = False,
     notes: list[str] | None = None,
+    runner_eval: dict[str, Any] | None = None,
+    suites: SuitesReport | None = None,
 ) -> str:
     """The card's markdown: `front` (card data) as YAML front matter, then the body.
-    `notes`: the target family's serving facts (`TrainFamily.card_notes`), one bullet each."""
+    `notes`: the target family's serving facts (`TrainFamily.card_notes`), one bullet each.
+    `runner_eval`: the runner's AL during training (`drafttrain.runner_eval`); `suites`: the
+    acceptance suites' report (`python -m draftinfer eval=...`, `draftinfer.suite_report`)."""
     from huggingface_hub import ModelCardData
 
     target = cfg["target"]["name_or_path"]
@@ -125,6 +139,19 @@ def card_text(
                 + f"; simulated acceptance length {evaluation['eval_sim_al']:.3f}.",
                 "",
             ]
+        if runner_eval and "gap" in runner_eval:
+            r = runner_eval
+            lines += [
+                f"Simulated vs real AL at the end: the simulated AL at K={r['k']} "
+                f"(per-position accuracy of the {r['sim_source']}, multiplied out) was "
+                f"{r['sim_al']:.3f}; the "
+                f"runner during training (an in-memory export decoding {r['prompts']} "
+                f"held-out prompts at step {r['last']['step']}) measured "
+                f"{r['last']['runner_al']:.3f}, {r['gap']:+.3f} apart. Measuring it every "
+                f"`eval.every_n_steps` cost {100 * r['share']:.1f}% of the training loop's "
+                "time.",
+                "",
+            ]
         if has_plot:
             lines += ["![training curves](training_curves.png)", ""]
     if reports:
@@ -137,6 +164,8 @@ def card_text(
             "drafter=<this dir>`.",
             "",
         ]
+    if suites is not None:
+        lines += card_section(suites, f"{SUITES_DIR}/{SUITES_PLOT}") + [""]
     lines += [
         "## Training config",
         "",
@@ -191,6 +220,8 @@ def write_model_card(
         runner_reports(out),
         (out / RUNNER_PLOT).is_file(),
         family.card_notes(spec),
+        read_runner_eval(run),
+        read_suites_report(out / SUITES_DIR),
     )
     dest = Path(dest) if dest is not None else out
     atomic_write_text(dest / "README.md", text)

@@ -164,6 +164,27 @@ class ExportConfig:
 
 
 @dataclass
+class RunnerEvalConfig:
+    """`eval.*`: the runner's real acceptance length during training (`drafttrain.runner_eval`):
+    every `every_n_steps` optimizer steps the drafter is exported in memory, loaded into the
+    runner and decoded over held-out prompts; its AL is logged beside the simulated one."""
+
+    # 0: off.
+    every_n_steps: int = 0
+    # null: the held-out chat prompts (`data.eval_split` of `data.eval_path`, as the export's
+    # verification reads them); else an acceptance suite (`draftinfer/conf/suite/<name>.yaml` or
+    # a suite .yaml path), read from `path` when set.
+    suite: str | None = None
+    path: str | None = None
+    num_prompts: int = 16
+    max_new_tokens: int = 64
+    # Drafts per round (null: `export.verify_k`).
+    k: int | None = None
+    batch_size: int = 8
+    temperature: float = 0.0
+
+
+@dataclass
 class CacheConfig:
     """The offline feature cache (`drafttrain.cache`): what `python -m drafttrain.cache`
     writes, and how training checks it when it reads one (`data.cache=DIR`)."""
@@ -191,6 +212,7 @@ class TrainConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    eval: RunnerEvalConfig = field(default_factory=RunnerEvalConfig)
     output_dir: str = "outputs/run"
     seed: int = 0
     resume: bool = False

@@ -61,6 +61,7 @@ from drafttrain.loop import (
 )
 from drafttrain.losses import data_parallel, metric_values
 from drafttrain.optim import build_optimizer, with_master_weights
+from drafttrain.runner_eval import RunnerEval
 from drafttrain.setup import setup_training
 from drafttrain.ttt import pick_backend
 from drafttrain.wrap import apply_training_wrappers
@@ -170,6 +171,8 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
         # Frozen parameters, precision, torch.compile and activation checkpointing, from
         # outside the model code (a bad `trainer.freeze` fails here, before any output).
         apply_training_wrappers(drafter, spec.blocks(drafter), tc)
+        # The runner's AL every `eval.every_n_steps` steps (None when off; prompts checked now).
+        runner = RunnerEval.for_run(cfg, device, accelerator)
     except BaseException:
         if main and fresh and run_dir.exists():
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -263,7 +266,7 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
 
     # Periodic callbacks of the loop (`drafttrain.loop.LoopHook`: every N steps and after the
     # last, on every rank, metrics logged at that step), e.g. the runner's AL during training.
-    hooks: list[LoopHook] = []
+    hooks: list[LoopHook] = [] if runner is None else [runner.hook(kind, arch, own_state)]
     loop = run_loop(
         accelerator,
         wrapped,
@@ -294,6 +297,8 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
         if main:
             (run_dir / "eval.json").write_text(json.dumps(ev, indent=2) + "\n")
         summary.update(ev)
+    if runner is not None:
+        summary.update(runner.finish(summary, run_dir, loop.seconds))
     if keep_logger:
         summary["logger"] = logger
     else:

@@ -9,7 +9,9 @@ A family answers:
   what it `requires` a drafter to handle (`multimodal_window`: rows whose consumed token is an
   encoder embedding; `mrope_positions`: `[3, N]` RoPE positions);
 - how the runner turns chat prompts into its inputs (`render_prompts`: token ids, plus the
-  family's extra inputs such as pixel values).
+  family's extra inputs such as pixel values; `prompt_encoder`: the same one conversation at a
+  time) and whether those prompts may hold images (`takes_images`: an image suite such as
+  MMStar needs it).
 
 A drafter kind declares the other side (`DrafterSpec.needs`, `DrafterSpec.handles`);
 `check_pair` refuses a pair that does not fit with a one-line error, before anything is
@@ -41,6 +43,16 @@ class FamilySpec:
     models: ClassVar[dict[str, type]] = {}
     provides: ClassVar[frozenset[str]] = FEATURES
     requires: ClassVar[frozenset[str]] = frozenset()
+    # Whether this family's prompts may hold image parts (its prompt encoder reads them).
+    takes_images: ClassVar[bool] = False
+
+    def prompt_encoder(self, target_path: str) -> Any:
+        """An encoder of one conversation at a time, its tokenizer (or processor) loaded once:
+        `.tokenizer`, and `.encode(conv, name, template_kwargs, base_dir) -> Prompt` (the whole
+        prompt, never cut). For runs that render prompts as they go (multi-turn suites)."""
+        from draftinfer.prompts import TextPromptEncoder
+
+        return TextPromptEncoder(target_path)
 
     def render_prompts(
         self, named: list[tuple[str, list[dict]]], target_path: str, max_len: int, base_dir

@@ -21,7 +21,6 @@ that ships a processor (`tests/support/vl_data_fixtures.py`); one-line errors fo
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -36,12 +35,11 @@ from draftinfer.proposer import FirstPass
 from draftinfer.reference import reference_generate
 from draftinfer.registry import drafter_spec
 from draftinfer.sampling import SamplingParams
-from draftinfer.slots import Slots
 from draftinfer.window import TokenEmbeds
-from drafttrain.registry import InitContext, train_spec
 from tests.support.kind_factories import kinds_for_family, randomized, servable
 from tests.support.round_logits import compare_round_logits, record_fast, record_reference
 from tests.support.utils import assert_close
+from tests.support.vl_drafters import build_drafter, target_window, train
 from tests.support.vl_fixtures import IMG, MERGE, image_tokens, mm_inputs, save_tiny_vl
 
 # Every registered kind that fits the family (the kind x family pairs), and the kinds whose
@@ -51,7 +49,6 @@ RECORDED_KINDS = ("eagle3", "ptd")
 MAX_LEN = 96
 N_NEW = 24
 CHUNK = 5  # prefill chunk: images straddle chunk boundaries in the left-padded batch
-TRAIN_STEPS = 60
 
 GRIDS = [[], [[1, 4, 6]], [[1, 4, 4], [1, 6, 4]], [[1, 4, 4]]]
 # Greedy continuations of these (the fixture's random target) repeat a token and switch once.
@@ -155,77 +152,6 @@ def vision_embeds(target, req: int) -> torch.Tensor:
     """The tower's merged embeddings of request `req`'s images, run independently `[N, H]`."""
     m = MM[req]
     return target.encode_images(m["pixel_values"], m["image_grid_thw"])[0]
-
-
-# ---- drafters ----------------------------------------------------------------------------
-class AsTrainTarget:
-    """The native target through what `TrainSpec.init_drafter` reads: sizes, the HF text
-    config (its M-RoPE `rope_parameters`), shared weights, final norm."""
-
-    def __init__(self, target):
-        self.target, self.info = target, target.info
-        self.config = target.config.hf_config.text_config
-        self.layers = target.model.layers
-
-    def shared_weights(self) -> dict[str, torch.Tensor]:
-        return self.target.shared_weights()
-
-    def final_norm_weight(self) -> torch.Tensor:
-        return self.target.model.norm.weight
-
-
-def build_drafter(kind: str, target, cache_dir):
-    """(TrainSpec, train config, drafter) of `kind` for a native VL target, built the way
-    training builds it (identity draft vocabulary, mask token = the last id)."""
-    import datasets
-
-    spec = train_spec(kind)
-    V = target.info.vocab_size
-    fields = {f.name for f in dataclasses.fields(spec.config_class)}
-    wanted = {
-        "num_layers": 1,
-        "draft_vocab_size": V,
-        "ttt_steps": 3,
-        "parallel_k": 4,
-        "mask_token_id": V - 1,
-    }
-    cfg = spec.config_class(**{k: v for k, v in wanted.items() if k in fields})
-    data = datasets.Dataset.from_dict({"input_ids": [list(range(V))], "loss_mask": [[1] * V]})
-    torch.manual_seed(0)
-    d = spec.init_drafter(cfg, InitContext(AsTrainTarget(target), None, data, cache_dir))
-    return spec, cfg, d.eval()
-
-
-def target_window(target, seqs: list[list[int]], mm: list, features):
-    """The native target's prefill over right-padded `seqs` through its `prefill_plan` (what
-    the trainer's target returns for a batch): (ids [B, T], cache_pos [B, T], TargetOutput)."""
-    B, T = len(seqs), max(map(len, seqs))
-    ids = torch.zeros(B, T, dtype=torch.long)
-    cache_pos = torch.full((B, T), -1, dtype=torch.long)
-    for b, s in enumerate(seqs):
-        ids[b, : len(s)] = torch.tensor(s)
-        cache_pos[b, : len(s)] = torch.arange(len(s))
-    rows = torch.arange(B)
-    inputs, rope = target.prefill_plan(ids, cache_pos, rows, mm).chunk(slice(None))
-    return ids, cache_pos, target(inputs, Slots(rows, cache_pos, rope), features)
-
-
-def train(spec, cfg, d, target, seqs: list[list[int]], mm: list) -> torch.nn.Module:
-    """A few Adam steps of the kind's real objective on `seqs` (prompt + the target's greedy
-    continuation), all in one batch."""
-    ids, cache_pos, out = target_window(target, seqs, mm, d.config.features)
-    live = (cache_pos >= 0).long()
-    batch = {"input_ids": ids, "attention_mask": live, "loss_mask": live}
-    obj = spec.objective(d, cfg, "eager")
-    opt = torch.optim.Adam([p for p in d.parameters() if p.requires_grad], lr=3e-3)
-    d.train()
-    torch.manual_seed(1)
-    for _ in range(TRAIN_STEPS):
-        loss, _ = obj(batch, out)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return d.eval().requires_grad_(False)
 
 
 # ---- recording what the target and the drafter receive ---------------------------------

@@ -74,6 +74,8 @@ def test_wheel_holds_every_package_preset_and_zoo_file():
     yamls = {f for f in got if f.endswith(".yaml")}
     assert {"drafttrain/conf/base.yaml", "drafttrain/conf/ptd_eagle3.yaml"} <= yamls
     assert {"drafttrain/conf/drafter/mtp.yaml", "draftinfer/conf/eval/greedy.yaml"} <= yamls
+    # The acceptance suites (data, read by `draftinfer.suites` from the installed package).
+    assert {"draftinfer/conf/eval/standard.yaml", "draftinfer/conf/suite/gsm8k.yaml"} <= yamls
     with zipfile.ZipFile(wheel) as z:
         for name in (
             "draftinfer/zoo/llama-tiny/model.safetensors",
@@ -116,4 +118,15 @@ print(json.dumps({
     runner = run_installed(["-m", "draftinfer", "--cfg", "job"], cwd=tmp_path)
     assert runner.returncode == 0, runner.stderr[-3000:]
     assert "prompts:" in runner.stdout
+    suites = run_installed(
+        [
+            "-c",
+            "from draftinfer.suites import SUITE_DIR, load_suite; "
+            "print(SUITE_DIR, load_suite('gsm8k').dataset)",
+        ],
+        cwd=tmp_path,
+    )
+    assert suites.returncode == 0, suites.stderr[-3000:]
+    suite_dir, dataset = suites.stdout.split()
+    assert Path(suite_dir).resolve().is_relative_to(site.resolve()) and dataset == "openai/gsm8k"
     assert list(tmp_path.iterdir()) == []  # `--cfg job` composes and writes nothing

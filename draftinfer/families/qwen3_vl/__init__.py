@@ -17,29 +17,28 @@ class Qwen3VLFamily(FamilySpec):
     name = "qwen3_vl"
     models = {"Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration}
     requires = frozenset({"multimodal_window", "mrope_positions"})
+    takes_images = True
+
+    def prompt_encoder(self, target_path: str):
+        from draftinfer.families.qwen3_vl.processor import ProcessorPromptEncoder
+
+        return ProcessorPromptEncoder(target_path)
 
     def render_prompts(self, named, target_path: str, max_len: int, base_dir: Path | None):
         """Each conversation through the processor with the generation prompt (image parts
         allowed); a prompt longer than `max_len` is a one-line `DataError` naming it (cutting
         it could split an image)."""
-        from draftinfer.families.qwen3_vl.processor import conversation_inputs, load_processor
-        from draftinfer.prompts import Prompt
-
-        processor = load_processor(target_path)
+        encoder = self.prompt_encoder(target_path)
         out = []
         for name, conv in named:
-            enc = conversation_inputs(
-                processor, conv, add_generation_prompt=True, base_dir=base_dir, sample=name
-            )
-            ids = [int(t) for t in enc.pop("input_ids")]
-            if len(ids) > max_len:
+            prompt = encoder.encode(conv, name, base_dir=base_dir)
+            if len(prompt.ids) > max_len:
                 raise DataError(
-                    f"{name}: prompt of {len(ids)} tokens (image tokens included) does not fit "
-                    f"max_model_len (at most {max_len})"
+                    f"{name}: prompt of {len(prompt.ids)} tokens (image tokens included) does "
+                    f"not fit max_model_len (at most {max_len})"
                 )
-            mm = enc if enc["pixel_values"] is not None else None
-            out.append(Prompt(ids, mm, name))
-        return out, processor.tokenizer
+            out.append(prompt)
+        return out, encoder.tokenizer
 
 
 register_family(Qwen3VLFamily())

@@ -246,8 +246,14 @@ class Encoded:
         }
 
 
-def render_conversation(processor, messages: list[dict[str, Any]], add_generation_prompt: bool):
-    """The chat template's text for `messages` (images stand as placeholders)."""
+def render_conversation(
+    processor,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    template_kwargs: dict[str, Any] | None = None,
+):
+    """The chat template's text for `messages` (images stand as placeholders); `template_kwargs`
+    go to the template (e.g. `enable_thinking`)."""
     if getattr(processor, "chat_template", None) is None:
         raise DataError("the processor has no chat template; VL data needs one")
     shown = []
@@ -263,7 +269,10 @@ def render_conversation(processor, messages: list[dict[str, Any]], add_generatio
             msg = {**msg, "content": content}
         shown.append(msg)
     return processor.apply_chat_template(
-        shown, tokenize=False, add_generation_prompt=add_generation_prompt
+        shown,
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+        **(template_kwargs or {}),
     )
 
 
@@ -275,6 +284,7 @@ def encode_conversation(
     base_dir: Path | None,
     sample: str,
     offsets: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> Encoded:
     """`messages` rendered, its images loaded and the whole run through the processor."""
     from draftinfer.chat import normalize_messages
@@ -285,7 +295,7 @@ def encode_conversation(
         raise DataError(f"{sample}: {e}") from None
     images = conversation_images(messages, base_dir, sample)
     try:
-        text = render_conversation(processor, messages, add_generation_prompt)
+        text = render_conversation(processor, messages, add_generation_prompt, template_kwargs)
     except DataError as e:
         raise DataError(f"{sample}: {e}") from None
     except Exception as e:  # noqa: BLE001 - jinja errors
@@ -324,6 +334,7 @@ def conversation_inputs(
     add_generation_prompt: bool,
     base_dir: Path | None,
     sample: str,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """`input_ids` (list[int] [T]), `pixel_values` (Tensor [N, D] or None), `image_grid_thw`
     (Tensor [n_images, 3] or None) and `mm_token_type_ids` (list[int] [T]) of a conversation
@@ -334,4 +345,35 @@ def conversation_inputs(
         add_generation_prompt=add_generation_prompt,
         base_dir=base_dir,
         sample=sample,
+        template_kwargs=template_kwargs,
     ).as_inputs()
+
+
+class ProcessorPromptEncoder:
+    """The runner's prompts one conversation at a time through the target's processor, loaded
+    once (`FamilySpec.prompt_encoder`): `encode` gives a `draftinfer.prompts.Prompt` whose
+    `mm_inputs` hold the image inputs (None for a text-only conversation)."""
+
+    def __init__(self, target_path: str):
+        self.processor = load_processor(target_path)
+        self.tokenizer = self.processor.tokenizer
+
+    def encode(
+        self,
+        conv: list[dict[str, Any]],
+        name: str = "",
+        template_kwargs: dict[str, Any] | None = None,
+        base_dir: Path | None = None,
+    ):
+        from draftinfer.prompts import Prompt
+
+        enc = conversation_inputs(
+            self.processor,
+            conv,
+            add_generation_prompt=True,
+            base_dir=base_dir,
+            sample=name,
+            template_kwargs=template_kwargs,
+        )
+        ids = [int(t) for t in enc.pop("input_ids")]
+        return Prompt(ids, enc if enc["pixel_values"] is not None else None, name)
