@@ -46,6 +46,11 @@ class FamilySpec:
     # Whether this family's prompts may hold image parts (its prompt encoder reads them).
     takes_images: ClassVar[bool] = False
 
+    def decoder_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        """The language decoder's fields of a target `config.json` (vocabulary, hidden size,
+        layers, positions): the whole config for a text family."""
+        return config
+
     def prompt_encoder(self, target_path: str) -> Any:
         """An encoder of one conversation at a time, its tokenizer (or processor) loaded once:
         `.tokenizer`, and `.encode(conv, name, template_kwargs, base_dir) -> Prompt` (the whole

@@ -389,8 +389,10 @@ def _mtp_check(cfg: dict, tensors: dict, rec: RunRecord, layout: str) -> EngineV
     meta = cfg["drafttrain"]
     assert N == meta["n_predict"] == rec.arch["n_predict"] == rec.state["objective"]["serving_k"]
     assert cfg["architectures"] == (text_config(tc).get("architectures") or tc["architectures"])
-    assert cfg["num_hidden_layers"] == L
-    ours = {k: v for k, v in cfg.items() if k not in ("drafttrain", "num_nextn_predict_layers")}
+    # A stitched multimodal target keeps its decoder's fields nested, as the target had them.
+    body = {**cfg, **text_config(cfg)}
+    assert body["num_hidden_layers"] == L
+    ours = {k: v for k, v in body.items() if k not in ("drafttrain", "num_nextn_predict_layers")}
     theirs = text_config(tc)
     # The target family's own config, field for field (dtype aside): what the engine's
     # `hf_config_override` rewrites into the MTP architecture.

@@ -57,6 +57,7 @@ def _forward_eagle3(model, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 
 def _forward_peagle(model, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    from speculators.losses.eager import kl_div_loss
     from speculators.models.peagle.data import generate_cod_sample_indices
 
     # P-EAGLE samples (anchor, depth) slots at random (COD sampling); with both keep ratios at 1
@@ -71,6 +72,9 @@ def _forward_peagle(model, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     torch.manual_seed(5)
     with torch.no_grad():
         model(
+            # its own eager loss: the default one is a Triton kernel, which failed on the CPU
+            # ("0 active drivers") in a full run
+            loss_config={"kl_div": (kl_div_loss, 1.0)},
             hidden_states=x["hidden_states"],
             input_ids=x["input_ids"],
             document_ids=torch.zeros(1, T, dtype=torch.long),

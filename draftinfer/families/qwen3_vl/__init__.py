@@ -19,6 +19,10 @@ class Qwen3VLFamily(FamilySpec):
     requires = frozenset({"multimodal_window", "mrope_positions"})
     takes_images = True
 
+    def decoder_config(self, config):
+        # The language model's sizes sit under `text_config`; the top level is the wrapper's.
+        return {**config, **(config.get("text_config") or {})}
+
     def prompt_encoder(self, target_path: str):
         from draftinfer.families.qwen3_vl.processor import ProcessorPromptEncoder
 

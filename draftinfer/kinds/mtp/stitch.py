@@ -36,13 +36,15 @@ def target_info(config: dict) -> TargetInfo:
     from draftinfer.families import FAMILIES
 
     archs = config.get("architectures") or []
+    family = FAMILIES.for_architectures(archs)
+    text = family.decoder_config(config)
     return TargetInfo(
-        vocab_size=int(config["vocab_size"]),
-        hidden_size=int(config["hidden_size"]),
-        num_layers=int(config["num_hidden_layers"]),
-        max_position_embeddings=int(config.get("max_position_embeddings", 0)),
+        vocab_size=int(text["vocab_size"]),
+        hidden_size=int(text["hidden_size"]),
+        num_layers=int(text["num_hidden_layers"]),
+        max_position_embeddings=int(text.get("max_position_embeddings", 0)),
         architecture=archs[0] if archs else "",
-        family=FAMILIES.for_architectures(archs).name,
+        family=family.name,
     )
 
 
@@ -52,7 +54,8 @@ def stitch(spec, export_dir: Path, arch, target_dir: Path, out_dir: Path) -> Pat
     if not tcfg_path.is_file():
         raise CheckpointError(f"not a target checkpoint: {tcfg_path} does not exist")
     tcfg = json.loads(tcfg_path.read_text())
-    spec.check_fit(arch, target_info(tcfg))
+    info = target_info(tcfg)
+    spec.check_fit(arch, info)
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"output directory {out} exists and is not empty")
     tmp = out.with_name(out.name + ".tmp")
@@ -71,7 +74,7 @@ def stitch(spec, export_dir: Path, arch, target_dir: Path, out_dir: Path) -> Pat
             with safe_open(str(tmp / shard), framework="pt") as f:
                 index = {"metadata": {}, "weight_map": {k: shard for k in f.keys()}}
         weight_map = index["weight_map"]
-        L = int(tcfg["num_hidden_layers"])
+        L = info.num_layers  # the decoder's (a multimodal family nests it)
         stale = [k for k in weight_map if _layer(k) is not None and _layer(k) >= L]
         if stale:
             raise CheckpointError(f"{target_dir} already holds MTP layers ({stale[0]}, ...)")
