@@ -29,12 +29,27 @@ def pytest_addoption(parser):
 # CI=true it fails the session (`.ci/run` sets it).
 CI_MAY_SKIP = ("gpu", "multi_gpu", "exhaustive")
 _SKIPPED: list[str] = []
+# Measurements a test records (`record_property`) that the run's summary prints, e.g. the max
+# logit difference of each third-party loader check.
+_PRINTED_PROPERTIES = ("max_abs_logit_diff",)
+_MEASURED: list[str] = []
 
 
 def pytest_runtest_logreport(report):
     if report.skipped and not any(m in report.keywords for m in CI_MAY_SKIP):
         reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr
         _SKIPPED.append(f"{report.nodeid}: {reason}")
+    if report.when == "call":
+        for name, value in report.user_properties:
+            if name.endswith(_PRINTED_PROPERTIES):
+                _MEASURED.append(f"{report.nodeid}: {name} = {value:.3e}")
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _MEASURED:
+        terminalreporter.section("measured")
+        for line in _MEASURED:
+            terminalreporter.write_line(line)
 
 
 def pytest_sessionfinish(session, exitstatus):
