@@ -187,6 +187,24 @@ class DrafterSpec:
                 )
 
 
+def copy_shared_weights(
+    params: dict[str, torch.nn.Parameter], shared: dict[str, torch.Tensor], drafter: str
+) -> None:
+    """`DrafterSpec.attach_shared` for a drafter whose parameters `params` (role ->
+    parameter, roles `"input_embeddings"` / `"output_embeddings"`) are copies of the target's:
+    each copied from `shared`, a one-line `CheckpointError` when one is missing or misfits."""
+    for role, param in params.items():
+        t = shared.get(role)
+        if t is None or tuple(t.shape) != tuple(param.shape):
+            got = None if t is None else tuple(t.shape)
+            raise CheckpointError(
+                f"target {role.replace('_', ' ')} {got} do not fit the {drafter} "
+                f"{tuple(param.shape)}"
+            )
+        with torch.no_grad():
+            param.copy_(t)
+
+
 DRAFTERS = NamedRegistry("draftinfer.kinds", CheckpointError, "drafter_kind")
 
 

@@ -11,7 +11,7 @@ from draftinfer.kinds.dflash.config import DFlashConfig
 from draftinfer.kinds.dflash.module import DFlashDrafter
 from draftinfer.kinds.dflash.proposer import DFlashProposer
 from draftinfer.kinds.dflash.speculators import speculators_config, speculators_tensors
-from draftinfer.registry import DrafterSpec, register_drafter
+from draftinfer.registry import DrafterSpec, copy_shared_weights, register_drafter
 
 
 class DFlashSpec(DrafterSpec):
@@ -38,19 +38,10 @@ class DFlashSpec(DrafterSpec):
         }
 
     def attach_shared(self, module, shared: dict[str, torch.Tensor]) -> None:
-        for role, param in (
-            ("input_embeddings", module.embed_tokens.weight),
-            ("output_embeddings", module.lm_head.weight),
-        ):
-            t = shared.get(role)
-            if t is None or tuple(t.shape) != tuple(param.shape):
-                got = None if t is None else tuple(t.shape)
-                raise CheckpointError(
-                    f"target {role.replace('_', ' ')} {got} do not fit the block drafter "
-                    f"{tuple(param.shape)}"
-                )
-            with torch.no_grad():
-                param.copy_(t)
+        roles = {"input_embeddings": module.embed_tokens.weight}
+        copy_shared_weights(
+            {**roles, "output_embeddings": module.lm_head.weight}, shared, "block drafter"
+        )
 
     def check_fit(self, arch, info) -> None:
         if info.num_layers != arch.num_target_layers:

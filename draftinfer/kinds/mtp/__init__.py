@@ -28,7 +28,7 @@ from draftinfer.errors import CheckpointError
 from draftinfer.kinds.mtp.config import MTPConfig
 from draftinfer.kinds.mtp.module import MTPDrafter
 from draftinfer.kinds.mtp.proposer import MTPProposer
-from draftinfer.registry import DrafterSpec, register_drafter
+from draftinfer.registry import DrafterSpec, copy_shared_weights, register_drafter
 
 log = logging.getLogger(__name__)
 _OWN = re.compile(r"^layers\.(\d+)\.(enorm|hnorm|eh_proj|norm|block)\.(.*)$")
@@ -92,19 +92,10 @@ class MTPSpec(DrafterSpec):
         return out
 
     def attach_shared(self, module, shared: dict[str, torch.Tensor]) -> None:
-        for role, param in (
-            ("input_embeddings", module.embed_tokens.weight),
-            ("output_embeddings", module.lm_head.weight),
-        ):
-            t = shared.get(role)
-            if t is None or tuple(t.shape) != tuple(param.shape):
-                got = None if t is None else tuple(t.shape)
-                raise CheckpointError(
-                    f"target {role.replace('_', ' ')} {got} do not fit the MTP drafter "
-                    f"{tuple(param.shape)}"
-                )
-            with torch.no_grad():
-                param.copy_(t)
+        roles = {"input_embeddings": module.embed_tokens.weight}
+        copy_shared_weights(
+            {**roles, "output_embeddings": module.lm_head.weight}, shared, "MTP drafter"
+        )
 
     def stitch(self, export_dir, arch, target_dir, out_dir):
         from draftinfer.kinds.mtp.stitch import stitch
