@@ -22,3 +22,19 @@ def draft_step_positions(base_positions: torch.Tensor, step: int) -> torch.Tenso
     if step < 0:
         raise ValueError(f"draft step must be >= 0, got {step}")
     return base_positions + step  # a new tensor, never an in-place update
+
+
+def block_positions(last_positions: torch.Tensor, n: int) -> torch.Tensor:
+    """RoPE positions of a block drafter's `n` slots `[..., n]` from the position of the last
+    row the drafter has as context (`[...]`, or `[3, ...]` for M-RoPE): the anchor (slot 0, the
+    last committed token) sits one past it and slot s at the anchor's + s, on every axis
+    (convention 13). It is the runner's decode rule (Qwen3-VL: `cache_pos + mrope_delta` on
+    all three axes, since the anchor and the drafts are text tokens whose predecessor is
+    text); slot s is where a chain drafter's draft step `1 + s` of that row sits
+    (`draft_step_positions`). The block drafter's training (`drafttrain.kinds.dflash`) and its
+    proposer and reference loop call this one function.
+    """
+    if n < 1:
+        raise ValueError(f"a block has >= 1 slot, got {n}")
+    steps = torch.arange(1, n + 1, device=last_positions.device)
+    return last_positions[..., None] + steps  # a new tensor, never an in-place update

@@ -35,9 +35,7 @@ def test_capabilities_are_declared_in_the_shared_vocabulary():
 
 # The shipped pairs that do not fit yet, each with the work that would make it fit: a pair is
 # listed here on purpose (and refused in one line), never dropped from the catalogue silently.
-NOT_YET: dict[tuple[str, str], str] = {
-    ("dflash", "qwen3_vl"): "block slots at M-RoPE positions, issue 22 item 5",
-}
+NOT_YET: dict[tuple[str, str], str] = {}
 
 
 @pytest.mark.parametrize("family", registered_families())

@@ -24,9 +24,12 @@ class DFlashSpec(DrafterSpec):
     mode_tensors = frozenset({"hidden_norm.weight"})
     parallel_drafting = True  # one forward drafts the whole block
     needs = frozenset({"layer_inputs"})
-    # Text targets only for now: block slots at M-RoPE positions and multimodal context rows
-    # (issue 22 item 5) are not built, so a Qwen3-VL target is refused by `check_pair`.
-    handles: frozenset[str] = frozenset()
+    # M-RoPE: context rows at the target's `[3, N]` positions, block slot s at the anchor's
+    # + s on every axis (`draftinfer.positions.block_positions`, training and runner alike).
+    # Multimodal windows: a context row is the target's features of its token only (an image
+    # row's taps, DeepStack included, as the layers receive them), and a block embeds the
+    # anchor (a committed, so text, token) and mask tokens: no row consumes a placeholder.
+    handles = frozenset({"multimodal_window", "mrope_positions"})
 
     def conventions(self, arch) -> dict[str, str]:
         # Convention 2 (our taps are layer inputs; the checkpoint's `target_layer_ids` are
@@ -83,6 +86,13 @@ class DFlashSpec(DrafterSpec):
             )
         if arch.causal_block:
             notes.append("Causal block (JetSpec, `dflash_config.causal: true`): vLLM only.")
+        if arch.rope_scaling and "mrope_section" in arch.rope_scaling:
+            notes.append(
+                "M-RoPE drafter (a Qwen3-VL target): context rows at the target's `[3, N]` "
+                "positions, block slot s at the anchor's position + s on all three axes. vLLM "
+                "refuses it as written (no parallel drafting with M-RoPE); see the notes below "
+                "for what it does without `mrope_section` and how to measure that."
+            )
         if "sliding_attention" in arch.layer_types and "full_attention" in arch.layer_types:
             notes.append(
                 "Sliding and full layers mixed: vLLM needs its model runner V2 "

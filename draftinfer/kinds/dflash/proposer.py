@@ -42,6 +42,7 @@ from draftinfer.kv_cache import (
     write_index,
 )
 from draftinfer.layers import causal_attention
+from draftinfer.positions import block_positions
 from draftinfer.proposer import DraftChooser, FirstPass, Proposer, greedy_chooser, last_valid
 from draftinfer.slots import Slots
 
@@ -189,7 +190,7 @@ class DFlashProposer(Proposer):
         s = torch.arange(k + 1, device=dev)
         live = live_row[:, None] & (s[None] <= num_drafts[:, None])  # [B, k + 1]
         cache = torch.where(live, anchor[:, None] + s[None], -1)
-        rope = (fp.rope_pos[..., ar, last] + 1)[..., None] + s  # [B, k+1] / [3, B, k+1]
+        rope = block_positions(fp.rope_pos[..., ar, last], k + 1)  # [B, k+1] / [3, B, k+1]
         ids = torch.full((B, k + 1), d.config.mask_token_id, dtype=torch.long, device=dev)
         ids[:, 0] = anchor_ids
         block_end = anchor + torch.where(live_row, num_drafts, -1)
@@ -239,7 +240,7 @@ class DFlashProposer(Proposer):
 
         block = torch.full((1, n + 1), c.mask_token_id, dtype=torch.long, device=dev)
         block[0, 0] = ids[-1]
-        pos = (rope_pos[..., -1:] + 1 + s)[..., None, :]  # [1, n+1] / [3, 1, n+1]
+        pos = block_positions(rope_pos[..., -1], n + 1)[..., None, :]  # [1, n+1] / [3, 1, n+1]
         normed = d(block, pos, attn_fn, n + 1)
         ids_t = d.draft_vocab_ids()
         drafts, qs = [], []

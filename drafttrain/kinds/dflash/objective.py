@@ -37,8 +37,9 @@ from torch.utils.checkpoint import checkpoint
 from draftinfer.kinds.dflash import DFlashDrafter
 from draftinfer.kinds.dflash.attention import CONTEXT, PAD
 from draftinfer.kinds.dflash.module import selector_logits
+from draftinfer.positions import block_positions
 from draftinfer.target import TargetOutput
-from draftinfer.window import shift_left
+from draftinfer.window import TokenEmbeds, shift_left
 from drafttrain.fused_ce import linear_soft_ce_rows
 from drafttrain.kinds.dflash.blocks import make_block_attention
 from drafttrain.kinds.dflash.config import PAPER_GAMMA, DFlashTrainConfig
@@ -131,7 +132,7 @@ class DFlashObjective:
         ids[..., 0] = input_ids.gather(1, a)
         lead = rope_pos.shape[:-2]
         prev = rope_pos.gather(-1, (a - 1).expand(*lead, B, A))  # [B, A] / [3, B, A]
-        pos = (prev + 1)[..., None] + s  # slot s at pos_{a-1} + 1 + s
+        pos = block_positions(prev, block)  # slot s at pos_{a-1} + 1 + s, the runner's rule
         q_anchor = torch.where(valid, a, PAD)[..., None].expand(B, A, block).reshape(B, -1)
         q_index = torch.where(valid[..., None], a[..., None] + s, PAD + s).reshape(B, -1)
         k_index = torch.cat([torch.arange(T, device=dev).expand(B, T), q_index], 1)
@@ -144,12 +145,19 @@ class DFlashObjective:
         return normed.view(B, A, block, -1)
 
     def anchor_logits(
-        self, ids: torch.Tensor, features: torch.Tensor, rope_pos: torch.Tensor, anchor: int, k: int
+        self,
+        ids: torch.Tensor,
+        features: torch.Tensor,
+        rope_pos: torch.Tensor,
+        anchor: int,
+        k: int,
+        mm: TokenEmbeds | None = None,
     ) -> torch.Tensor:
         """The draft logits training gives for the k drafts after committed row `anchor`
         (row i consumes `ids[i + 1]`, so the anchor token is `ids[anchor + 1]`), with a block of
         k + 1 slots as the runner drafts K = k, and (selector) the ground-truth predecessors
-        `[k, V]` (S9)."""
+        `[k, V]` (S9). `mm` (a multimodal target's window) is not read: context rows are
+        target features only and the block embeds text tokens."""
         d = self.drafter
         a = torch.tensor([[anchor + 1]], device=ids.device)
         h = self.forward_blocks(ids, features, rope_pos, a, k + 1)[0, 0, 1:]  # [k, H]
