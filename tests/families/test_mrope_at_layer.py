@@ -21,7 +21,10 @@ from draftinfer.slots import Slots
 from drafttrain.registry import train_spec
 from tests.support.kind_factories import config_and_drafter_for, kinds_for_family, small_vl_dir
 
-KINDS = kinds_for_family("qwen3_vl")
+# Kinds whose drafter rows sit at the target's positions (+ a draft step); a block drafter's
+# rows enter as context keys only and its queries are block slots: `test_block_mrope.py`
+# checks those, at the layer, against transformers' `get_rope_index`.
+KINDS = [k for k in kinds_for_family("qwen3_vl") if drafter_spec(k).mode != "block drafting"]
 T = 12
 IMAGE = range(3, 9)  # rows of a 2 x 3 merged image grid
 OFFSETS = range(8)  # a layer may sit k draft steps ahead (TTT step / MTP module k: pos + k)
