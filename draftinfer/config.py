@@ -68,6 +68,11 @@ class InferConfig:
     fuse_projections: bool | None = None
     # Replay each round from a CUDA graph (`draftinfer.graphs`; CUDA only, best with compile).
     cuda_graphs: bool = False
+    # How the drafter's rotary reads positions: "native" (as trained: the target's [3, N]
+    # M-RoPE rows for a Qwen3-VL drafter) or "1d" (as an engine that strips `mrope_section`
+    # serves it: plain RoPE at the T row, vLLM's `positions[0]`), to measure the AL that costs
+    # before deploying there (`draftinfer.rope.serve_positions_1d`; an error for a 1-D drafter).
+    drafter_positions: str = "native"
     # "fast" (KV-cached loop) or "reference" (recompute everything each round).
     mode: str = "fast"
     # Also run the reference loop and require token equality with the fast path.

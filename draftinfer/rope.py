@@ -154,9 +154,19 @@ class RotaryEmbedding(nn.Module):
         axis = mrope_axis_of_freq(head_dim, section) if section else None
         self.register_buffer("freq_axis", axis, persistent=False)
 
+        self.first_axis_only = False
+
     @property
     def axes(self) -> int:
         return 1 if self.freq_axis is None else 3
+
+    def read_first_axis(self) -> None:
+        """Rotate every frequency by position row 0 (T) alone, as an engine serves a drafter
+        whose config has no `mrope_section` (`serve_positions_1d`). Still takes `[3, ..., N]`."""
+        if self.freq_axis is None:
+            raise ConfigError("this rotary reads 1-D positions already (no mrope_section)")
+        self.first_axis_only = True
+        self.freq_axis = torch.zeros_like(self.freq_axis)
 
     def reset_parameters(self, device: torch.device | str) -> None:
         """Recompute the tables (e.g. after building the module on the meta device)."""
@@ -165,6 +175,8 @@ class RotaryEmbedding(nn.Module):
             self.freq_axis = mrope_axis_of_freq(self.head_dim, self.scaling["mrope_section"]).to(
                 device
             )
+            if self.first_axis_only:
+                self.freq_axis = torch.zeros_like(self.freq_axis)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         pos = positions.to(torch.float32)
@@ -181,6 +193,31 @@ class RotaryEmbedding(nn.Module):
             freqs = per_axis.gather(0, index)[0]
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos(), emb.sin()
+
+
+POSITION_MODES = ("native", "1d")
+
+
+def serve_positions_1d(module: nn.Module) -> int:
+    """Make a drafter rotate as an engine that strips `mrope_section` serves it: every M-RoPE
+    rotary of `module` reads position row 0 (T) for every frequency, i.e. plain RoPE at the T
+    row of the positions it is given. This is vLLM's path for a draft model without M-RoPE on
+    an M-RoPE target (`vllm/v1/spec_decode/eagle.py`, `_set_positions`: `positions[0]` when
+    the target uses M-RoPE and the draft does not; the draft's `uses_mrope` is read from its
+    own config). Text rows, whose three rows are equal, rotate exactly as before; image rows
+    lose their H/W rows. Returns the number of rotaries changed; a drafter with none (its
+    positions are 1-D already) is a one-line `ConfigError`."""
+    rotaries = [
+        m for m in module.modules() if isinstance(m, RotaryEmbedding) and m.freq_axis is not None
+    ]
+    if not rotaries:
+        raise ConfigError(
+            "drafter_positions=1d: the drafter rotates 1-D positions already (no mrope_section "
+            "in its config), so there is nothing to strip"
+        )
+    for r in rotaries:
+        r.read_first_axis()
+    return len(rotaries)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

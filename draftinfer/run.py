@@ -33,6 +33,7 @@ from draftinfer.metrics import acceptance_length, per_position_acceptance
 from draftinfer.paths import resolve_path
 from draftinfer.prompts import load_prompts
 from draftinfer.report import RunReport
+from draftinfer.rope import POSITION_MODES, serve_positions_1d
 from draftinfer.sampling import SamplingParams
 
 
@@ -90,6 +91,10 @@ def check_infer_config(cfg: InferConfig) -> None:
     for name in ("k", "batch_size", "num_prompts", "max_new_tokens", "prefill_chunk"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.drafter_positions not in POSITION_MODES:
+        raise ConfigError(
+            f"drafter_positions must be one of {POSITION_MODES}, got {cfg.drafter_positions!r}"
+        )
     if cfg.max_model_len < 4:
         raise ConfigError(f"max_model_len must be >= 4, got {cfg.max_model_len}")
     if not cfg.temperature >= 0.0 or not 0.0 < cfg.top_p <= 1.0 or cfg.top_k < -1:
@@ -97,6 +102,15 @@ def check_infer_config(cfg: InferConfig) -> None:
             f"sampling needs temperature >= 0, 0 < top_p <= 1, top_k >= -1; got "
             f"{cfg.temperature}, {cfg.top_p}, {cfg.top_k}"
         )
+
+
+def load_served_drafter(cfg: InferConfig, target, device: torch.device, dtype: torch.dtype):
+    """The exported drafter, attached to the target's shared weights, rotating positions as
+    `cfg.drafter_positions` says."""
+    drafter, _ = load_drafter(cfg.drafter, target.shared_weights(), device=device, dtype=dtype)
+    if cfg.drafter_positions == "1d":
+        serve_positions_1d(drafter)
+    return drafter
 
 
 def run_eval(cfg: InferConfig) -> RunReport:
@@ -124,7 +138,7 @@ def run_eval(cfg: InferConfig) -> RunReport:
         fuse_projections(target)  # one GEMM for q/k/v, one for gate/up (same model)
     spec.check_fit(arch, target.info)
     spec.check_k(arch, cfg.k)
-    drafter, _ = load_drafter(cfg.drafter, target.shared_weights(), device=device, dtype=dtype)
+    drafter = load_served_drafter(cfg, target, device, dtype)
     # The target family renders the prompts: text families through the tokenizer's chat
     # template, a multimodal one through its processor (each prompt carrying `mm_inputs`).
     loaded, tokenizer = load_prompts(
@@ -240,6 +254,7 @@ def run_eval(cfg: InferConfig) -> RunReport:
         tokens_per_s_plain=n_plain / t_plain,
         tokens_per_s_spec=n_spec / t_spec,
         speedup=(n_spec / t_spec) / (n_plain / t_plain),
+        extra={} if cfg.drafter_positions == "native" else {"drafter_positions": "1d"},
     )
     if cfg.report:
         report.write(cfg.report)
@@ -272,6 +287,11 @@ def format_report(r: RunReport) -> str:
         ("k / temperature", f"{r.k} / {r.temperature}"),
         ("prompts / rounds", f"{r.num_prompts}{images} / {r.rounds}"),
         ("acceptance length", f"{r.acceptance_length:.3f}"),
+        *(
+            [("drafter positions", f"{r.extra['drafter_positions']} (engine without M-RoPE)")]
+            if "drafter_positions" in r.extra
+            else []
+        ),
         ("per-position acceptance", pos),
         ("lossless", f"{r.lossless} ({r.lossless_check})"),
         ("tokens/s plain | spec", f"{r.tokens_per_s_plain:.1f} | {r.tokens_per_s_spec:.1f}"),

@@ -121,11 +121,11 @@ def _base_dir(source: str) -> Path | None:
 def run_suites(cfg: InferConfig) -> SuitesReport:
     from tqdm.auto import tqdm
 
-    from draftinfer.checkpoint import load_drafter, read_drafter_config
+    from draftinfer.checkpoint import read_drafter_config
     from draftinfer.engine import SpecDecoder
     from draftinfer.families import family_of
     from draftinfer.loading import load_native_target
-    from draftinfer.run import pick_device, pick_dtype
+    from draftinfer.run import load_served_drafter, pick_device, pick_dtype
 
     temps = check_suites_config(cfg)
     suites = [_with_overrides(load_suite(n), cfg) for n in cfg.eval.suites]
@@ -157,7 +157,7 @@ def run_suites(cfg: InferConfig) -> SuitesReport:
         fuse_projections(target)
     spec.check_fit(arch, target.info)
     spec.check_k(arch, cfg.k)
-    drafter, _ = load_drafter(cfg.drafter, target.shared_weights(), device=device, dtype=dtype)
+    drafter = load_served_drafter(cfg, target, device, dtype)
     renderer = PromptRenderer(family, target_path, cfg.max_model_len)
     first_turns = [
         {
@@ -217,6 +217,13 @@ def run_suites(cfg: InferConfig) -> SuitesReport:
                 "temperature": t,
                 "max_model_len": cfg.max_model_len,
                 "source": src,
+                # Drafts differ when the drafter rotates 1-D (absent when native: old stores
+                # keep resuming).
+                **(
+                    {}
+                    if cfg.drafter_positions == "native"
+                    else {"drafter_positions": cfg.drafter_positions}
+                ),
                 # Every field that changes a request's output; more prompts resume.
                 "suite": {k: v for k, v in dataclasses.asdict(s).items() if k != "num_prompts"},
             }

@@ -219,7 +219,7 @@ def write_model_card(
         json.loads(ev_path.read_text()) if ev_path.is_file() else None,
         runner_reports(out),
         (out / RUNNER_PLOT).is_file(),
-        family.card_notes(spec),
+        family.card_notes(spec, arch),
         read_runner_eval(run),
         read_suites_report(out / SUITES_DIR),
     )

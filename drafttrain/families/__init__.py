@@ -12,7 +12,8 @@ A `TrainFamily` gives
   the target (it stores text features only);
 - `pipeline_tag`: the Hub pipeline tag of its drafters' model cards;
 - `export_fields(target_config)`: extra top-level `config.json` fields of an exported drafter,
-  and `card_notes(spec)`: serving facts the model card states for a drafter of kind `spec`.
+  and `card_notes(spec, arch)`: serving facts the model card states for a drafter of kind
+  `spec`.
 
     family = target_family("zoo:qwen3-vl-tiny")      # reads config.json only
     target = family.target(cfg.target, device)
@@ -51,8 +52,9 @@ class TrainFamily:
     def export_fields(self, target_config: Any) -> dict[str, Any]:
         return {}
 
-    def card_notes(self, spec) -> list[str]:
-        """Serving facts for the model card of a drafter of kind `spec` (a `DrafterSpec`)."""
+    def card_notes(self, spec, arch) -> list[str]:
+        """Serving facts for the model card of a drafter of kind `spec` (a `DrafterSpec`) with
+        architecture `arch` (its config object)."""
         return []
 
     def check_kind(self, spec) -> None:

@@ -686,7 +686,11 @@ def vl_run(vl, tmp_path_factory):
     def get(kind: str) -> dict:
         if kind not in runs:
             out = tmp_path_factory.mktemp(f"vl_{kind}")
-            preset = {"eagle3": "qwen3_vl_eagle3", "ptd": "qwen3_vl_ptd"}[kind]
+            preset = f"qwen3_vl_{kind}"
+            # Taps 1, 2, 3 (layer inputs) in each kind's own field.
+            drafter = {
+                "dflash": ["drafter.target_layer_ids=[0,1,2]", "drafter.block_size=4"],
+            }.get(kind, ["drafter.draft_vocab_size=64", "drafter.aux_layer_ids=[1,2,3]"])
             overrides = [
                 f"target.name_or_path={vl['target']}",
                 f"data.path={vl['data']}",
@@ -696,8 +700,7 @@ def vl_run(vl, tmp_path_factory):
                 "trainer.save_every=0",
                 "data.batch_size=4",
                 "data.eval_batches=1",
-                "drafter.draft_vocab_size=64",
-                "drafter.aux_layer_ids=[1,2,3]",
+                *drafter,
                 "export.verify=false",
             ]
             runs[kind] = run_job(compose_preset(preset, overrides))
@@ -706,13 +709,14 @@ def vl_run(vl, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "ptd"])
+@pytest.mark.parametrize("kind", ["eagle3", "ptd", "dflash"])
 def test_export_carries_what_vllm_reads(vl_run, kind):
     summary = vl_run(kind)
     export = Path(summary["export_dir"])
     c = json.loads((export / "config.json").read_text())
     rope = {"rope_type": "default", "mrope_section": [4, 2, 2], "mrope_interleaved": True}
-    assert c["architectures"] == ["LlamaForCausalLMEagle3"]
+    eagle = kind != "dflash"
+    assert c["architectures"] == (["LlamaForCausalLMEagle3"] if eagle else ["DFlashDraftModel"])
     assert c["rope_scaling"] == rope
     assert c["rope_parameters"] == {**rope, "rope_theta": 10000.0}
     assert c["target_model_type"] == "qwen3_vl"
@@ -720,8 +724,16 @@ def test_export_carries_what_vllm_reads(vl_run, kind):
     assert c["max_position_embeddings"] == 512
     card = (export / "README.md").read_text()
     assert "pipeline_tag: image-text-to-text" in card and "mrope_interleaved: true" in card
+    # vLLM's EAGLE-3 class note only for the architectures vLLM keeps as EAGLE-3.
+    assert ("Eagle3LlamaForCausalLM" in card) == eagle
+    if kind != "eagle3":  # parallel / block drafting: refused by vLLM, 1-D cost measurable
+        assert "does not support M-RoPE yet" in card and "drafter_positions=1d" in card
+        assert "positions[0]" in card
     if kind == "ptd":
-        assert c["parallel_drafting"] is True and "does not support M-RoPE yet" in card
+        assert c["parallel_drafting"] is True
+    if kind == "dflash":
+        assert c["dflash_config"]["target_layer_ids"] == [0, 1, 2]
+        assert "block slot s at the anchor's position + s on all three axes" in card
     # The runner reads the export back (rope strictly parsed, M-RoPE kept).
     from draftinfer.checkpoint import read_drafter_config
 
@@ -778,7 +790,11 @@ def test_bad_image_fails_training_before_anything_is_written(vl, tmp_path):
 def test_presets_point_at_the_zoo_and_the_hub():
     from tests.support.presets import compose_preset
 
-    for name, kind in (("qwen3_vl_eagle3", "eagle3"), ("qwen3_vl_ptd", "ptd")):
+    for name, kind in (
+        ("qwen3_vl_eagle3", "eagle3"),
+        ("qwen3_vl_ptd", "ptd"),
+        ("qwen3_vl_dflash", "dflash"),
+    ):
         cfg = compose_preset(name)
         assert cfg.drafter.kind == kind and cfg.target.name_or_path == "zoo:qwen3-vl-tiny"
         assert cfg.data.path == "zoo:vl_caption" and cfg.data.eval_split == "test"

@@ -44,8 +44,12 @@ class Qwen3VLTrainFamily(TrainFamily):
         # SpecForge's VL drafter configs name the target family this way; engines ignore it.
         return {"target_model_type": target_config.model_type}
 
-    def card_notes(self, spec) -> list[str]:
-        taps = "layer_inputs" in spec.needs  # an EAGLE-style drafter over aux taps
+    def card_notes(self, spec, arch) -> list[str]:
+        taps = "layer_inputs" in spec.needs  # a drafter over aux taps (EAGLE-3, P-EAGLE, DFlash)
+        # vLLM keeps an `eagle3` draft whose architecture starts or ends with `Eagle3`
+        # (`VLLM_SOURCES["eagle_config"]`): the notes on its EAGLE-3 class apply to those only.
+        archs = spec.hf_config(arch).get("architectures") or []
+        eagle = any(a.startswith("Eagle3") or a.endswith("Eagle3") for a in archs)
         notes = [
             "Target family Qwen3-VL: the drafter was trained on the target's own `[3, N]` "
             "interleaved M-RoPE positions"
@@ -54,19 +58,22 @@ class Qwen3VLTrainFamily(TrainFamily):
                 if taps
                 else ""
             )
-            + " and, at rows that consume an image token, that token's vision embedding."
+            + " and, where its rows consume an image token, that token's vision embedding."
         ]
         if taps:
-            notes += [
+            notes.append(
                 "`config.json` carries the target's `mrope_section` with `mrope_interleaved: "
-                "true` under `rope_scaling` and `rope_parameters`: vLLM gives an EAGLE-3 drafter "
+                "true` under `rope_scaling` and `rope_parameters`: vLLM gives a draft model "
                 "3-D positions only when the *draft* config declares M-RoPE "
                 f"(`uses_mrope`, `{VLLM_SOURCES['proposer']}`), and its M-RoPE rotary defaults "
-                f"to the non-interleaved (Qwen2-VL) layout (`{VLLM_SOURCES['rope']}`).",
+                f"to the non-interleaved (Qwen2-VL) layout (`{VLLM_SOURCES['rope']}`)."
+            )
+        if eagle:
+            notes.append(
                 "vLLM loads `LlamaForCausalLMEagle3` and `Eagle3Qwen3vlForCausalLM` with the same "
-                f"class, `Eagle3LlamaForCausalLM` (`{VLLM_SOURCES['registry']}`).",
-            ]
-        else:
+                f"class, `Eagle3LlamaForCausalLM` (`{VLLM_SOURCES['registry']}`)."
+            )
+        if not taps:
             notes.append(
                 "vLLM and SGLang load next-token (MTP) modules only as part of a target "
                 "architecture that ships them, and no Qwen3-VL architecture does: serve this "
@@ -76,7 +83,12 @@ class Qwen3VLTrainFamily(TrainFamily):
             notes.append(
                 "vLLM refuses parallel drafting with an M-RoPE drafter (`_raise_if_mrope`: "
                 '"Speculative Decoding with draft models or parallel drafting does not support '
-                f'M-RoPE yet", `{VLLM_SOURCES["proposer"]}`); serve it with `draftinfer`.'
+                f'M-RoPE yet", `{VLLM_SOURCES["proposer"]}`); serve it with `draftinfer`. With '
+                "`mrope_section` removed from `config.json` vLLM serves it as a text-only draft "
+                '(it warns "Proceeding with text-only speculative decoding") with 1-D '
+                "positions, row T of the target's M-RoPE positions (`_set_positions`: "
+                "`positions[0]`): `python -m draftinfer drafter=<this dir> "
+                "drafter_positions=1d` measures the acceptance that costs on your prompts."
             )
         return notes
 
