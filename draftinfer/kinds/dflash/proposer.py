@@ -13,8 +13,9 @@ A round (`propose`), for a padded batch with no host sync:
    and position `pos_i`) is written to the cache as context (convention 6);
 2. the block `[anchor, MASK x k]`: the anchor is the last committed token (the last live row's
    id, `t_{L-1}`), at cache index `L - 1` and position `pos_{L-2} + 1`, slot `s` at `+ s` on
-   every RoPE axis; slots past a request's draft cap (`num_drafts`: `max_model_len`,
-   `max_tokens`) are padding, so a block near `max_model_len` is capped, never wrapped;
+   every RoPE axis (`draftinfer.positions.block_positions`, training's function too); slots
+   past a request's draft cap (`num_drafts`: `max_model_len`, `max_tokens`) are padding, so
+   a block near `max_model_len` is capped, never wrapped;
 3. one forward of the block over the cache (context strictly before the anchor, the block's
    own slots bidirectionally or causally); slot `s >= 1` gives draft `s`;
 4. drafts are chosen slot by slot (`choose_block`): from the head's logits, or with DFlash2's
