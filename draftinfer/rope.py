@@ -206,14 +206,15 @@ def serve_positions_1d(module: nn.Module) -> int:
     the target uses M-RoPE and the draft does not; the draft's `uses_mrope` is read from its
     own config). Text rows, whose three rows are equal, rotate exactly as before; image rows
     lose their H/W rows. Returns the number of rotaries changed; a drafter with none (its
-    positions are 1-D already) is a one-line `ConfigError`."""
+    positions are 1-D already; or its layers rotate with transformers' classes, as an MTP
+    drafter with `block: hf`) is a one-line `ConfigError`."""
     rotaries = [
         m for m in module.modules() if isinstance(m, RotaryEmbedding) and m.freq_axis is not None
     ]
     if not rotaries:
         raise ConfigError(
-            "drafter_positions=1d: the drafter rotates 1-D positions already (no mrope_section "
-            "in its config), so there is nothing to strip"
+            "drafter_positions=1d: the drafter has no M-RoPE rotary of draftinfer's (1-D "
+            "positions already, or its layers rotate with another class), nothing to strip"
         )
     for r in rotaries:
         r.read_first_axis()

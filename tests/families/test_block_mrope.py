@@ -210,7 +210,7 @@ def test_serve_positions_1d_is_plain_rope_at_the_t_row():
     d.rotary.reset_parameters("cpu")  # (meta-device builds recompute the tables: still T only)
     torch.testing.assert_close(d.rotary(pos)[0], hc, **TOL)
     _, text_drafter = config_and_drafter_for(KIND, small_target_dir("1d"))
-    with pytest.raises(ConfigError, match="1-D positions already") as e:
+    with pytest.raises(ConfigError, match="no M-RoPE rotary") as e:
         serve_positions_1d(text_drafter)
     assert "\n" not in str(e.value)
 
