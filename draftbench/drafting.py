@@ -92,6 +92,26 @@ def time_round(proposer, batch: int, context: int, k: int, device, shape, repeat
     return statistics.median(times)
 
 
+def profile_round(proposer, batch: int, context: int, k: int, device, shape) -> str:
+    """The top CUDA kernels (total time over 5 rounds) of a round as `time_round` runs it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from draftinfer.slots import attn_bucket
+
+    fp = first_pass(batch, context, k // 2 + 1, k + 1, shape, device, proposer.drafter)
+    caps = torch.full((batch,), k, dtype=torch.long, device=device)
+    attn_len = attn_bucket(context + 2 * k + 2, proposer.max_seq_len)
+    proposer.propose(fp, caps, k, attn_len=attn_len)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            proposer.propose(fp, caps, k, attn_len=attn_len)
+        torch.cuda.synchronize()
+    return prof.key_averages().table(
+        sort_by="cuda_time_total", row_limit=18, max_name_column_width=70
+    )
+
+
 def check(kind: str, proposer, device, shape) -> bool:
     """Drafts of the cached proposer == its no-cache reference (greedy, one request)."""
     from draftinfer.proposer import greedy_chooser
@@ -115,6 +135,14 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--kinds", default="eagle3,ptd,mtp,dflash")
+    ap.add_argument(
+        "--compile", action="store_true", help="compile the proposers as the engine does"
+    )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="print each kind's top CUDA kernels over rounds at its largest K and batch",
+    )
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     if a.device == "cuda" and not torch.cuda.is_available():
@@ -157,9 +185,16 @@ def main() -> int:
             return 1
         for b in batches:
             prop = make(d, b, max_len, device, dtype)
+            if a.compile:
+                prop.compile(dynamic=True)  # as `SpecDecoder(compile=True)` does
             for k in [k for k in ks if servable(kind, d, k)]:
                 ms = time_round(prop, b, a.context, k, device, shape, a.repeats)
                 results["rows"].append({"kind": kind, "batch": b, "k": k, "ms": round(ms, 4)})
+            if a.profile and b == max(batches) and device.type == "cuda":
+                k = max(k for k in ks if servable(kind, d, k))
+                table = profile_round(prop, b, a.context, k, device, shape)
+                results[f"profile_{kind}_b{b}_k{k}"] = table
+                print(f"{kind} batch {b} K={k}: top CUDA kernels\n{table}", flush=True)
         del d
     lines = [
         f"drafting time per round (ms), {results['shape']} drafters, {results['device']}, "
