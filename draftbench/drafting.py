@@ -1,6 +1,7 @@
 """Drafting time per round against K: parallel drafting (`ptd`, one forward), EAGLE-3 chain
-drafting (K forwards) and multi-layer MTP (`mtp`, N=3 distinct full-size decoder layers,
-K a multiple of N), side by side in one run, on 8B-shaped drafters.
+drafting (K forwards), multi-layer MTP (`mtp`, N=3 distinct full-size decoder layers,
+K a multiple of N) and the block drafter (`dflash`, 5 target-sized layers, one forward over
+K + 1 block slots), side by side in one run, on 8B-shaped drafters.
 
     python -m draftbench.drafting --out docs/results/bench_drafting.json
     python -m draftbench.drafting --device cpu --tiny      # smoke test
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from draftbench.shapes import DRAFT_VOCAB, LLAMA31_8B, TINY, drafter_arch, hf_config_dict
+from draftbench.shapes import DRAFT_VOCAB, LLAMA31_8B, TINY, bench_drafter_arch, drafter_arch
 
 SHAPES = {
     "llama3-8b": drafter_arch(LLAMA31_8B, DRAFT_VOCAB["llama3.1-8b"]),
@@ -33,17 +34,12 @@ SHAPES = {
 TARGETS = {"llama3-8b": LLAMA31_8B, "tiny": TINY}
 
 
-def build(kind: str, shape: dict, target: dict, k_max: int, device, dtype):
+def build(kind: str, target: dict, draft_vocab: int, k_max: int, device, dtype):
     from draftinfer.registry import drafter_spec
 
     torch.manual_seed(0)
-    common = dict(shape)
-    if kind == "ptd":
-        common.update(num_hidden_layers=2, mask_token_id=0, parallel_k=k_max)
-    if kind == "mtp":
-        common = dict(n_predict=3, target_config=hf_config_dict(target))
     spec = drafter_spec(kind)
-    d = spec.build(spec.config_class(**common))
+    d = spec.build(spec.config_class(**bench_drafter_arch(kind, target, draft_vocab, k_max)))
     with torch.no_grad():
         for p in d.parameters():
             if p.dim() > 1:
@@ -96,6 +92,26 @@ def time_round(proposer, batch: int, context: int, k: int, device, shape, repeat
     return statistics.median(times)
 
 
+def profile_round(proposer, batch: int, context: int, k: int, device, shape) -> str:
+    """The top CUDA kernels (total time over 5 rounds) of a round as `time_round` runs it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from draftinfer.slots import attn_bucket
+
+    fp = first_pass(batch, context, k // 2 + 1, k + 1, shape, device, proposer.drafter)
+    caps = torch.full((batch,), k, dtype=torch.long, device=device)
+    attn_len = attn_bucket(context + 2 * k + 2, proposer.max_seq_len)
+    proposer.propose(fp, caps, k, attn_len=attn_len)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            proposer.propose(fp, caps, k, attn_len=attn_len)
+        torch.cuda.synchronize()
+    return prof.key_averages().table(
+        sort_by="cuda_time_total", row_limit=18, max_name_column_width=70
+    )
+
+
 def check(kind: str, proposer, device, shape) -> bool:
     """Drafts of the cached proposer == its no-cache reference (greedy, one request)."""
     from draftinfer.proposer import greedy_chooser
@@ -118,7 +134,15 @@ def main() -> int:
     ap.add_argument("--ks", default="2,3,4,5,6,7,8")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--kinds", default="eagle3,ptd,mtp")
+    ap.add_argument("--kinds", default="eagle3,ptd,mtp,dflash")
+    ap.add_argument(
+        "--compile", action="store_true", help="compile the proposers as the engine does"
+    )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="print each kind's top CUDA kernels over rounds at its largest K and batch",
+    )
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     if a.device == "cuda" and not torch.cuda.is_available():
@@ -151,7 +175,8 @@ def main() -> int:
         return True
 
     for kind in kinds:
-        d = build(kind, shape, target, max(ks + [4]), device, dtype)
+        vocab = DRAFT_VOCAB["tiny" if a.tiny else "llama3.1-8b"]
+        d = build(kind, target, vocab, max(ks + [4]), device, dtype)
         make = drafter_spec(kind).proposer_class
         ok = check(kind, make(d, 1, max_len, device, dtype), device, shape)
         results[f"{kind}_matches_reference"] = ok
@@ -160,9 +185,16 @@ def main() -> int:
             return 1
         for b in batches:
             prop = make(d, b, max_len, device, dtype)
+            if a.compile:
+                prop.compile(dynamic=True)  # as `SpecDecoder(compile=True)` does
             for k in [k for k in ks if servable(kind, d, k)]:
                 ms = time_round(prop, b, a.context, k, device, shape, a.repeats)
                 results["rows"].append({"kind": kind, "batch": b, "k": k, "ms": round(ms, 4)})
+            if a.profile and b == max(batches) and device.type == "cuda":
+                k = max(k for k in ks if servable(kind, d, k))
+                table = profile_round(prop, b, a.context, k, device, shape)
+                results[f"profile_{kind}_b{b}_k{k}"] = table
+                print(f"{kind} batch {b} K={k}: top CUDA kernels\n{table}", flush=True)
         del d
     lines = [
         f"drafting time per round (ms), {results['shape']} drafters, {results['device']}, "

@@ -57,8 +57,7 @@ from draftbench.shapes import (
     QWEN3_VL_8B,
     TINY,
     TINY_VL,
-    drafter_arch,
-    hf_config_dict,
+    bench_drafter_arch,
     random_llama_target,
     vl_native_shape,
 )
@@ -92,12 +91,7 @@ def build_drafter(kind: str, target, shape: dict, draft_vocab: int, k_max: int, 
     from draftinfer.registry import drafter_spec
 
     spec = drafter_spec(kind)
-    if kind == "mtp":  # N = 3 modules over the target's own layer shape, full vocabulary
-        arch = {"n_predict": 3, "target_config": hf_config_dict(shape)}
-    else:
-        arch = drafter_arch(shape, draft_vocab)
-    if kind == "ptd":
-        arch.update(num_hidden_layers=2, mask_token_id=0, parallel_k=k_max)
+    arch = bench_drafter_arch(kind, shape, draft_vocab, k_max)
     torch.manual_seed(1)
     d = spec.build(spec.config_class(**arch))
     with torch.no_grad():
@@ -348,7 +342,7 @@ def bench_target(name: str, a, device, dtype, batches, ks, kinds) -> dict:
         target = random_llama_target(shape, device, dtype, max(batches), max_len)
         dshape = shape
     drafters = {
-        kind: build_drafter(kind, target, dshape, DRAFT_VOCAB[name], max(ks["ptd"]), device, dtype)
+        kind: build_drafter(kind, target, dshape, DRAFT_VOCAB[name], max(ks[kind]), device, dtype)
         for kind in kinds
     }
     res["build_s"] = round(time.perf_counter() - t0, 1)
@@ -498,7 +492,9 @@ def main() -> int:
     )
     ap.add_argument("--batches", default="1,8")
     ap.add_argument(
-        "--ks", default="", help="override every K list (2,3) or per kind (eagle3:3,ptd:4,mtp:3)"
+        "--ks",
+        default="",
+        help="override every K list (2,3) or per kind (eagle3:3,ptd:4,mtp:3,dflash:7)",
     )
     ap.add_argument("--kinds", default="eagle3,ptd,mtp")
     ap.add_argument("--context", type=int, default=600)
@@ -541,10 +537,20 @@ def main() -> int:
     if unknown:
         ap.error(f"unknown target {unknown[0]!r} (known: {', '.join(TARGETS)})")
     batches = [int(x) for x in a.batches.split(",")]
-    ks = {"eagle3": list(range(1, 8)), "ptd": list(range(2, 9)), "mtp": [3, 6]}
-    if a.ks and ":" in a.ks:  # per kind: eagle3:3,ptd:4,mtp:3
-        per = [x.split(":") for x in a.ks.split(",")]
-        ks = {kind: [int(k) for kk, k in per if kk == kind] or ks[kind] for kind in ks}
+    ks = {
+        "eagle3": list(range(1, 8)),
+        "ptd": list(range(2, 9)),
+        "mtp": [3, 6],
+        "dflash": [7, 15],
+    }
+    if a.ks and ":" in a.ks:  # per kind: eagle3:3,ptd:4,mtp:3,dflash:7,15
+        per, kind = [], None
+        for x in a.ks.split(","):
+            kind, k = x.split(":") if ":" in x else (kind, x)
+            if kind is None:
+                ap.error(f"--ks {a.ks!r}: {x!r} names no kind (kind:K first)")
+            per.append((kind, int(k)))
+        ks = {kind: [k for kk, k in per if kk == kind] or ks[kind] for kind in ks}
     elif a.ks:
         ks = {kind: [int(x) for x in a.ks.split(",")] for kind in ks}
     kinds = a.kinds.split(",")

@@ -166,6 +166,44 @@ def drafter_arch(target: dict, draft_vocab: int) -> dict:
     )
 
 
+def bench_drafter_arch(kind: str, target: dict, draft_vocab: int, k_max: int) -> dict:
+    """The config fields of the drafter each benchmark builds for `kind` at a target shape:
+    EAGLE-3 one layer; ptd two layers drafting up to `k_max`; mtp N = 3 modules over the
+    target's own layer shape and vocabulary; dflash the published 8B recipe's shape (5 target-
+    sized layers, the default 5 taps) with a block of `k_max + 1` slots."""
+    if kind == "mtp":
+        return {"n_predict": 3, "target_config": hf_config_dict(target)}
+    if kind == "dflash":
+        from draftinfer.kinds.dflash.taps import default_dflash_ids, tap_of_dflash_id
+
+        L = target["num_layers"]
+        return dict(
+            {k: v for k, v in drafter_arch(target, draft_vocab).items() if k in _DFLASH_FIELDS},
+            vocab_size=target["vocab_size"],
+            num_target_layers=L,
+            tap_layer_ids=[tap_of_dflash_id(t) for t in default_dflash_ids(L, min(5, L - 3))],
+            num_hidden_layers=5,
+            block_size=k_max + 1,
+            mask_token_id=0,
+        )
+    arch = drafter_arch(target, draft_vocab)
+    if kind == "ptd":
+        arch.update(num_hidden_layers=2, mask_token_id=0, parallel_k=k_max)
+    return arch
+
+
+_DFLASH_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rope_theta",
+    "rope_scaling",
+    "max_position_embeddings",
+)
+
+
 def random_llama_target(shape: dict, device, dtype, max_batch: int, max_len: int):
     """A native Llama-shaped target of `shape` (NativeConfig fields) with random weights
     (norms 1, the rest N(0, 0.02), seed 0) and caches for `max_batch` x `max_len`."""

@@ -20,14 +20,13 @@ def pytest_addoption(parser):
     parser.addoption(
         "--exhaustive",
         action="store_true",
-        help="also run the `exhaustive` tests (long statistical runs, minutes each)",
+        help="statistical tests run every case with twice the samples (minutes each)",
     )
 
 
-# Marks whose tests may skip in CI: no GPU there, and the exhaustive statistics are opt-in
-# (minutes each; `pytest --exhaustive`). Any other skip means a test CI never runs: under
-# CI=true it fails the session (`.ci/run` sets it).
-CI_MAY_SKIP = ("gpu", "multi_gpu", "exhaustive")
+# Marks whose tests may skip in CI: no GPU there. Any other skip means a test CI never runs:
+# under CI=true it fails the session (`.ci/run` sets it).
+CI_MAY_SKIP = ("gpu", "multi_gpu")
 _SKIPPED: list[str] = []
 # Measurements a test records (`record_property`) that the run's summary prints, e.g. the max
 # logit difference of each third-party loader check.
@@ -54,18 +53,13 @@ def pytest_terminal_summary(terminalreporter):
 
 def pytest_sessionfinish(session, exitstatus):
     if _SKIPPED and os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-        print("\nCI runs every test but gpu / multi_gpu / exhaustive ones; these skipped:")
+        print("\nCI runs every test but gpu / multi_gpu ones; these skipped:")
         for line in _SKIPPED:
             print(f"  {line}")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_collection_modifyitems(config, items):
-    if not config.getoption("--exhaustive"):
-        skip_long = pytest.mark.skip(reason="exhaustive statistics: run with --exhaustive")
-        for item in items:
-            if "exhaustive" in item.keywords:
-                item.add_marker(skip_long)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (gpu mark)")

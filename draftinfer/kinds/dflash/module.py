@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftinfer.kinds.dflash.config import DFlashConfig
-from draftinfer.layers import Attention, AttnFn, RMSNorm, SwiGLU
+from draftinfer.layers import Attention, AttnFn, RMSNorm, SwiGLU, head_logits
 from draftinfer.rope import RotaryEmbedding, apply_rope
 
 
@@ -218,7 +218,7 @@ class DFlashDrafter(nn.Module):
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
         """`[..., H]` -> full-vocabulary logits `[..., V]` (the target's head)."""
-        return self.lm_head(normed)
+        return head_logits(self.lm_head, normed)
 
     def draft_vocab_ids(self) -> torch.Tensor:
         """A block drafter scores the target's whole vocabulary."""

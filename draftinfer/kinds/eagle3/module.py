@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from draftinfer.kinds.eagle3.config import Eagle3Config
-from draftinfer.layers import Attention, AttnFn, RMSNorm, SwiGLU
+from draftinfer.layers import Attention, AttnFn, RMSNorm, SwiGLU, head_logits
 from draftinfer.rope import RotaryEmbedding
 from draftinfer.vocab import draft_to_target_ids, identity_maps
 from draftinfer.window import TokenEmbeds, token_embeddings
@@ -128,7 +128,7 @@ class Eagle3Drafter(nn.Module):
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
         """`[..., H]` -> draft-vocabulary logits `[..., draft_vocab_size]`."""
-        return self.lm_head(normed)
+        return head_logits(self.lm_head, normed)
 
     def draft_vocab_ids(self) -> torch.Tensor:
         """Target id of every draft id `[Dd]` (`i + d2t[i]`)."""

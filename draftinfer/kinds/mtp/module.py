@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from draftinfer.kinds.mtp.config import MTPConfig
-from draftinfer.layers import AttnFn, DecoderLayer, RMSNorm
+from draftinfer.layers import AttnFn, DecoderLayer, RMSNorm, head_logits
 from draftinfer.rope import RotaryEmbedding
 from draftinfer.window import TokenEmbeds, token_embeddings
 
@@ -123,7 +123,7 @@ class MTPDrafter(nn.Module):
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
         """`[..., H]` -> full-vocabulary logits `[..., V]` (the target's shared head)."""
-        return self.lm_head(normed)
+        return head_logits(self.lm_head, normed)
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """The modules only: the shared embedding and head belong to the target."""
