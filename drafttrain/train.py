@@ -59,6 +59,7 @@ from drafttrain.loop import (
     run_loop,
     warmup_cosine,
 )
+from drafttrain.loss_fns import row_loss
 from drafttrain.losses import data_parallel, metric_values
 from drafttrain.optim import build_optimizer, with_master_weights
 from drafttrain.runner_eval import RunnerEval
@@ -153,6 +154,7 @@ def train(cfg: TrainConfig, keep_logger: bool = False) -> dict[str, Any]:
 
 def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
     tc = cfg.trainer
+    row_loss(tc.loss)  # a bad name fails here, before anything is written
     run_dir = Path(cfg.output_dir)
     fresh = not run_dir.exists()
     ckpt_root = run_dir / "checkpoints"
@@ -211,7 +213,10 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
             optimizer.load_state_dict(ck["optimizer"])
         start_step = restore_loop(ck["state"], scheduler, batches)
     objective = spec.objective(
-        drafter, cfg.drafter, pick_backend(cfg.drafter.attention_backend, device)
+        drafter,
+        cfg.drafter,
+        pick_backend(cfg.drafter.attention_backend, device),
+        row_loss(tc.loss),
     )
     configure_engine(accelerator, tc, -(-cfg.data.batch_size // world))
     wrapped, optimizer = accelerator.prepare(ObjectiveModule(objective, target), optimizer)
