@@ -43,6 +43,8 @@ class TrainSpec:
     name: ClassVar[str] = ""
     config_class: ClassVar[type]
     objective_class: ClassVar[type]
+    # `trainer.loss` when the config leaves it null (docs/results.md, "Losses on the zoo").
+    default_loss: ClassVar[str] = "soft_ce"
 
     def init_drafter(self, cfg: Any, ctx: InitContext):
         raise NotImplementedError

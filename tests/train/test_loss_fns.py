@@ -238,3 +238,11 @@ def test_dflash_row_loss_chosen_twice_is_rejected():
         spec.objective(d, cfg, "eager", LOSSES["tv"])
     assert "drafter.loss=kl and trainer.loss=tv" in str(e.value)
     spec.objective(d, cfg, "eager", LOSSES["dpace"])  # kl + D-PACE weights: fine
+
+
+def test_every_kind_names_a_known_default_loss():
+    """`trainer.loss: null` trains with the kind's `default_loss`: a name `row_loss` knows."""
+    from drafttrain.registry import load_train_kinds
+
+    for name, spec in load_train_kinds().items():
+        assert row_loss(spec.default_loss).name == spec.default_loss, name
