@@ -96,6 +96,12 @@ class TrainerConfig:
     min_lr_ratio: float = 0.1
     grad_clip: float = 1.0
     grad_accum: int = 1
+    # The per-row draft loss of every kind (`drafttrain.loss_fns`): "soft_ce" (soft
+    # cross-entropy against the target's distribution), "kl" (forward KL(p_target || q_draft)),
+    # "tv" (total variation, 1 - the T=1 acceptance rate), "lk" (the LK hybrid of KL and TV),
+    # "dpace" (soft_ce with D-PACE per-position weights in place of the kind's own). null: the
+    # kind's default (`TrainSpec.default_loss`, the one that measured best on the zoo).
+    loss: str | None = None
     # "auto": bf16 autocast on GPU, none on CPU. Or "no" / "bf16".
     mixed_precision: str = "auto"
     # Dtype of the drafter's parameters (and gradients): "float32" or "bfloat16".

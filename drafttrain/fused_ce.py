@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from draftinfer.compiled import cuda_compiled_call
+from drafttrain.loss_fns import SOFT_CE, RowLoss
 
 # Logit values per chunk: rows = CHUNK_ELEMENTS // V (2048 rows of a 32k draft vocabulary).
 CHUNK_ELEMENTS = 1 << 26
@@ -62,30 +63,30 @@ def _group_sums(values: torch.Tensor, group: torch.Tensor, groups: int) -> torch
     return torch.where(group >= 0, values, 0) @ onehot.to(values.dtype)
 
 
-def _forward_chunk(z, probs, rows, top1):
+def _forward_chunk(z, probs, rows, top1, loss):
     """z `[c, V]` logits; the chunk's labels are `probs[rows]` (read inside: on CUDA the
-    gather fuses into the kernel, no `[c, V]` copy) -> (lse `[c]`, ce `[c]` fp32, hit `[c]`
-    fp32: argmax z == `top1[rows]`)."""
+    gather fuses into the kernel, no `[c, V]` copy) -> (lse `[c]`, the loss `[c]` fp32 (soft
+    cross-entropy `-sum p * log_softmax(z)`, or the `RowLoss` given), hit `[c]` fp32: argmax
+    z == `top1[rows]`)."""
     zf, pf = z.float(), probs[rows].float()
     lse = torch.logsumexp(zf, dim=-1)
-    ce = ((lse[:, None] - zf) * pf).sum(-1)  # -sum p * log_softmax(z)
-    return lse, ce, (z.argmax(-1) == top1[rows]).float()
+    return lse, loss.value(zf, lse, pf), (z.argmax(-1) == top1[rows]).float()
 
 
-def _forward_grad_chunk(z, probs, rows, top1, group):
-    """`_forward_chunk` plus the unscaled logit gradient `softmax(z) * sum(p) - p` `[c, V]` in
-    z's dtype (`_backward_chunk` with scale 1), exactly 0 on rows no group counts
-    (`group < 0`). One compiled kernel on CUDA: the two calls inline into it."""
-    lse, ce, hit = _forward_chunk(z, probs, rows, top1)
-    return lse, ce, hit, _backward_chunk(z, lse, probs, rows, (group >= 0).float())
+def _forward_grad_chunk(z, probs, rows, top1, s, loss):
+    """`_forward_chunk` plus the logit gradient scaled by `s` (`_backward_chunk`; s = 1 on
+    counted rows, or their row weight), exactly 0 on rows with s = 0. One compiled kernel on
+    CUDA: the two calls inline into it."""
+    lse, ce, hit = _forward_chunk(z, probs, rows, top1, loss)
+    return lse, ce, hit, _backward_chunk(z, lse, probs, rows, s, loss)
 
 
-def _backward_chunk(z, lse, probs, rows, s):
-    """d(sum_n s_n ce_n) / dz = s * (softmax(z) * sum(p) - p) with p = `probs[rows]`, `[c, V]`
-    in z's dtype; exactly 0 on rows with s = 0 (uncounted rows, whatever their logits)."""
+def _backward_chunk(z, lse, probs, rows, s, loss):
+    """d(sum_n s_n loss_n) / dz = s * `loss.grad` (for soft cross-entropy `softmax(z) *
+    sum(p) - p`) with p = `probs[rows]`, `[c, V]` in z's dtype; exactly 0 on rows with s = 0
+    (uncounted rows, whatever their logits)."""
     pf = probs[rows].float()
-    q = torch.exp(z.float() - lse[:, None])
-    dz = (q * pf.sum(-1, keepdim=True) - pf) * s[:, None]
+    dz = loss.grad(z.float(), lse, pf) * s[:, None]
     return torch.where(s[:, None] != 0, dz, 0.0).to(z.dtype)
 
 
@@ -103,10 +104,12 @@ _ADDMM_OUT_DTYPE = "dtype" in torch.ops.aten.addmm.overloads()
 
 class _LinearSoftCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, probs, rows, top1, group, groups, chunk, dtype, grads):
+    def forward(
+        ctx, hidden, weight, probs, rows, top1, group, groups, chunk, dtype, grads, loss, rw
+    ):
         N = hidden.shape[0]
         dev = hidden.device
-        loss = torch.zeros(groups, dtype=torch.float32, device=dev)
+        total = torch.zeros(groups, dtype=torch.float32, device=dev)
         hits = torch.zeros(groups, dtype=torch.float32, device=dev)
         count = torch.zeros(groups, dtype=torch.float32, device=dev)
         need_h, need_w = ctx.needs_input_grad[0] and grads, ctx.needs_input_grad[1] and grads
@@ -125,18 +128,23 @@ class _LinearSoftCE(torch.autograd.Function):
                 h = hidden[lo:hi].to(dtype)
                 z = F.linear(h, w)  # [c, V]
                 r, g = rows[lo:hi], group[lo:hi]
+                s = (g >= 0).float() * (1.0 if rw is None else rw[lo:hi])  # [c] row scale
                 if early:
-                    _, ce, hit, dz = cuda_compiled_call(_forward_grad_chunk, z, probs, r, top1, g)
+                    _, ce, hit, dz = cuda_compiled_call(
+                        _forward_grad_chunk, z, probs, r, top1, s, loss
+                    )
                     if need_h:
                         grad_h[lo:hi] = dz @ w
                     if need_w:
                         grad_w = _accumulate_mm(grad_w, dz.t(), h)
                 else:
-                    lse[lo:hi], ce, hit = cuda_compiled_call(_forward_chunk, z, probs, r, top1)
-                loss += _group_sums(ce, g, groups)
+                    lse[lo:hi], ce, hit = cuda_compiled_call(
+                        _forward_chunk, z, probs, r, top1, loss
+                    )
+                total += _group_sums(ce if rw is None else ce * rw[lo:hi], g, groups)
                 hits += _group_sums(hit, g, groups)
                 count += _group_sums(torch.ones_like(hit), g, groups)
-        ctx.early, ctx.chunk, ctx.dtype = early, chunk, dtype
+        ctx.early, ctx.chunk, ctx.dtype, ctx.loss = early, chunk, dtype, loss
         if early:
             # Unscaled gradients (d loss[g] / d input); backward only scales them. Only what
             # backward reads is kept: not the hidden states, labels or logit statistics.
@@ -144,9 +152,9 @@ class _LinearSoftCE(torch.autograd.Function):
                 grad_h, None if grad_w is None else grad_w.to(weight.dtype), group
             )
         else:
-            ctx.save_for_backward(hidden, weight, probs, rows, group, lse)
+            ctx.save_for_backward(hidden, weight, probs, rows, group, lse, rw)
         ctx.mark_non_differentiable(hits, count)
-        return loss, hits, count
+        return total, hits, count
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_hits, _grad_count):
@@ -162,8 +170,8 @@ class _LinearSoftCE(torch.autograd.Function):
                 grad_h = (grad_h * scale(group)[:, None]).to(grad_h.dtype)
             if grad_w is not None:  # one group: every counted row has the same scale
                 grad_w = (grad_w * grad_loss[0].float()).to(grad_w.dtype)
-            return (grad_h, grad_w) + (None,) * 8
-        hidden, weight, probs, rows, group, lse = ctx.saved_tensors
+            return (grad_h, grad_w) + (None,) * 10
+        hidden, weight, probs, rows, group, lse, rw = ctx.saved_tensors
         chunk, dtype = ctx.chunk, ctx.dtype
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         N = hidden.shape[0]
@@ -175,14 +183,16 @@ class _LinearSoftCE(torch.autograd.Function):
             for lo in range(0, N, chunk):
                 hi = min(N, lo + chunk)
                 h = hidden[lo:hi].to(dtype)
-                s = scale(group[lo:hi])
+                s = scale(group[lo:hi]) * (1.0 if rw is None else rw[lo:hi])
                 z = F.linear(h, w)  # recomputed, [c, V]
-                dz = cuda_compiled_call(_backward_chunk, z, lse[lo:hi], probs, rows[lo:hi], s)
+                dz = cuda_compiled_call(
+                    _backward_chunk, z, lse[lo:hi], probs, rows[lo:hi], s, ctx.loss
+                )
                 if need_h:
                     grad_h[lo:hi] = dz @ w
                 if need_w:
                     grad_w = _accumulate_mm(grad_w, dz.t(), h)
-        return (grad_h, None if grad_w is None else grad_w.to(weight.dtype)) + (None,) * 8
+        return (grad_h, None if grad_w is None else grad_w.to(weight.dtype)) + (None,) * 10
 
 
 def linear_soft_ce(
@@ -194,29 +204,45 @@ def linear_soft_ce(
     group: torch.Tensor,  # [N] int64: the loss group of each row, -1 = not counted
     groups: int = 1,
     chunk_elements: int = CHUNK_ELEMENTS,
+    loss: RowLoss = SOFT_CE,
+    row_weight: torch.Tensor | None = None,  # [N] fp32, detached: a weight per row
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-group soft cross-entropy sums `[G]` (differentiable), top-1 hits `[G]` and row
-    counts `[G]` (fp32), without keeping `[N, V]` logits (module docstring).
+    counts `[G]` (fp32), without keeping `[N, V]` logits (module docstring). `loss`: another
+    per-row loss of `drafttrain.loss_fns` in place of soft cross-entropy (same machinery: its
+    closed-form logit gradient per chunk). `row_weight`: the loss sums are `sum_n w_n
+    loss_n` (weights known before the call, e.g. D-PACE's from a first pass).
 
     A small problem (`N * V <= min(chunk_elements, PLAIN_ELEMENTS)`: the CPU recipes) runs the
     plain formula, `linear_soft_ce_ref`: its logits are smaller than one chunk, and its numbers
     are bit-for-bit those of the per-row formulation training used before (the golden losses
     of the tiny recipes are pinned to them; the chunked path reassociates the sums)."""
     if hidden.shape[0] * weight.shape[0] <= min(chunk_elements, PLAIN_ELEMENTS):
-        return linear_soft_ce_ref(hidden, weight, probs, rows, top1, group, groups)
+        return linear_soft_ce_ref(
+            hidden, weight, probs, rows, top1, group, groups, loss, row_weight
+        )
     chunk = max(1, chunk_elements // weight.shape[0])
     dtype = _compute_dtype(hidden, weight)
     grads = torch.is_grad_enabled()  # no gradient work in an evaluation pass
+    rw = None if row_weight is None else row_weight.detach().float()
     return _LinearSoftCE.apply(
-        hidden, weight, probs, rows, top1, group, groups, chunk, dtype, grads
+        hidden, weight, probs, rows, top1, group, groups, chunk, dtype, grads, loss, rw
     )
 
 
-def linear_soft_ce_ref(hidden, weight, probs, rows, top1, group, groups: int = 1):
+def linear_soft_ce_ref(
+    hidden, weight, probs, rows, top1, group, groups: int = 1, loss=SOFT_CE, row_weight=None
+):
     """The plain formula, logits materialized (same signature and outputs): per row
-    `-(p * log_softmax(z.float())).sum(-1)`, then one masked sum per group."""
+    `-(p * log_softmax(z.float())).sum(-1)` (or `loss.ref`), times `row_weight`, then one
+    masked sum per group."""
     logits = F.linear(hidden, weight)  # [N, V]
-    ce = -(probs[rows] * F.log_softmax(logits.float(), dim=-1)).sum(-1)  # [N]
+    if loss.is_soft_ce:
+        ce = -(probs[rows] * F.log_softmax(logits.float(), dim=-1)).sum(-1)  # [N]
+    else:
+        ce = loss.ref(logits, probs[rows])
+    if row_weight is not None:
+        ce = ce * row_weight.detach().float()
     hit = logits.argmax(-1) == top1[rows]  # [N]
     loss, hits, count = [], [], []
     for g in range(groups):
@@ -243,7 +269,7 @@ class _LinearSoftCERows(torch.autograd.Function):
     row n by its incoming gradient (any per-row weight, known only after the forward)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, probs, rows, top1, topk, chunk, dtype, grads):
+    def forward(ctx, hidden, weight, probs, rows, top1, topk, chunk, dtype, grads, loss):
         N, dev = hidden.shape[0], hidden.device
         ce = torch.empty(N, dtype=torch.float32, device=dev)
         hit = torch.empty(N, dtype=torch.float32, device=dev)
@@ -256,13 +282,15 @@ class _LinearSoftCERows(torch.autograd.Function):
                 hi = min(N, lo + chunk)
                 z = F.linear(hidden[lo:hi].to(dtype), w)  # [c, V]
                 r = rows[lo:hi]
-                lse, ce[lo:hi], hit[lo:hi] = cuda_compiled_call(_forward_chunk, z, probs, r, top1)
+                lse, ce[lo:hi], hit[lo:hi] = cuda_compiled_call(
+                    _forward_chunk, z, probs, r, top1, loss
+                )
                 logp1[lo:hi] = z.gather(1, top1[r][:, None])[:, 0].float() - lse
                 if topk:
                     cand[lo:hi] = z.topk(topk, dim=-1).indices
                 if grads:
                     ones = torch.ones(hi - lo, dtype=torch.float32, device=dev)
-                    dz = cuda_compiled_call(_backward_chunk, z, lse, probs, r, ones)
+                    dz = cuda_compiled_call(_backward_chunk, z, lse, probs, r, ones, loss)
                     grad_h[lo:hi] = dz @ w
         ctx.save_for_backward(grad_h)
         ctx.mark_non_differentiable(hit, logp1, cand)
@@ -271,7 +299,7 @@ class _LinearSoftCERows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_ce, _hit, _logp1, _cand):
         (grad_h,) = ctx.saved_tensors
-        return ((grad_h * grad_ce[:, None].to(grad_h.dtype)),) + (None,) * 8
+        return ((grad_h * grad_ce[:, None].to(grad_h.dtype)),) + (None,) * 9
 
 
 def linear_soft_ce_rows(
@@ -282,30 +310,37 @@ def linear_soft_ce_rows(
     top1: torch.Tensor,  # [M] int64 argmax of each label row
     topk: int = 0,
     chunk_elements: int = CHUNK_ELEMENTS,
+    loss: RowLoss = SOFT_CE,
 ) -> RowCE:
     """Per-row soft cross-entropy (differentiable w.r.t. `hidden`), top-1 agreement, the
     draft's log-probability of the label's top-1 and (with `topk`) the draft's top-k ids,
     without keeping `[N, V]` logits. The caller weights and sums the rows itself (per-row
     weights that depend on the forward, e.g. D-PACE). Small problems run the plain formula
-    (`linear_soft_ce_rows_ref`); larger ones need a frozen head."""
+    (`linear_soft_ce_rows_ref`); larger ones need a frozen head. `loss`: another per-row loss
+    of `drafttrain.loss_fns` in place of soft cross-entropy (`ce` is then that loss)."""
     if hidden.shape[0] * weight.shape[0] <= min(chunk_elements, PLAIN_ELEMENTS):
-        return linear_soft_ce_rows_ref(hidden, weight, probs, rows, top1, topk)
+        return linear_soft_ce_rows_ref(hidden, weight, probs, rows, top1, topk, loss)
     if weight.requires_grad:
         raise ValueError("linear_soft_ce_rows: the chunked path needs a frozen head")
     chunk = max(1, chunk_elements // weight.shape[0])
     dtype = _compute_dtype(hidden, weight)
     grads = torch.is_grad_enabled() and hidden.requires_grad
     ce, hit, logp1, cand = _LinearSoftCERows.apply(
-        hidden, weight, probs, rows, top1, topk, chunk, dtype, grads
+        hidden, weight, probs, rows, top1, topk, chunk, dtype, grads, loss
     )
     return RowCE(ce, hit.bool(), logp1, cand if topk else None)
 
 
-def linear_soft_ce_rows_ref(hidden, weight, probs, rows, top1, topk: int = 0) -> RowCE:
+def linear_soft_ce_rows_ref(
+    hidden, weight, probs, rows, top1, topk: int = 0, loss: RowLoss = SOFT_CE
+) -> RowCE:
     """The plain formula of `linear_soft_ce_rows` (same arguments), logits materialized."""
     logits = F.linear(hidden, weight)  # [N, V]
     logp = F.log_softmax(logits.float(), dim=-1)
-    ce = -(probs[rows].float() * logp).sum(-1)
+    if loss.is_soft_ce:
+        ce = -(probs[rows].float() * logp).sum(-1)
+    else:
+        ce = loss.ref(logits, probs[rows].float())
     hit = logits.argmax(-1) == top1[rows]
     logp1 = logp.detach().gather(1, top1[rows][:, None])[:, 0]
     cand = logits.detach().topk(topk, dim=-1).indices if topk else None

@@ -9,10 +9,12 @@ A spec answers what `train(cfg)` needs and nothing in `train.py` names a kind:
   (`ctx.target.info`, its config) and initialised (shared embeddings, draft vocabulary, ...);
 - `features(cfg, ctx)`: the drafter's `FeatureSpec` (what it consumes from the target), which
   the offline feature cache (`drafttrain.cache`) writes without building the drafter;
-- `objective(drafter, cfg, backend)`: the training objective, a callable
+- `objective(drafter, cfg, backend, loss)`: the training objective, a callable
   `(batch, TargetOutput) -> (loss, metrics)` with `checkpoint_meta()` (what the export
   records, incl. `serving_k`, the draft length it advertises) and
-  `anchor_logits(ids, features, rope_pos, anchor, k)` (the train/serve parity test S9);
+  `anchor_logits(ids, features, rope_pos, anchor, k)` (the train/serve parity test S9); its
+  rows are scored with `loss` (`trainer.loss`, `drafttrain.loss_fns`), passed to the fused
+  head + loss call;
 - `blocks(drafter)`: the decoder blocks `trainer.compile` and
   `trainer.activation_checkpointing` wrap (`drafttrain.wrap`).
 """
@@ -26,6 +28,7 @@ from typing import Any, ClassVar
 from draftinfer.errors import ConfigError
 from draftinfer.registries import NamedRegistry
 from draftinfer.target import FeatureSpec
+from drafttrain.loss_fns import SOFT_CE, RowLoss
 
 
 @dataclass
@@ -40,6 +43,8 @@ class TrainSpec:
     name: ClassVar[str] = ""
     config_class: ClassVar[type]
     objective_class: ClassVar[type]
+    # `trainer.loss` when the config leaves it null (docs/results.md, "Losses on the zoo").
+    default_loss: ClassVar[str] = "soft_ce"
 
     def init_drafter(self, cfg: Any, ctx: InitContext):
         raise NotImplementedError
@@ -49,8 +54,9 @@ class TrainSpec:
         architecture without building the drafter (vocabulary, weights) overrides this."""
         return self.init_drafter(cfg, ctx).config.features
 
-    def objective(self, drafter, cfg: Any, backend: str):
-        return self.objective_class(drafter, cfg, backend)
+    def objective(self, drafter, cfg: Any, backend: str, loss: RowLoss = SOFT_CE):
+        """The kind's objective, scoring its rows with `loss` (`trainer.loss`)."""
+        return self.objective_class(drafter, cfg, backend, loss=loss)
 
     def blocks(self, drafter) -> list:
         """The drafter's decoder blocks: the modules the trainer compiles and checkpoints from

@@ -59,6 +59,7 @@ from drafttrain.loop import (
     run_loop,
     warmup_cosine,
 )
+from drafttrain.loss_fns import row_loss
 from drafttrain.losses import data_parallel, metric_values
 from drafttrain.optim import build_optimizer, with_master_weights
 from drafttrain.runner_eval import RunnerEval
@@ -153,6 +154,8 @@ def train(cfg: TrainConfig, keep_logger: bool = False) -> dict[str, Any]:
 
 def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
     tc = cfg.trainer
+    if tc.loss is not None:
+        row_loss(tc.loss)  # a bad name fails here, before anything is written
     run_dir = Path(cfg.output_dir)
     fresh = not run_dir.exists()
     ckpt_root = run_dir / "checkpoints"
@@ -210,8 +213,12 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
         if ck["optimizer"] is not None:
             optimizer.load_state_dict(ck["optimizer"])
         start_step = restore_loop(ck["state"], scheduler, batches)
+    loss = row_loss(tc.loss or spec.default_loss)
     objective = spec.objective(
-        drafter, cfg.drafter, pick_backend(cfg.drafter.attention_backend, device)
+        drafter,
+        cfg.drafter,
+        pick_backend(cfg.drafter.attention_backend, device),
+        loss,
     )
     configure_engine(accelerator, tc, -(-cfg.data.batch_size // world))
     wrapped, optimizer = accelerator.prepare(ObjectiveModule(objective, target), optimizer)
@@ -257,6 +264,7 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
                     "drafter_kind": kind,
                     "drafter_config": arch.to_dict(),
                     "objective": objective.checkpoint_meta(),
+                    "loss": loss.name,
                     "world_size": world,
                     "engine_state": engine_state,
                 },

@@ -29,6 +29,7 @@ from draftinfer.target import FeatureSpec
 from draftinfer.window import shift_left
 from drafttrain.config import DrafterTrainConfig
 from drafttrain.fused_ce import linear_soft_ce
+from drafttrain.loss_fns import SOFT_CE
 from drafttrain.losses import DraftLoss
 from drafttrain.registry import TrainSpec, register_train_kind, unregister_train_kind
 from drafttrain.target_head import target_distribution
@@ -185,8 +186,8 @@ class ToyMLPTrainConfig(DrafterTrainConfig):
 
 
 class ToyMLPObjective:
-    def __init__(self, drafter: ToyMLPDrafter, cfg: ToyMLPTrainConfig, backend: str):
-        self.drafter, self.cfg = drafter, cfg
+    def __init__(self, drafter: ToyMLPDrafter, cfg: ToyMLPTrainConfig, backend: str, loss=SOFT_CE):
+        self.drafter, self.cfg, self.loss = drafter, cfg, loss
 
     def unroll(self, input_ids, features, steps):
         """Logits `[B, T, V]` of each chained step: row i at step k consumes t_{i+1+k}."""
@@ -221,6 +222,7 @@ class ToyMLPObjective:
                 rows.flatten(),
                 dist.top1,
                 valid.flatten().long() - 1,
+                loss=self.loss,
             )
             out.add_sums(k, loss_sum[0], hits[0], count[0], 1.0)
         return out.result(loss_mask)

@@ -56,6 +56,7 @@ def _train_cases(env, tmp):
             "not a multiple of num_key_value_heads 3",
         ),
         "zero layers": (["drafter.num_layers=0"], "num_layers must be >= 1"),
+        "unknown loss": (["trainer.loss=focal"], "trainer.loss must be one of"),
         "bad attention backend": (["drafter.attention_backend=fast"], "attention_backend"),
         "missing data": (["data.path=/no/such/data.jsonl"], "does not exist"),
         "no assistant turns": ([f"data.path={no_asst}"], "assistant"),

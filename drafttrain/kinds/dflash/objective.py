@@ -15,7 +15,8 @@ Per sequence of tokens `x_0..x_{T-1}` with target features `f_j` and target posi
   here), counted when `x_{a+k}` is an assistant token inside the sequence; slot 0 is never
   scored;
 - **loss** per row: soft cross-entropy (`loss: ce`) or forward KL at `kd_temperature`, T^2-
-  scaled (`loss: kl`, JetSpec); per-slot weights `exp(-(k-1)/gamma)`, D-PACE from the draft's
+  scaled (`loss: kl`, JetSpec), or `trainer.loss` (`drafttrain.loss_fns`: kl, tv, lk at T=1;
+  `dpace` is soft cross-entropy with D-PACE weights); per-slot weights `exp(-(k-1)/gamma)`, D-PACE from the draft's
   probability of the target's top-1 (`drafttrain.loss_weights`), or uniform. With DFlash2's
   selector, `selector_loss_weight x` its K-way cross-entropy over the draft's top-K candidates
   (the target's top-1 inserted when missing), scored with the ground-truth predecessor
@@ -40,9 +41,11 @@ from draftinfer.kinds.dflash.module import selector_logits
 from draftinfer.positions import block_positions
 from draftinfer.target import TargetOutput
 from draftinfer.window import TokenEmbeds, shift_left
+from drafttrain.errors import ConfigError
 from drafttrain.fused_ce import linear_soft_ce_rows
 from drafttrain.kinds.dflash.blocks import make_block_attention
 from drafttrain.kinds.dflash.config import PAPER_GAMMA, DFlashTrainConfig
+from drafttrain.loss_fns import SOFT_CE
 from drafttrain.loss_weights import dpace_weights, exp_decay_weights
 from drafttrain.losses import DraftLoss
 from drafttrain.target_head import target_distribution
@@ -108,9 +111,17 @@ def gathered_logits(hidden: torch.Tensor, weight: torch.Tensor, cand: torch.Tens
 class DFlashObjective:
     """Every block of a batch in one forward; per-slot weighted loss (module docstring)."""
 
-    def __init__(self, drafter: DFlashDrafter, cfg: DFlashTrainConfig, backend: str):
-        self.drafter, self.cfg, self.backend = drafter, cfg, backend
-        self.gamma = resolve_gamma(cfg) if cfg.loss_weights == "exp_decay" else None
+    def __init__(self, drafter: DFlashDrafter, cfg: DFlashTrainConfig, backend: str, loss=SOFT_CE):
+        self.drafter, self.cfg, self.backend, self.loss = drafter, cfg, backend, loss
+        if cfg.loss != "ce" and not loss.is_soft_ce:
+            raise ConfigError(
+                f"drafter.loss={cfg.loss} and trainer.loss={loss.name} both choose the row "
+                "loss: keep drafter.loss=ce with a trainer.loss other than soft_ce/dpace"
+            )
+        # trainer.loss=dpace: D-PACE row weights, as drafter.loss_weights=dpace.
+        self.dpace = cfg.loss_weights == "dpace" or loss.weights_dpace
+        exp = cfg.loss_weights == "exp_decay" and not self.dpace
+        self.gamma = resolve_gamma(cfg) if exp else None
 
     # -- the forward --------------------------------------------------------------------------
     def forward_blocks(
@@ -194,7 +205,13 @@ class DFlashObjective:
         hf = h.reshape(-1, h.shape[-1])
         sel = d.candidate_selector
         r = linear_soft_ce_rows(
-            hf / temp, d.lm_head.weight, dist.probs, rows, dist.top1, sel.top_k if sel else 0
+            hf / temp,
+            d.lm_head.weight,
+            dist.probs,
+            rows,
+            dist.top1,
+            sel.top_k if sel else 0,
+            loss=self.loss,
         )
         per_row = r.ce
         if c.loss == "kl":  # KL = CE - H(p), T^2-scaled (same gradient as CE, times T)
@@ -209,7 +226,7 @@ class DFlashObjective:
             extra = c.selector_loss_weight * sce.view(B, A, K)
             hit = shit.view(B, A, K)
             metrics["sel_loss"] = (sce.view(B, A, K) * valid).sum() / valid.sum().clamp(min=1)
-        if c.loss_weights == "dpace":
+        if self.dpace:
             row_w = dpace_weights(r.logp_top1.exp().view(B, A, K), valid, c.dpace_alpha)
             slot_w = [1.0] * K
         else:
@@ -259,7 +276,7 @@ class DFlashObjective:
             "serving_k": c.block_size - 1,
             "num_anchors": c.num_anchors,
             "loss": c.loss,
-            "loss_weights": c.loss_weights,
+            "loss_weights": "dpace" if self.dpace else c.loss_weights,
             "gamma": self.gamma,
             "dpace_alpha": c.dpace_alpha,
         }

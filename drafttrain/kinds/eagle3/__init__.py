@@ -18,6 +18,9 @@ class Eagle3TrainSpec(TrainSpec):
     name = "eagle3"
     config_class = Eagle3TrainConfig
     objective_class = Eagle3Objective
+    # D-PACE per TTT chain: +0.052 AL over soft_ce on the zoo (1.827 vs 1.775 at K=3), beyond
+    # the seed-to-seed spread of 0.036 (docs/results.md, "Losses on the zoo").
+    default_loss = "dpace"
 
     def arch(self, cfg, ctx: InitContext):
         """The drafter architecture for `ctx.target` (the kind's config class)."""

@@ -1,4 +1,4 @@
-"""EAGLE-3 training objective: training-time test (TTT) unrolling with soft cross-entropy.
+"""EAGLE-3 training objective: training-time test (TTT) unrolling, scored with `trainer.loss`.
 
 Batch preparation (conventions 1, 4, 5): with target tokens `t_0..t_{T-1}`, target features
 `f_i` (the concatenated aux taps at token `i`) and target positions `pos_i`, drafter row `i`
@@ -12,8 +12,9 @@ at TTT step `k` (0-based)
 
 A row counts in step k's loss when the predicted token `t_{i+2+k}` is an assistant token
 (loss mask) and the target's own top-1 at row `i+1+k` lies in the draft vocabulary (a draft
-model cannot be right where the target's choice is unrepresentable). Step losses are
-weighted by `decay^k`.
+model cannot be right where the target's choice is unrepresentable). Each row's loss is
+`trainer.loss` (`drafttrain.loss_fns`, soft cross-entropy by default); step losses are
+weighted by `decay^k` (by D-PACE per row instead with `trainer.loss=dpace`).
 
 Metrics: per-step accuracy (draft argmax == target argmax over counted rows) and the
 *simulated* acceptance length `1 + sum_k prod_{s<=k} acc_s`, which is what chained greedy
@@ -30,9 +31,10 @@ from draftinfer.rope import rope_from_hf
 from draftinfer.target import TargetOutput
 from draftinfer.window import TokenEmbeds, shift_left
 from drafttrain.errors import ConfigError
-from drafttrain.fused_ce import linear_soft_ce
 from drafttrain.kinds.eagle3.config import Eagle3TrainConfig
+from drafttrain.loss_fns import SOFT_CE
 from drafttrain.losses import DraftLoss
+from drafttrain.position_loss import RowPart, score_positions
 from drafttrain.target_head import target_distribution
 from drafttrain.ttt import TTTAttention
 
@@ -116,8 +118,8 @@ def init_from_target(drafter: Eagle3Drafter, target, d2t: torch.Tensor, t2d: tor
 class Eagle3Objective:
     """Unrolled TTT forward + loss for one batch."""
 
-    def __init__(self, drafter: Eagle3Drafter, cfg: Eagle3TrainConfig, backend: str):
-        self.drafter, self.cfg, self.backend = drafter, cfg, backend
+    def __init__(self, drafter: Eagle3Drafter, cfg: Eagle3TrainConfig, backend: str, loss=SOFT_CE):
+        self.drafter, self.cfg, self.backend, self.loss = drafter, cfg, backend, loss
 
     def unroll_normed(
         self,
@@ -184,7 +186,7 @@ class Eagle3Objective:
             batch["input_ids"], tgt.features, tgt.rope_pos, self.cfg.ttt_steps, TokenEmbeds.of(tgt)
         )
         flat = torch.arange(B * T, device=in_draft.device).view(B, T)
-        out = DraftLoss(in_draft.device)
+        parts = []
         for k, normed in enumerate(normed_per_step):
             # Row i scores the target's distribution at row i+1+k (read through an index, no
             # shifted copy); it counts when t_{i+2+k} is an assistant token and the target's
@@ -193,15 +195,18 @@ class Eagle3Objective:
             valid = torch.zeros_like(loss_mask)
             valid[:, :n] = loss_mask[:, 2 + k :] & in_draft[:, 1 + k : T - 1]
             rows = (flat + 1 + k).clamp(max=B * T - 1)
-            loss_sum, hits, count = linear_soft_ce(
-                normed.flatten(0, 1),
-                d.lm_head.weight,
-                dist.probs,
-                rows.flatten(),
-                dist.top1,
-                valid.flatten().long() - 1,
+            # The anchor of row i's chain is row i itself (D-PACE's layout).
+            position = torch.full_like(flat, k).flatten()
+            parts.append(
+                RowPart(
+                    normed.flatten(0, 1), rows.flatten(), flat.flatten(), position, valid.flatten()
+                )
             )
-            out.add_sums(k, loss_sum[0], hits[0], count[0], self.cfg.ttt_decay**k)
+        out = DraftLoss(in_draft.device)
+        decay = [self.cfg.ttt_decay**k for k in range(len(parts))]
+        score_positions(
+            out, parts, d.lm_head.weight, dist.probs, dist.top1, self.loss, decay, B * T
+        )
         return out.result(loss_mask)
 
     def checkpoint_meta(self) -> dict:

@@ -1,4 +1,4 @@
-"""Multi-layer MTP objective: N modules over the whole sequence, soft cross-entropy each.
+"""Multi-layer MTP objective: N modules over the whole sequence, each scored with `trainer.loss`.
 
 Rows (conventions 1, 4, 5): module k at row i consumes the teacher-forced token `t_{i+k+1}`
 at RoPE position `pos_i + k` (`draft_step_positions`, the runner's function) with `h_in` = the
@@ -7,7 +7,9 @@ target's final hidden state `f_i` for module 0, and module k-1's output at row i
 distribution at row `i+k+1` over the full vocabulary (the head is the target's, frozen).
 Attention is plain causal attention within each module (in the runner, module k's KV cache
 holds exactly these rows). A row counts in module k's loss when `t_{i+k+2}` is an assistant
-token. Module k's loss weight is 1 (`uniform`) or `loss_decay^k` (`geometric`).
+token. A row's loss is `trainer.loss` (`drafttrain.loss_fns`, soft cross-entropy by default);
+module k's loss weight is 1 (`uniform`) or `loss_decay^k` (`geometric`), or D-PACE per row
+(`trainer.loss=dpace`, the anchor being row i).
 
 Metrics: per-module loss and top-1 accuracy (argmax == target argmax), and the simulated
 acceptance length `1 + sum_k prod_{s<=k} acc_s`.
@@ -22,15 +24,16 @@ from draftinfer.positions import draft_step_positions
 from draftinfer.proposer import causal_attn
 from draftinfer.target import TargetOutput
 from draftinfer.window import TokenEmbeds, shift_left
-from drafttrain.fused_ce import linear_soft_ce
 from drafttrain.kinds.mtp.config import MTPTrainConfig
+from drafttrain.loss_fns import SOFT_CE
 from drafttrain.losses import DraftLoss
+from drafttrain.position_loss import RowPart, score_positions
 from drafttrain.target_head import target_distribution
 
 
 class MTPObjective:
-    def __init__(self, drafter: MTPDrafter, cfg: MTPTrainConfig, backend: str):
-        self.drafter, self.cfg, self.backend = drafter, cfg, backend
+    def __init__(self, drafter: MTPDrafter, cfg: MTPTrainConfig, backend: str, loss=SOFT_CE):
+        self.drafter, self.cfg, self.backend, self.loss = drafter, cfg, backend, loss
 
     def module_normed(
         self,
@@ -89,22 +92,20 @@ class MTPObjective:
         mm = TokenEmbeds.of(tgt)
         normed = self.module_normed(batch["input_ids"], tgt.features, tgt.rope_pos, N, mm)
         flat = torch.arange(B * T, device=loss_mask.device).view(B, T)
-        out = DraftLoss(loss_mask.device)
+        parts = []
         for k, x in enumerate(normed):
             # Row i: the target's distribution at i+k+1 (an index, no shifted copy); counted
             # when t_{i+k+2} is an assistant token.
             valid = torch.zeros_like(loss_mask)
             valid[:, : max(T - 2 - k, 0)] = loss_mask[:, 2 + k :]
-            loss_sum, hits, count = linear_soft_ce(
-                x.flatten(0, 1),
-                d.lm_head.weight,
-                dist.probs,
-                (flat + 1 + k).clamp(max=B * T - 1).flatten(),
-                dist.top1,
-                valid.flatten().long() - 1,
-            )
-            weight = 1.0 if c.loss_weights == "uniform" else c.loss_decay**k
-            out.add_sums(k, loss_sum[0], hits[0], count[0], weight)
+            rows = (flat + 1 + k).clamp(max=B * T - 1).flatten()
+            position = torch.full_like(rows, k)  # anchor: row i (D-PACE's layout)
+            parts.append(RowPart(x.flatten(0, 1), rows, flat.flatten(), position, valid.flatten()))
+        out = DraftLoss(loss_mask.device)
+        weights = [1.0 if c.loss_weights == "uniform" else c.loss_decay**k for k in range(N)]
+        score_positions(
+            out, parts, d.lm_head.weight, dist.probs, dist.top1, self.loss, weights, B * T
+        )
         return out.result(loss_mask)
 
     def checkpoint_meta(self) -> dict:

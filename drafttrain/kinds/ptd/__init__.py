@@ -16,6 +16,9 @@ class PTDTrainSpec(Eagle3TrainSpec):
     name = "ptd"
     config_class = PTDTrainConfig
     objective_class = PTDObjective
+    # D-PACE per rollout: +0.097 AL over soft_ce on the zoo (1.796 vs 1.699 at K=4), beyond
+    # the seed-to-seed spread of 0.036 (docs/results.md, "Losses on the zoo").
+    default_loss = "dpace"
 
     def arch(self, cfg, ctx: InitContext):
         vocab = ctx.target.info.vocab_size

@@ -34,7 +34,9 @@ from draftinfer.target import TargetOutput
 from draftinfer.window import TokenEmbeds, shift_left
 from drafttrain.fused_ce import linear_soft_ce
 from drafttrain.kinds.ptd.config import PTDTrainConfig
+from drafttrain.loss_fns import SOFT_CE
 from drafttrain.losses import DraftLoss
+from drafttrain.position_loss import RowPart, dpace_row_weights
 from drafttrain.target_head import target_distribution
 
 PAD_ANCHOR = 1 << 30  # anchor/depth of padding slots: they see depth-0 rows, nobody sees them
@@ -172,10 +174,11 @@ def sample_slots(
 
 
 class PTDObjective:
-    """Rows + sampled mask slots in one forward; soft cross-entropy per depth."""
+    """Rows + sampled mask slots in one forward; `trainer.loss` per depth (`dpace`: D-PACE
+    weights per anchor's rollout, its depth-0 row and its slots)."""
 
-    def __init__(self, drafter: PTDDrafter, cfg: PTDTrainConfig, backend: str):
-        self.drafter, self.cfg, self.backend = drafter, cfg, backend
+    def __init__(self, drafter: PTDDrafter, cfg: PTDTrainConfig, backend: str, loss=SOFT_CE):
+        self.drafter, self.cfg, self.backend, self.loss = drafter, cfg, backend, loss
 
     def forward_slots(
         self,
@@ -298,20 +301,39 @@ class PTDObjective:
         bidx = torch.arange(B, device=src.device)[:, None]
         nxt = (src + 1).clamp(max=T - 1)
         valid = inside & (src + 1 < T) & loss_mask[bidx, nxt] & in_draft[bidx, src]
+        hidden, rows = normed.flatten(0, 1), (bidx * T + src).flatten()
+        group = torch.where(valid, depth, -1).flatten()
+        row_w, shown = None, None
+        if self.loss.weights_dpace:  # an anchor's rollout: its depth-0 row and its slots
+            part = RowPart(
+                hidden,
+                rows,
+                (bidx * T + anchor.clamp(max=T - 1)).flatten(),
+                group.clamp(min=0),
+                valid.flatten(),
+            )
+            w, plain = dpace_row_weights([part], d.lm_head.weight, dist.probs, dist.top1, B * T, K)
+            row_w = w[0]
+            shown = [(plain[0] * (group == dd)).sum() for dd in range(K)]
         loss_sum, hits, count = linear_soft_ce(
-            normed.flatten(0, 1),
+            hidden,
             d.lm_head.weight,
             dist.probs,
-            (bidx * T + src).flatten(),
+            rows,
             dist.top1,
-            torch.where(valid, depth, -1).flatten(),
+            group,
             K,
+            loss=self.loss,
+            row_weight=row_w,
         )
         # Slots per depth (depth 0: every row), counted on the host from the sampled lists.
         per_depth = torch.bincount(torch.cat(depths), minlength=K)
         out = DraftLoss(src.device)
         for dd in range(K):
-            out.add_sums(dd, loss_sum[dd], hits[dd], count[dd], c.depth_decay**dd)
+            w = 1.0 if row_w is not None else c.depth_decay**dd
+            out.add_sums(
+                dd, loss_sum[dd], hits[dd], count[dd], w, None if shown is None else shown[dd]
+            )
             out.metrics[f"slots_{dd}"] = float(B * T if dd == 0 else per_depth[dd])
         return out.result(loss_mask)
 

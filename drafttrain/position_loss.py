@@ -1,0 +1,100 @@
+"""Scoring draft positions with `trainer.loss`, and D-PACE row weights for any layout.
+
+D-PACE (`drafttrain.loss_weights.dpace_weights`) weights draft position k of an *anchor* (a
+TTT chain from one row, a parallel rollout, a block) by the draft's survival probability up
+to k and beyond, from the draft's detached probability of the target's top-1 at every
+position of that anchor. An objective lays its rows out its own way (one tensor per TTT step
+or MTP module, or one flat tensor of rows and slots); it describes each part by the rows'
+anchor id and position, and gets back one weight per row. The weights depend on all
+positions of an anchor, so they come from a first, gradient-free pass over the head
+(`linear_soft_ce_rows` on detached inputs: one more head matmul per row, never the `[N, V]`
+logits on the chunked path); the objective then passes them as `row_weight` to
+`linear_soft_ce`.
+
+`score_positions` is the whole loss call of an objective with one head call per draft
+position (a TTT step, an MTP module): the loss of `drafttrain.loss_fns`, D-PACE weights when
+it asks for them (replacing the kind's own per-position weights), the sums into `DraftLoss`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from drafttrain.fused_ce import linear_soft_ce, linear_soft_ce_rows
+from drafttrain.loss_fns import RowLoss
+from drafttrain.loss_weights import dpace_weights
+from drafttrain.losses import DraftLoss
+
+
+class RowPart(NamedTuple):
+    """Rows of one head call."""
+
+    hidden: torch.Tensor  # [N, H] the head's input
+    rows: torch.Tensor  # [N] int64 label row of each hidden row
+    anchor: torch.Tensor  # [N] int64 anchor id in [0, num_anchors)
+    position: torch.Tensor  # [N] int64 draft position in [0, num_positions)
+    valid: torch.Tensor  # [N] bool: scored rows
+
+
+@torch.no_grad()
+def dpace_row_weights(
+    parts: list[RowPart],
+    weight: torch.Tensor,  # [V, H] the head
+    probs: torch.Tensor,  # [M, V] soft labels
+    top1: torch.Tensor,  # [M] int64 target top-1 of each label row
+    num_anchors: int,
+    num_positions: int,
+    alpha: float = 0.5,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(D-PACE weight `[N]` fp32 per part, 0 on invalid rows; the plain soft cross-entropy
+    `[N]` fp32 per part, for the logged per-position loss)."""
+    dev = probs.device
+    prob = torch.zeros(num_anchors * num_positions, dtype=torch.float32, device=dev)
+    seen = torch.zeros(num_anchors * num_positions, dtype=torch.bool, device=dev)
+    ces, cells = [], []
+    for p in parts:
+        r = linear_soft_ce_rows(p.hidden.detach(), weight.detach(), probs, p.rows, top1)
+        cell = p.anchor * num_positions + p.position
+        cell = torch.where(p.valid, cell, 0)
+        prob.index_put_((cell[p.valid],), r.logp_top1.exp()[p.valid])
+        seen.index_put_((cell[p.valid],), torch.ones_like(cell[p.valid], dtype=torch.bool))
+        ces.append(r.ce)
+        cells.append(cell)
+    w = dpace_weights(
+        prob.view(num_anchors, num_positions), seen.view(num_anchors, num_positions), alpha
+    ).flatten()
+    return [torch.where(p.valid, w[c], 0.0) for p, c in zip(parts, cells)], ces
+
+
+def score_positions(
+    out: DraftLoss,
+    parts: list[RowPart],  # part k: the rows of draft position k
+    weight: torch.Tensor,  # [V, H] the head
+    probs: torch.Tensor,  # [M, V] soft labels
+    top1: torch.Tensor,  # [M] int64
+    loss: RowLoss,
+    position_weights: list[float],  # the kind's own weight of each position
+    num_anchors: int,
+) -> None:
+    """Position k's loss sum, hits and count from `linear_soft_ce` with `loss` into `out`;
+    with a D-PACE loss the rows carry D-PACE weights, every position weighs 1 and `loss_k`
+    logs the plain soft cross-entropy."""
+    row_w, plain = None, None
+    if loss.weights_dpace:
+        row_w, plain = dpace_row_weights(parts, weight, probs, top1, num_anchors, len(parts))
+    for k, p in enumerate(parts):
+        loss_sum, hits, count = linear_soft_ce(
+            p.hidden,
+            weight,
+            probs,
+            p.rows,
+            top1,
+            p.valid.long() - 1,
+            loss=loss,
+            row_weight=None if row_w is None else row_w[k],
+        )
+        shown = None if plain is None else (plain[k] * p.valid).sum()
+        w = 1.0 if row_w is not None else position_weights[k]
+        out.add_sums(k, loss_sum[0], hits[0], count[0], w, reported=shown)
