@@ -19,6 +19,7 @@ from draftinfer.proposer import FirstPass
 from draftinfer.registry import drafter_spec
 from draftinfer.slots import Slots
 from drafttrain.registry import train_spec
+from tests.support.block_positions import hf_rotate
 from tests.support.kind_factories import config_and_drafter_for, kinds_for_family, small_vl_dir
 
 # Kinds whose drafter rows sit at the target's positions (+ a draft step); a block drafter's
@@ -37,33 +38,6 @@ def positions(hw_shift: int = 0) -> torch.Tensor:
     rows += [(3, 3 + y + hw_shift, 3 + x + 2 * hw_shift) for y in range(2) for x in range(3)]
     rows += [(6 + i, 6 + i, 6 + i) for i in range(T - len(rows))]
     return torch.tensor(rows).T[:, None, :].clone()
-
-
-def hf_rotate(d, q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor):
-    """transformers' Qwen3-VL rotary with the drafter's own `mrope_section` and theta:
-    q `[B, T, nq, D]`, k `[B, T, nkv, D]`, pos `[3, B, T]` -> rotated (q, k)."""
-    from transformers import Qwen3VLTextConfig
-    from transformers.models.qwen3_vl.modeling_qwen3_vl import (
-        Qwen3VLTextRotaryEmbedding,
-        apply_rotary_pos_emb,
-    )
-
-    c = d.config
-    D = q.shape[-1]
-    section = list(c.rope_scaling["mrope_section"])
-    assert sum(section) == D // 2
-    hf = Qwen3VLTextConfig(
-        hidden_size=q.shape[-2] * D,
-        num_attention_heads=q.shape[-2],
-        head_dim=D,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": c.rope_theta,
-            "mrope_section": section,
-        },
-    )
-    cos, sin = Qwen3VLTextRotaryEmbedding(hf)(q, pos)  # [B, T, D]
-    return apply_rotary_pos_emb(q.float(), k.float(), cos, sin, unsqueeze_dim=2)
 
 
 class Capture:
