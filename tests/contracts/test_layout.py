@@ -34,3 +34,33 @@ def test_tests_live_in_area_folders():
     assert not loose, f"test modules at the top of tests/ (put them in an area folder): {loose}"
     for p in TESTS.rglob("test_*.py"):
         assert (p.parent / "__init__.py").is_file(), f"{p.parent} is not a package"
+
+
+def test_every_project_import_in_the_tests_resolves():
+    """Imports of our own modules inside test bodies (GPU-only tests included, which never run
+    on a CPU machine) name modules and attributes that exist: a helper moved to
+    `tests.support` otherwise breaks them unseen until a GPU run."""
+    import importlib
+
+    ours = ("tests.", "draftinfer", "drafttrain", "draftbench", "draftkernels")
+    bad = []
+    for p in sorted(TESTS.rglob("*.py")):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.module and node.level == 0):
+                continue
+            if not node.module.startswith(ours):
+                continue
+            where = f"{p.relative_to(TESTS)}:{node.lineno}"
+            try:
+                mod = importlib.import_module(node.module)
+            except ImportError as e:
+                bad.append(f"{where}: {e}")
+                continue
+            for alias in node.names:
+                if alias.name == "*" or hasattr(mod, alias.name):
+                    continue
+                try:
+                    importlib.import_module(f"{node.module}.{alias.name}")
+                except ImportError:
+                    bad.append(f"{where}: {node.module} has no {alias.name}")
+    assert not bad, "\n".join(bad)

@@ -225,7 +225,7 @@ def test_every_option_rounds_without_host_sync_and_replay_from_graphs(tiny_llama
     """Every option's round (the selector's top-k walk and sampled q included) makes no host
     sync, compiled; rounds replayed from CUDA graphs emit what the eager rounds emit."""
     from draftinfer.sampling import SamplingParams
-    from tests.prompts import random_prompts
+    from tests.support.prompts import random_prompts
 
     target = load_native_target(
         tiny_llama3_dir, "cuda", torch.float32, max_batch=4, max_seq_len=256
