@@ -267,7 +267,17 @@ def test_fused_losses_on_cuda(name, groups):
     gb = torch.autograd.grad((want[0] * up).sum(), (h, w))
     torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-3)
     for a, b in zip(ga, gb):
-        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4 * b.abs().max().item())
+        tol = 1e-4 * b.abs().max().item()
+        if name != "tv":
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=tol)
+            continue
+        # tv's gradient has sign(q - p): where q ~ p within the last bits, the two computations
+        # take opposite signs (the fp32 plain formula and an fp64 one disagree on as many
+        # elements, by up to 3% of the largest gradient; H200, 2026-11-26). A wrong closed form
+        # moves most elements; these flips move about 1 in 10^4.
+        off = (a - b).abs() > tol + 1e-3 * b.abs()
+        assert off.float().mean() < 1e-3, off.float().mean()
+        assert (a - b).abs().max() < 5e-2 * b.abs().max(), (a - b).abs().max()
 
 
 def test_target_distribution_on_cuda_equals_plain_formula():

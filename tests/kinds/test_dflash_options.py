@@ -20,7 +20,7 @@ import torch
 from draftinfer.baseline import greedy_generate
 from draftinfer.engine import Request, SpecDecoder
 from draftinfer.kinds.dflash import DFlashDrafter, DFlashProposer
-from draftinfer.kinds.dflash.attention import CONTEXT, visible
+from draftinfer.kinds.dflash.attention import CONTEXT, mask_flags, visible
 from draftinfer.loading import load_native_target
 from draftinfer.proposer import FirstPass
 from draftinfer.registry import drafter_spec
@@ -105,6 +105,18 @@ def test_causal_option_changes_the_mask_and_nothing_else():
     spec = train_spec("dflash")
     obj = spec.objective(causal, spec.config_class(), "eager")
     torch.testing.assert_close(obj.anchor_logits(ids, feats, pos, 6, 4), lc, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, 3), (True, 2)])
+def test_mask_predicate_takes_tensor_flags_as_python_flags(causal, window):
+    """The flex mask_mod passes (causal, window) as 0-d tensors (`mask_flags`; a compiled
+    create_block_mask specialised on the Python values); the predicate is the same."""
+    q = torch.arange(6, 10)[:, None]
+    k = torch.arange(10)[None]
+    k_anchor = torch.where(k < 6, CONTEXT, 6)
+    want = visible(q, 6, k, k_anchor, causal, window)
+    got = visible(q, 6, k, k_anchor, *mask_flags(causal, window, "cpu"))
+    assert torch.equal(got, want.expand_as(got))  # (Python flags may broadcast narrower)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -17,8 +17,9 @@ Backends (`drafter.attention_backend`):
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from draftinfer.kinds.dflash.attention import nonempty, visible
+from draftinfer.kinds.dflash.attention import PAD, mask_flags, nonempty, visible
 from draftinfer.layers import causal_attention
 
 
@@ -66,18 +67,29 @@ def make_block_attention(
 def _flex_attention(ctx_kv, q_index, q_anchor, k_index, k_anchor, keys):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from drafttrain.ttt import flex_fn
+    from drafttrain.ttt import FLEX_BLOCK, flex_fn
 
     B, S = q_index.shape
     dev = q_index.device
+    # Query rows padded to a multiple of FLEX_BLOCK (as `ttt_attention_flex` does): below 128
+    # rows inductor lowers flex to its decoding kernel, which has no backward (a short
+    # sequence with few anchors). A padding row carries anchor and index PAD: it sees the
+    # context (finite), nobody sees it, and it is dropped.
+    Sp = -(-S // FLEX_BLOCK) * FLEX_BLOCK
+    if Sp != S:
+        q_index = F.pad(q_index, (0, Sp - S), value=PAD)
+        q_anchor = F.pad(q_anchor, (0, Sp - S), value=PAD)
     masks = {}
     for key in set(keys):
+        # Tensor flags, not the Python key: see `visible` (a compiled mask reused across keys).
+        causal_t, window_t = mask_flags(*key, dev)
 
-        def mask_mod(b, h, q, kv, key=key):
-            return visible(q_index[b, q], q_anchor[b, q], k_index[b, kv], k_anchor[b, kv], *key)
+        def mask_mod(b, h, q, kv, causal_t=causal_t, window_t=window_t):
+            qi, qa, ki, ka = q_index[b, q], q_anchor[b, q], k_index[b, kv], k_anchor[b, kv]
+            return visible(qi, qa, ki, ka, causal_t, window_t)
 
         masks[key] = create_block_mask(
-            mask_mod, B, None, S, k_index.shape[1], device=dev, _compile=dev.type == "cuda"
+            mask_mod, B, None, Sp, k_index.shape[1], device=dev, _compile=dev.type == "cuda"
         )
     flex = flex_fn(dev)
 
@@ -88,13 +100,14 @@ def _flex_attention(ctx_kv, q_index, q_anchor, k_index, k_anchor, keys):
         kc, vc = ctx_kv[layer]
         kk = torch.cat([kc, k.to(kc.dtype)], 1).transpose(1, 2)
         vv = torch.cat([vc, v.to(vc.dtype)], 1).transpose(1, 2)
+        qh = F.pad(q.transpose(1, 2), (0, 0, 0, Sp - S))  # [B, h, Sp, D]
         o = flex(
-            q.transpose(1, 2),
+            qh,
             kk.to(q.dtype),
             vv.to(q.dtype),
             block_mask=masks[keys[layer]],
             enable_gqa=kk.shape[1] != q.shape[2],
         )
-        return o.transpose(1, 2)
+        return o[:, :, :S].transpose(1, 2)
 
     return attn_flex
