@@ -144,7 +144,7 @@ def dflash_train_step_bench(
         "num_layers": num_layers,
         "max_anchors": max_anchors,
         "block_rows": max_anchors * block_size,
-        "target_layers": len(layers),
+        "taps": len(layers),
         "draft_vocab": draft_vocab,
         "param_dtype": "float32",
         "compute_dtype": str(dtype).removeprefix("torch."),
