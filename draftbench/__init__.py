@@ -7,7 +7,8 @@ options). Correctness is checked before anything is timed (STYLE 16).
 - inference: `decode` (native target vs HF), `decode_peer` (vs gpt-fast), `drafting` (drafting
   time against K per kind), `round` (one speculative round vs one plain decode step);
 - training: `train_step` (our training step, with `peer_speculators`: speculators 0.9.0's
-  EAGLE-3 and P-EAGLE steps), `multi_gpu` (accelerate engines on 2+ GPUs vs one GPU);
+  EAGLE-3 and P-EAGLE steps, and `peer_speculators_dflash`: its DFlash step), `multi_gpu`
+  (accelerate engines on 2+ GPUs vs one GPU);
 - shared: `shapes` (the registry of real model dimensions), `timing` (timers, the table).
 
 Benchmarks sit above the libraries (`draftbench -> drafttrain -> draftinfer -> draftkernels`):

@@ -5,7 +5,9 @@ Llama decoder layer) at Llama-3.1-8B shapes with random weights, feeds it one pa
 made by speculators' own collate function, and times full training steps exactly as
 `speculators.train.trainer.Trainer.train_epoch` runs them. `peagle_train_step_bench` does the
 same for its P-EAGLE drafter (`PEagleDraftModel`, parallel drafting, our `ptd`'s analogue).
-Both return one dict that `draftbench/train_step.py` puts beside our own trainer's numbers.
+Both return one dict that `draftbench/train_step.py` puts beside our own trainer's numbers
+(its DFlash step, beside our dflash, is `draftbench/peer_speculators_dflash.py`, on the helpers
+here).
 
 Installing the peer (nothing is downloaded at run time)
 -------------------------------------------------------
@@ -117,17 +119,19 @@ def available() -> str | None:
     return None
 
 
-def _layer_config(kind, *, hidden, heads, kv_heads, head_dim, intermediate, vocab, window, device):
+def _layer_config(
+    kind, *, hidden, heads, kv_heads, head_dim, intermediate, vocab, window, device, num_layers=1
+):
     """The draft decoder config `create_transformer_layer_config` makes from a Llama-3.1
-    verifier (one layer, the verifier's attention geometry and rope)."""
+    verifier (`num_layers` layers, the verifier's attention geometry and rope)."""
     from transformers import LlamaConfig, Qwen3Config
 
-    layer_types = ["sliding_attention" if window else "full_attention"]
+    layer_types = ["sliding_attention" if window else "full_attention"] * num_layers
     config = {"llama": LlamaConfig, "qwen3": Qwen3Config}[kind](
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=intermediate,
-        num_hidden_layers=1,
+        num_hidden_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         hidden_act="silu",
@@ -299,14 +303,21 @@ def _run_guarded(build_and_time, *, device, base: dict) -> dict:
 # forward (the two autotuned Triton kernels share one `configs` list: "ListVariable(...) is
 # already tracked for mutation", measured on the H200), so its CLI's compiled step fails on
 # that torch. The loss runs as speculators' own fused Triton kernels, outside the compiled
-# graph (one graph break); everything else stays compiled as speculators compiles it.
+# graph (one graph break); everything else stays compiled as speculators compiles it. Its
+# DFlash CE (`fused_ce_loss`) goes through the same `_FusedLoss` kernels, so it is wrapped too
+# (`draftbench/peer_speculators_dflash.py`).
 FUSED_LOSS_NOTE = "fused KL loss run outside torch.compile (torch 2.11 dynamo fails to trace it)"
 
 
 def _fused_losses_outside_dynamo() -> None:
     from speculators.losses import fused
 
-    for name in ("fused_kl_div_loss", "fused_reverse_kl_div_loss", "fused_js_div_loss"):
+    for name in (
+        "fused_kl_div_loss",
+        "fused_reverse_kl_div_loss",
+        "fused_js_div_loss",
+        "fused_ce_loss",
+    ):
         fn = getattr(fused, name)
         if not getattr(fn, "_outside_dynamo", False):
             wrapped = torch._dynamo.disable(fn)

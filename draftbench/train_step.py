@@ -4,26 +4,47 @@ side by side in one process, at Llama-3.1-8B draft shapes.
     python -m draftbench.train_step --out docs/results/h200_bench_train.json      # CUDA
     python -m draftbench.train_step --device cpu --tiny --out /tmp/bench_train.json  # smoke
 
-What one of *our* steps is: the kind's real objective (`drafttrain/kinds/<kind>/objective.py`)
-on one sequence of `seq_len` tokens (batch 1), backward, gradient clipping, the optimizer step,
-with the trainer's own choices of the 8B presets (`drafttrain/conf/eagle3_llama3_8b.yaml`,
-`drafttrain/conf/ptd_eagle3_llama3_8b.yaml`: parameter dtype, master weights, moment dtype, torch.compile,
-activation checkpointing; `drafttrain.wrap`, `drafttrain.optim`), under the trainer's bf16
-autocast. The drafter has random weights (1 decoder layer for eagle3, the preset's for ptd;
-hidden 4096, 32/8 heads, ffn 14336, target vocab 128256, draft vocab 32000). The target side
-is synthesized: random aux features `[1, T, 3H]` and a random final hidden state `[1, T, H]`
-with a random bf16 head `[V, H]`, handed over as the `TrainTargetOutput` a frozen target
-returns, so the target's distribution is computed inside the step exactly as in training
-(`drafttrain.target_head`), while no 8B target forward is timed (the peer also starts from
-precomputed hidden states).
+The dflash row beside speculators' DFlash (default optimizer and AdamW) on one GPU, the peer
+installed as `draftbench/peer_speculators.py` says; `--budget-s 300` skips a row that would
+start after 5 minutes (not timed on a GPU yet: the compilations are most of it):
 
-Rows: eagle3 (TTT 7) and ptd (K = 4 and 8, with the per-depth slot counts) at seq 2048 / 8192
-/ 16384 / 32768 (`--seqs`), each also with the drafter's `lm_head` frozen (`ours+fh`, what
-`trainer.freeze=[lm_head]` trains, the peer's setting: the like-for-like row;
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site:$PWD
+    python -m draftbench.train_step --seqs 3072 --kinds dflash:15 --no-ac-variant \
+        --budget-s 300 --out docs/results/h100_bench_train_dflash.json
+
+What one of *our* steps is: the kind's real objective (`drafttrain/kinds/<kind>/objective.py`)
+with the trainer's row loss (`trainer.loss`, else the kind's default) on one sequence of
+`seq_len` tokens (batch 1), backward, gradient clipping, the optimizer step, with the
+trainer's own choices of the 8B presets (`drafttrain/conf/eagle3_llama3_8b.yaml`,
+`ptd_eagle3_llama3_8b.yaml`, `dflash_llama3_8b.yaml`: parameter dtype, master weights,
+moment dtype, torch.compile, activation checkpointing; `drafttrain.wrap`, `drafttrain.optim`),
+under the trainer's bf16 autocast. The drafter has random weights (1 decoder layer for
+eagle3, the preset's for ptd and dflash; hidden 4096, 32/8 heads, ffn 14336, target vocab
+128256, draft vocab 32000 for eagle3 and ptd, the whole vocabulary for dflash). The target side
+is synthesized: random features for the drafter's taps (`[1, T, 3H]` for eagle3 and ptd,
+`[1, T, 5H]` for dflash's five) and a random final hidden state `[1, T, H]` with a random bf16
+head `[V, H]`, handed over as the `TrainTargetOutput` a frozen target returns, so the
+target's distribution is computed inside the step exactly as in training
+(`drafttrain.target_head`), while no 8B target forward is timed (the peer also starts from
+precomputed hidden states). dflash (`--kinds dflash:K`, K = block size - 1 drafts, the
+naming of `draftbench/round.py`: `dflash:15` is the preset's block of 16): the architecture its
+trainer derives from the preset (`TrainSpec.arch`: 5 layers, z-lab's taps [1, 8, 15, 22, 29],
+mask token 128002), the target's head copied into its frozen `lm_head`, up to `num_anchors`
+(512) blocks per sequence drawn by the objective from the assistant tokens (the first T / 32
+tokens are a prompt), every block in one forward (flex attention on CUDA), exp-decay
+per-slot weights (gamma 7); the row reports `anchors` (blocks per step), `block_rows`
+(anchors x block size), `block_al` and per-slot accuracy.
+
+Rows: eagle3 (TTT 7), ptd (K = 4 and 8, with the per-depth slot counts) and dflash (given
+with `--kinds`) at seq 2048 / 8192 / 16384 / 32768 (`--seqs`), each also with the drafter's
+`lm_head` frozen (`ours+fh`, what `trainer.freeze=[lm_head]` trains, the peer's setting: the
+like-for-like row; not for dflash, whose head is the target's and never trained;
 `--no-fh-variant` skips them), eagle3 again with activation checkpointing at the first two
 lengths (`ours+ac`, the same compiled blocks wrapped; `--no-ac-variant` skips them), and the
-peer's EAGLE-3 and P-EAGLE steps
-(`draftbench/peer_speculators.py`; skipped with the reason when speculators is not installed).
+peer's EAGLE-3, P-EAGLE and DFlash steps (`draftbench/peer_speculators.py`,
+`draftbench/peer_speculators_dflash.py`; skipped with the reason when speculators is not
+installed; EAGLE-3 and DFlash also with `--optimizer adamw` at the first length).
 Per row: tokens/s (median over timed steps of seq_len / step time), step ms, peak
 `torch.cuda.max_memory_allocated` GiB (reset before each timed step, so weights, grads and
 optimizer state count). An out-of-memory or a failure is a row, not a crash. The peer resets
@@ -80,7 +101,14 @@ SHAPES = {
         registry.TINY, 128, target_layers=8, rope_scaling=None, max_position_embeddings=4096
     ),
 }
-PRESETS = {"eagle3": "eagle3_llama3_8b", "ptd": "ptd_eagle3_llama3_8b"}
+# Each kind's 8B preset and the drafter-config field that K sets per objective (None: K is
+# an architecture field, dflash's block of K + 1 slots, so each K builds its own drafter).
+PRESETS = {
+    "eagle3": "eagle3_llama3_8b",
+    "ptd": "ptd_eagle3_llama3_8b",
+    "dflash": "dflash_llama3_8b",
+}
+K_FIELD = {"eagle3": "ttt_steps", "ptd": "parallel_k", "dflash": None}
 GIB = 2**30
 
 
@@ -96,12 +124,76 @@ def compose(preset: str, overrides: list[str]):
         return to_train_config(hydra_compose(config_name=preset, overrides=overrides))
 
 
+def eagle_arch(kind: str, dc, s: dict, k: int):
+    """An EAGLE-family drafter's config at shapes `s`: the preset's layers, EAGLE-3's taps
+    (2, L // 2, L - 3), the draft vocabulary (`k` is the objective's, not the drafter's)."""
+    from draftinfer.registry import drafter_spec
+
+    L = s["target_layers"]
+    extra = {}
+    if kind == "ptd":
+        extra = {"mask_token_id": s["vocab"] - 1, "parallel_k": dc.parallel_k}
+    return drafter_spec(kind).config_class(
+        hidden_size=s["hidden"],
+        intermediate_size=s["intermediate"],
+        num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv_heads"],
+        head_dim=s["head_dim"],
+        vocab_size=s["vocab"],
+        draft_vocab_size=s["draft_vocab"],
+        target_hidden_size=s["hidden"],
+        aux_layer_ids=[2, L // 2, L - 3],
+        num_hidden_layers=dc.num_layers,
+        rms_norm_eps=s["rms_norm_eps"],
+        rope_theta=s["rope_theta"],
+        rope_scaling=s["rope_scaling"],
+        max_position_embeddings=s["max_position_embeddings"],
+        **extra,
+    )
+
+
+def block_arch(kind: str, dc, s: dict, k: int):
+    """A block drafter's config as its trainer derives it (`TrainSpec.arch`: the preset's
+    layers, taps, mask token and options) from a target of shapes `s`, with a block of
+    `k + 1` slots (K = k drafts). A preset mask token the (tiny) vocabulary lacks becomes
+    its last id (which id does not change the cost)."""
+    from types import SimpleNamespace
+
+    from drafttrain.registry import train_spec
+
+    dc = copy.copy(dc)
+    dc.block_size = k + 1
+    if dc.mask_token_id is not None and dc.mask_token_id >= s["vocab"]:
+        dc.mask_token_id = s["vocab"] - 1
+    info = SimpleNamespace(
+        hidden_size=s["hidden"],
+        num_layers=s["target_layers"],
+        vocab_size=s["vocab"],
+        max_position_embeddings=s["max_position_embeddings"],
+    )
+    hf = SimpleNamespace(
+        num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv_heads"],
+        head_dim=s["head_dim"],
+        intermediate_size=s["intermediate"],
+        rms_norm_eps=s["rms_norm_eps"],
+        rope_theta=s["rope_theta"],
+        rope_scaling=s["rope_scaling"],
+    )
+    target = SimpleNamespace(info=info, config=hf)
+    return train_spec(kind).arch(dc, SimpleNamespace(target=target, tokenizer=None))
+
+
+ARCH = {"eagle3": eagle_arch, "ptd": eagle_arch, "dflash": block_arch}
+
+
 class Ours:
     """One drafter of a kind (random weights, the preset's trainer choices applied) and its
     optimizer, reused across sequence lengths (one compilation, as in a real run)."""
 
-    def __init__(self, kind: str, cfg, shapes: dict, device: torch.device, seed: int):
+    def __init__(self, kind: str, cfg, shapes: dict, device: torch.device, seed: int, k: int):
         from draftinfer.registry import drafter_spec
+        from drafttrain.loss_fns import row_loss
         from drafttrain.optim import build_optimizer
         from drafttrain.registry import train_spec
         from drafttrain.wrap import apply_training_wrappers
@@ -109,54 +201,42 @@ class Ours:
         torch.manual_seed(seed)
         s, dc, tc = shapes, cfg.drafter, cfg.trainer
         self.kind, self.cfg, self.device, self.shapes = kind, cfg, device, shapes
-        L = s["target_layers"]
-        extra = {}
-        if kind == "ptd":
-            extra = {"mask_token_id": s["vocab"] - 1, "parallel_k": dc.parallel_k}
-        arch = drafter_spec(kind).config_class(
-            hidden_size=s["hidden"],
-            intermediate_size=s["intermediate"],
-            num_attention_heads=s["heads"],
-            num_key_value_heads=s["kv_heads"],
-            head_dim=s["head_dim"],
-            vocab_size=s["vocab"],
-            draft_vocab_size=s["draft_vocab"],
-            target_hidden_size=s["hidden"],
-            aux_layer_ids=[2, L // 2, L - 3],
-            num_hidden_layers=dc.num_layers,
-            rms_norm_eps=s["rms_norm_eps"],
-            rope_theta=s["rope_theta"],
-            rope_scaling=s["rope_scaling"],
-            max_position_embeddings=s["max_position_embeddings"],
-            **extra,
-        )
+        self.spec = train_spec(kind)
+        # The trainer's row loss (`trainer.loss`, else the kind's default: dpace for eagle3
+        # and ptd, soft_ce for dflash), as `drafttrain.train` builds the objective.
+        self.loss = row_loss(tc.loss or self.spec.default_loss)
+        self.arch = arch = ARCH[kind](kind, dc, s, k)
+        dt = torch.bfloat16 if device.type == "cuda" else torch.float32
+        # The target's head (random, bf16 on CUDA as a frozen 8B target's): [V, H].
+        self.head_weight = torch.randn(s["vocab"], s["hidden"], device=device, dtype=dt)
+        self.head_weight.mul_(4.0 / s["hidden"] ** 0.5)  # target logits of std ~4
         with torch.device(device):
             d = drafter_spec(kind).build(arch)
-            ids = torch.randperm(s["vocab"])[: s["draft_vocab"]].sort().values
-            d.d2t.copy_(ids - torch.arange(s["draft_vocab"]))
-            d.t2d.zero_()
-            d.t2d[ids] = True
-        self.spec = train_spec(kind)
+            if getattr(d, "d2t", None) is not None:  # a draft vocabulary: random ids
+                ids = torch.randperm(s["vocab"])[: s["draft_vocab"]].sort().values
+                d.d2t.copy_(ids - torch.arange(s["draft_vocab"]))
+                d.t2d.zero_()
+                d.t2d[ids] = True
+        # A drafter that scores with the target's own head (frozen) holds a copy of it, as
+        # its `init_drafter` attaches it (fp32 before the trainer's cast).
+        self.head_trainable = d.lm_head.weight.requires_grad
+        if not self.head_trainable and d.lm_head.weight.shape == self.head_weight.shape:
+            with torch.no_grad():
+                d.lm_head.weight.copy_(self.head_weight.float())
         apply_training_wrappers(d, self.spec.blocks(d), tc)
         self.drafter = d.train()
         self.params = [p for p in d.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, tc)
         self.backend = "flex" if device.type == "cuda" else "eager"
         self.autocast = device.type == "cuda" and tc.mixed_precision in ("auto", "bf16")
-        # The target's head (random, bf16 on CUDA as a frozen 8B target's): [V, H].
-        dt = torch.bfloat16 if device.type == "cuda" else torch.float32
-        self.head_weight = torch.randn(s["vocab"], s["hidden"], device=device, dtype=dt)
-        self.head_weight.mul_(4.0 / s["hidden"] ** 0.5)  # target logits of std ~4
         self.target_dtype = dt
         self.trainable = sum(p.numel() for p in self.params)
 
     def objective(self, k: int):
         dc = copy.copy(self.cfg.drafter)
-        if self.kind == "eagle3":
-            dc.ttt_steps = k
-        else:
-            dc.parallel_k = k
-        return self.spec.objective(self.drafter, dc, self.backend)
+        if K_FIELD[self.kind]:
+            setattr(dc, K_FIELD[self.kind], k)
+        return self.spec.objective(self.drafter, dc, self.backend, self.loss)
 
     def inputs(self, seq_len: int, seed: int):
         from drafttrain.target_head import HeadLogits, TargetHead, TrainTargetOutput
@@ -173,7 +253,8 @@ class Ours:
             "position_ids": torch.arange(T, device=dev)[None],
         }
         dt = self.target_dtype
-        features = torch.randn(1, T, 3 * s["hidden"], device=dev, dtype=dt)
+        width = self.arch.features.width(s["hidden"])  # the taps, concatenated
+        features = torch.randn(1, T, width, device=dev, dtype=dt)
         final = torch.randn(1, T, s["hidden"], device=dev, dtype=dt)
         tgt = TrainTargetOutput(
             None,
@@ -222,13 +303,14 @@ def head_frozen(ours: Ours, on: bool):
     state set aside so the peak counts what a frozen-head run holds; restored after."""
     head = [ours.drafter.lm_head.weight] if on else []
     state = {p: ours.optimizer.state.pop(p) for p in head if p in ours.optimizer.state}
+    trained = [p.requires_grad for p in head]
     for p in head:
         p.requires_grad_(False)
     try:
         yield
     finally:
-        for p in head:
-            p.requires_grad_(True)
+        for p, was in zip(head, trained):
+            p.requires_grad_(was)
             p.grad = None
         ours.optimizer.state.update(state)
 
@@ -269,6 +351,13 @@ def time_ours(ours: Ours, k: int, seq_len: int, steps: int, warmup: int, seed: i
     if ours.kind == "ptd":
         row["slots"] = {d: int(m[f"slots_{d}"]) for d in range(k)}
         row["acc"] = {d: m[f"acc_{d}"] for d in range(k)}
+    if "anchors" in m:  # a block drafter: blocks (anchors) per sequence, slots per block
+        block = ours.arch.block_size
+        row["anchors"] = int(round(m["anchors"]))
+        row["block_size"] = block
+        row["block_rows"] = row["anchors"] * block
+        row["block_al"] = m["block_al"]
+        row["acc"] = {s: m[f"acc_{s}"] for s in range(1, block) if f"acc_{s}" in m}
     return row
 
 
@@ -378,7 +467,7 @@ def guarded(fn, base: dict, device: torch.device, cleanup=None) -> dict:
 
 
 def peer_row(
-    kind: str, k: int, seq_len: int, args, shapes: dict, device, optimizer: str = "muon"
+    kind: str, k: int, seq_len: int, args, shapes: dict, device, optimizer: str = "muon", cfg=None
 ) -> dict:
     from draftbench import peer_speculators as peer
 
@@ -400,11 +489,37 @@ def peer_row(
     )
     if kind == "eagle3":
         out = peer.eagle3_train_step_bench(ttt_steps=k, optimizer=optimizer, **common)
+    elif kind == "dflash":
+        out = dflash_peer(k, seq_len, shapes, cfg.drafter, optimizer, common)
     else:
         out = peer.peagle_train_step_bench(k=k, **common)
     if out.get("step_ms"):
         out["step_ms_median"] = statistics.median(out["step_ms"])
     return out
+
+
+def dflash_peer(k: int, seq_len: int, shapes: dict, dc, optimizer: str, common: dict) -> dict:
+    """speculators 0.9.0's DFlash step at our row's shape: the preset's layers and taps, a
+    block of k + 1, the whole target vocabulary (its CLI default and ours), and as many
+    anchors as ours draws: it computes `max_anchors` blocks whatever the sequence holds, so
+    it gets min(num_anchors, its anchor candidates) (num_anchors at seq 3072)."""
+    from draftbench import peer_speculators_dflash as peer
+    from draftinfer.kinds.dflash.taps import default_dflash_ids
+
+    block = k + 1
+    ids = list(dc.target_layer_ids) or default_dflash_ids(shapes["target_layers"], dc.num_layers)
+    candidates = seq_len - max(1, seq_len // 32) - block  # its batch's prompt rule is ours
+    return peer.dflash_train_step_bench(
+        **{**common, "draft_vocab": None},
+        block_size=block,
+        num_layers=dc.num_layers,
+        target_layer_ids=ids,
+        max_anchors=max(1, min(dc.num_anchors, candidates)),
+        optimizer=optimizer,
+    )
+
+
+PEER_ADAMW = ("eagle3", "dflash")  # kinds whose peer also runs with --optimizer adamw
 
 
 def plan(
@@ -416,26 +531,33 @@ def plan(
 ) -> list[tuple]:
     """Row order (most wanted first, in case the budget ends the run): the peer's EAGLE-3 at
     the first length (before ours compile: the peer resets torch.compile), ours grouped by
-    kind (one drafter and one compilation per kind; lengths in the given order, ptd's Ks
-    interleaved, each followed by the same step with the head frozen, `ours+fh`, as the peer
-    trains; eagle3 then again with activation checkpointing at the first two lengths,
-    `ours+ac`, the same compiled blocks), then the rest of the peer's, length by length. The
-    peer's EAGLE-3 at the first length runs twice: with its CLI's default optimizer (Muon on
-    the 2-D weights, AdamW on the rest) and with `--optimizer adamw` (`peer+adamw`, the
-    optimizer our trainer uses)."""
+    kind (one drafter and one compilation per kind, per K for dflash; lengths in the given
+    order, ptd's Ks interleaved, each followed by the same step with the head frozen, `ours+fh`, as the peer
+    trains, where the kind trains its head at all; eagle3 then again with activation
+    checkpointing at the first two lengths, `ours+ac`, the same compiled blocks), then the
+    rest of the peer's, length by length. The peer's EAGLE-3 and DFlash at the first length
+    run twice: with its CLI's default optimizer (Muon on the 2-D weights, AdamW on the rest)
+    and with `--optimizer adamw` (`peer+adamw`, the optimizer our trainer uses)."""
     rows = []
     first = ("eagle3", 7, seqs[0])
     if peer_ok and ("eagle3", 7) in kinds:
         rows += [("peer", *first), ("peer+adamw", *first)]
     impls = ("ours", "ours+fh") if fh_variant else ("ours",)
     for name in dict.fromkeys(kind for kind, _ in kinds):
-        for s in seqs:
-            rows += [(i, kind, k, s) for kind, k in kinds if kind == name for i in impls]
+        ks = [k for kind, k in kinds if kind == name]
+        # K in the architecture (dflash's block): one drafter per K, its lengths together.
+        for group in [ks] if K_FIELD.get(name) else [[k] for k in ks]:
+            for s in seqs:
+                rows += [(i, name, k, s) for k in group for i in impls]
         if ac_variant and name == "eagle3":
             rows += [("ours+ac", kind, k, s) for s in seqs[:2] for kind, k in kinds if kind == name]
     if peer_ok:
         for s in seqs:
-            rows += [("peer", kind, k, s) for kind, k in kinds if (kind, k, s) != first]
+            for kind, k in kinds:
+                if (kind, k, s) != first:
+                    rows.append(("peer", kind, k, s))
+                    if kind in PEER_ADAMW and s == seqs[0]:
+                        rows.append(("peer+adamw", kind, k, s))
     return rows
 
 
@@ -463,7 +585,8 @@ def markdown(rows: list[dict]) -> str:
     adamw = {(r["kind"], r["k"], r["seq_len"]): r for r in rows if r["impl"] == "peer+adamw"}
     lines = [
         "| kind | K | seq | ours tok/s | peer tok/s | speed ours/peer | ours GiB | peer GiB "
-        "| mem ours/peer | peer (AdamW) tok/s | speed ours/peer (AdamW) | ours slots per depth |",
+        "| mem ours/peer | peer (AdamW) tok/s | speed ours/peer (AdamW) "
+        "| ours slots per depth (dflash: blocks x slots) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
@@ -480,7 +603,9 @@ def markdown(rows: list[dict]) -> str:
         a = adamw.get(key[:3])
         speed_a = f"{o['tokens_per_s'] / a['tokens_per_s']:.2f}x" if ok(o) and ok(a) else "-"
         slots = "/".join(str(v) for v in o.get("slots", {}).values()) or "-"
-        peer_name = "peagle" if key[0] == "ptd" else "eagle3"
+        if o.get("anchors"):  # a block drafter: its blocks x slots per block
+            slots = f"{o['anchors']} blocks x {o['block_size']}"
+        peer_name = {"ptd": "peagle"}.get(key[0], key[0])
         lines.append(
             f"| {key[0]}{VARIANT_LABELS.get(key[3], '')} | {key[1]} | {key[2]} "
             f"| {cell(o, 'tokens_per_s', '{:.0f}')} "
@@ -572,8 +697,11 @@ def main() -> None:
     )
     for impl, kind, k, seq in plan(seqs, kinds, peer_ok, ac_variant, fh_variant):
         base = {"impl": impl, "kind": kind, "k": k, "seq_len": seq}
-        # Seconds a row may need: the peer compiles afresh each call; ours once per kind.
-        need = 90 if impl.startswith("peer") else (30 if kind in ours_by_kind else 120)
+        key = kind if K_FIELD[kind] else (kind, k)  # one drafter (and compilation) per key
+        if impl == "ours+fh" and key in ours_by_kind and not ours_by_kind[key].head_trainable:
+            continue  # the kind never trains its head (dflash: the target's): no such row
+        # Seconds a row may need: the peer compiles afresh each call; ours once per key.
+        need = 90 if impl.startswith("peer") else (30 if key in ours_by_kind else 120)
         if time.perf_counter() - t_start + need > args.budget_s:
             rows.append({**base, "skipped": True, "tokens_per_s": None, "peak_gib": None})
             print(f"skipped (budget): {base}", flush=True)
@@ -586,15 +714,15 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             optimizer = "adamw" if impl == "peer+adamw" else "muon"
-            fn = partial(peer_row, kind, k, seq, args, shapes, device, optimizer)
+            fn = partial(peer_row, kind, k, seq, args, shapes, device, optimizer, configs[kind])
             row = guarded(fn, base, device)
         else:
-            for other in [o for o in ours_by_kind if o != kind]:
+            for other in [o for o in ours_by_kind if o != key]:
                 ours_by_kind.pop(other).free()
             gc.collect()
-            if kind not in ours_by_kind:
-                ours_by_kind[kind] = Ours(kind, configs[kind], shapes, device, args.seed)
-            ours = ours_by_kind[kind]
+            if key not in ours_by_kind:
+                ours_by_kind[key] = Ours(kind, configs[kind], shapes, device, args.seed, k)
+            ours = ours_by_kind[key]
             tc = configs[kind].trainer
             base["settings"] = {
                 "param_dtype": tc.param_dtype,
@@ -605,6 +733,7 @@ def main() -> None:
                 "num_layers": configs[kind].drafter.num_layers,
                 "trainable_params": ours.trainable,
                 "backend": ours.backend,
+                "loss": ours.loss.name,
             }
             if kind == "ptd":
                 dc = configs[kind].drafter
@@ -612,6 +741,15 @@ def main() -> None:
                     keep_ratio=dc.keep_ratio,
                     keep_floor=dc.keep_floor,
                     max_slots_per_seq=dc.max_slots_per_seq,
+                )
+            if kind == "dflash":
+                dc = configs[kind].drafter
+                base["settings"].update(
+                    block_size=ours.arch.block_size,
+                    num_anchors=dc.num_anchors,
+                    loss_weights=dc.loss_weights,
+                    gamma=dc.gamma,
+                    tap_layer_ids=list(ours.arch.tap_layer_ids),
                 )
             if impl == "ours+ac":
                 base["settings"]["activation_checkpointing"] = True
@@ -642,7 +780,8 @@ def main() -> None:
             key: row.get(key)
             for key in ("impl", "kind", "k", "seq_len", "tokens_per_s", "peak_gib", "oom")
         }
-        print(json.dumps({**brief, "slots": row.get("slots"), "error": row.get("error")}))
+        extra = {f: row.get(f) for f in ("slots", "anchors", "block_rows") if f in row}
+        print(json.dumps({**brief, **extra, "error": row.get("error")}))
         sys.stdout.flush()
         write_result(args, device, shapes, peer_ok, peer_reason, overrides, configs, rows, t_start)
     write_result(args, device, shapes, peer_ok, peer_reason, overrides, configs, rows, t_start)

@@ -7,12 +7,14 @@ the OOM contract needs no peer and always runs."""
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
 import torch
 
 from draftbench import peer_speculators as peer
+from tests.support.bench_train import dflash_trainable
 from tests.support.speculators_env import run_peer_bench, speculators_python
 
 # hidden 64 = 4 heads x 16; prime-ish sequence length (not a multiple of flex's 128 blocks).
@@ -32,15 +34,16 @@ TINY = dict(
 KEYS = {"peer", "seq_len", "tokens_per_s", "step_ms", "peak_gib", "param_dtype", "notes"}
 
 
-def _bench(name: str, **kwargs) -> dict:
-    """`peer.<name>(**kwargs)` in this process when speculators imports here, else in the
-    speculators venv."""
-    reason = peer.available()
+def _bench(name: str, module: str = "peer_speculators", **kwargs) -> dict:
+    """`draftbench.<module>.<name>(**kwargs)` in this process when speculators imports here,
+    else in the speculators venv."""
+    mod = importlib.import_module(f"draftbench.{module}")
+    reason = mod.available()
     if reason is None:
-        return getattr(peer, name)(**kwargs)
+        return getattr(mod, name)(**kwargs)
     if speculators_python() is None:
         pytest.skip(f"speculators 0.9.0 peer unavailable: {reason}; no speculators venv")
-    return run_peer_bench(name, **kwargs)
+    return run_peer_bench(name, module=module, **kwargs)
 
 
 def _eagle3_trainable(h, inter, heads, kv, hd):
@@ -75,6 +78,21 @@ def test_peagle_step_on_cpu():
     assert r["tokens_per_s"] > 0 and math.isfinite(r["loss"])
     # P-EAGLE trains the embeddings [V, H] and a learned mask hidden state [3H] on top.
     assert r["trainable_params"] >= 512 * 64 + 3 * 64
+
+
+@pytest.mark.slow  # ~11 s: a subprocess in the speculators venv
+def test_dflash_step_on_cpu():
+    """speculators' DFlash at the shape of our dflash row (5 layers over 5 taps, a block of 8,
+    the whole vocabulary): it computes max_anchors blocks and trains exactly the parameters
+    our drafter trains (the same independent count as tests/jobs/test_bench_train_step.py)."""
+    kw = dict(TINY, draft_vocab=None, seq_len=64, block_size=8, num_layers=5)
+    kw.update(target_layer_ids=[1, 2, 3, 4, 5], max_anchors=6)
+    r = _bench("dflash_train_step_bench", module="peer_speculators_dflash", **kw)
+    assert KEYS <= r.keys() and r["kind"] == "dflash" and not r["oom"]
+    assert r["anchors"] == 6 and r["block_rows"] == 6 * 8 and r["draft_vocab"] == 512
+    assert r["tokens_per_s"] > 0 and r["optimizer"] == "Muon+AdamW"
+    assert math.isfinite(r["loss"]) and r["loss"] > 0  # CE of a random draft
+    assert r["trainable_params"] == dflash_trainable(64, 128, 4, 2, 16, layers=5, taps=5)
 
 
 def test_oom_becomes_a_result():

@@ -84,15 +84,17 @@ def load_speculators_folder(speculators_dir: Path, work: Path) -> dict:
     return run_speculators_side(stype, speculators_dir, {}, work)[1]
 
 
-def run_peer_bench(name: str, **kwargs) -> dict:
-    """`draftbench/peer_speculators.py`'s `name(**kwargs)` (a training-step bench of speculators
-    0.9.0's own models) run by the speculators venv's python; -> its result dict."""
+def run_peer_bench(name: str, module: str = "peer_speculators", **kwargs) -> dict:
+    """`draftbench/<module>.py`'s `name(**kwargs)` (a training-step bench of speculators
+    0.9.0's own models) run by the speculators venv's python, this checkout's `draftbench`
+    first on its path; -> its result dict."""
     py = speculators_python()
     assert py is not None, "no speculators interpreter"
     code = (
-        "import importlib.util, json, sys\n"
-        f"spec = importlib.util.spec_from_file_location('peer', {str(REPO / 'draftbench' / 'peer_speculators.py')!r})\n"
-        "peer = importlib.util.module_from_spec(spec); spec.loader.exec_module(peer)\n"
+        "import importlib, json, sys\n"
+        f"sys.path.insert(0, {str(REPO)!r})\n"
+        f"peer = importlib.import_module('draftbench.{module}')\n"
+        f"assert peer.__file__.startswith({str(REPO)!r}), peer.__file__\n"
         "why = peer.available()\n"
         "assert why is None, why\n"
         f"r = peer.{name}(**json.loads(sys.argv[1]))\n"
