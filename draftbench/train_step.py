@@ -630,6 +630,11 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=540.0, help="start no row after this")
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument(
+        "--impls",
+        help="only these rows' impls, comma list (e.g. peer,peer+adamw: the peer's rows in a "
+        "call of their own when ours and the peer's compilations do not fit one call)",
+    )
+    ap.add_argument(
         "--no-ac-variant",
         action="store_true",
         help="skip the eagle3 rows with activation checkpointing on (ours+ac)",
@@ -695,7 +700,10 @@ def main() -> None:
     fh_variant = not args.no_fh_variant and not any(
         "lm_head" in c.trainer.freeze for c in configs.values()
     )
-    for impl, kind, k, seq in plan(seqs, kinds, peer_ok, ac_variant, fh_variant):
+    todo = plan(seqs, kinds, peer_ok, ac_variant, fh_variant)
+    if args.impls:
+        todo = [r for r in todo if r[0] in args.impls.split(",")]
+    for impl, kind, k, seq in todo:
         base = {"impl": impl, "kind": kind, "k": k, "seq_len": seq}
         key = kind if K_FIELD[kind] else (kind, k)  # one drafter (and compilation) per key
         if impl == "ours+fh" and key in ours_by_kind and not ours_by_kind[key].head_trainable:
