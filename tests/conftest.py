@@ -59,7 +59,17 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+# Session fixtures that train a model (a zoo recipe per kind, a preset's short recipe): a test
+# that uses one is an integration test and is marked slow, whatever its own marks, so
+# `pytest -m "not slow"` (the quick loop) never trains; CI's `python -m pytest` runs them all.
+TRAINING_FIXTURES = ("zoo_run", "kind_env", "preset_run")
+
+
+@pytest.hookimpl(tryfirst=True)  # before the mark plugin deselects by `-m`
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if any(f in item.fixturenames for f in TRAINING_FIXTURES):
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (gpu mark)")

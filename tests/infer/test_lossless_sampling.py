@@ -153,8 +153,22 @@ def run_groups(kind, k, verify, pairs, oracles, n, seed0):
     return failures
 
 
-@pytest.mark.parametrize("verify", ["onehot", "full"])
-@pytest.mark.parametrize("kind,k", CASES)
+SLOW = (pytest.mark.slow,)
+
+
+def joint_cases() -> list:
+    """(kind, K, verify) for every case; the quick loop (`-m "not slow"`) keeps one per kind,
+    its larger K under full-distribution verification, and marks the rest slow."""
+    return [
+        pytest.param(
+            kind, k, verify, marks=() if (k, verify) == (harness_ks(kind)[1], "full") else SLOW
+        )
+        for kind, k in CASES
+        for verify in ("onehot", "full")
+    ]
+
+
+@pytest.mark.parametrize("kind,k,verify", joint_cases())
 def test_joint_distribution_of_three_tokens(request, oracles, kind, k, verify):
     """The covering subset with N samples per group; `pytest --exhaustive` runs the same test
     on every (setting, drafter) pair with 2N samples and fresh seeds."""

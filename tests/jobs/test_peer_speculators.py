@@ -55,6 +55,7 @@ def _eagle3_trainable(h, inter, heads, kv, hd):
     return fc + attn + 3 * h * inter + 3 * h + h
 
 
+@pytest.mark.slow  # ~10 s: subprocesses in the speculators venv
 def test_eagle3_step_on_cpu():
     r = _bench("eagle3_train_step_bench", seq_len=37, ttt_steps=3, **TINY)
     assert KEYS <= r.keys()
@@ -72,6 +73,7 @@ def test_eagle3_step_on_cpu():
     assert r["trainable_params"] == _eagle3_trainable(64, 128, 4, 2, 16)
 
 
+@pytest.mark.slow  # ~5 s: a subprocess in the speculators venv
 def test_peagle_step_on_cpu():
     r = _bench("peagle_train_step_bench", seq_len=37, k=4, **TINY)
     assert KEYS <= r.keys() and r["k"] == 4 and not r["oom"]

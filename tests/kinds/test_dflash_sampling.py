@@ -69,7 +69,9 @@ def _check(label: str, tokens: torch.Tensor, oracle) -> None:
 
 
 @pytest.mark.parametrize(
-    "params", [SamplingParams(1.0), SamplingParams(1.0, top_k=5)], ids=["t1", "topk5"]
+    "params",
+    [SamplingParams(1.0), pytest.param(SamplingParams(1.0, top_k=5), marks=pytest.mark.slow)],
+    ids=["t1", "topk5"],
 )
 def test_selector_q_keeps_sampling_exact(params):
     """The selector's own drafts and q (full-q verification; one-hot verification drafts the

@@ -106,6 +106,7 @@ def mtp1(tmp_path_factory, zoo_target):
     return load_drafter(s["export_dir"], zoo_target.shared_weights())[0]
 
 
+@pytest.mark.slow  # its fixture trains a one-module zoo drafter (the quick loop never trains)
 @pytest.mark.parametrize("k, batch", [(1, 1), (1, 4), (1, 16), (3, 4)])
 def test_t1_single_module_and_reuse(mtp1, zoo_target, k, batch):
     ps = zoo_prompts(batch, seed=k * 10 + batch)
