@@ -139,3 +139,19 @@ def test_stitched_into_the_target(export, tmp_path):
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
     with pytest.raises(CheckpointError, match="already holds MTP layers"):
         drafter_spec("mtp").stitch(out, arch, st, tmp_path / "again")
+
+
+@pytest.mark.parametrize("layout", ["mrv2", "deepseek"])
+def test_model_card_says_which_engines_load_the_layout(layout):
+    """The card's serving section names the engines that load this layout and what an
+    out-of-tree vLLM registration needs for a Llama target (vLLM registers MTP only as the
+    target's own architecture)."""
+    d = small_drafter("mtp", n_predict=N, layout=layout)
+    hint = drafter_spec("mtp").serving_hint(d.config, N, "tgt", "drf")
+    assert "out-of-tree registration" in hint and "ModelRegistry.register_model" in hint
+    assert "hf_config_override" in hint and "LlamaForCausalLM" in hint
+    assert f"layout {layout}" in hint
+    if layout == "mrv2":
+        assert "MultiModuleMTPSpeculator" in hint and "`model.mtp.layers.0.*`" in hint
+    else:
+        assert "deepseek_mtp.py" in hint and "`model.layers.5.*`" in hint

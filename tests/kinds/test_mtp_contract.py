@@ -204,3 +204,89 @@ def test_mrv2_layout_refuses_module_reuse():
     with pytest.raises(CheckpointError, match="mrv2 layout") as e:
         drafter_spec("mtp").check_k(d.config, 2 * N)
     assert "\n" not in str(e.value)
+
+
+# ---- lossless greedy with forced rejections, KV refreshed after every round -----------------
+@pytest.fixture(scope="module")
+def mrv2_zoo(tmp_path_factory, zoo_target):
+    """The zoo recipe's MTP trained in the mrv2 layout, loaded from its export."""
+    from draftinfer.checkpoint import load_drafter
+    from drafttrain.job import run_job
+    from tests.conftest import ZOO_RECIPE
+    from tests.support.presets import compose_preset
+
+    out = tmp_path_factory.mktemp("mtp_mrv2")
+    s = run_job(
+        compose_preset(
+            "mtp3",
+            [f"output_dir={out}", *ZOO_RECIPE, "drafter.layout=mrv2", "export.verify=false"],
+        )
+    )
+    return load_drafter(s["export_dir"], zoo_target.shared_weights())[0]
+
+
+def _forced_engine_rounds(target, d, r: int) -> None:
+    """The engine with K = N whose drafts from step N-r on are the drafter's least likely
+    token (so r of them are rejected): greedy output equals plain greedy, drafts were
+    accepted, and after
+    every round every module's KV at committed rows equals a fresh prefill with the target's
+    features."""
+    from draftinfer.baseline import greedy_generate
+    from draftinfer.engine import Request, SpecDecoder, _Active
+    from draftinfer.sampling import SamplingParams
+    from draftinfer.slots import Slots
+    from tests.support.prompts import zoo_prompts
+
+    dec = SpecDecoder(target, d, N, max_batch=1, max_model_len=256)
+    propose = dec.proposer.propose
+    states = []
+
+    def forced(fp, num_drafts, k, choose, attn_len=None):
+        def bad(logits, step):
+            c, q = choose(logits, step)
+            return (logits.argmin(-1) if step >= N - r else c), q
+
+        out = propose(fp, num_drafts, k, bad, attn_len)
+        states.append((len(slot.tokens), dec.proposer.kv_snapshot(0, len(slot.tokens) - 1)))
+        return out
+
+    dec.proposer.propose = forced
+    p = zoo_prompts(1, seed=21)[0]
+    slot = _Active(0, Request(p, SamplingParams(0.0, seed=0), max_tokens=40), 0, list(p))
+    dec._admit([slot])
+    while slot.finish is None:
+        dec._round([slot])
+    assert slot.out and slot.out == greedy_generate(target, [p], 40)[0][: len(slot.out)]
+    assert max(slot.accepted) <= N - r  # every corrupted draft was rejected
+    if r < N:
+        assert sum(slot.accepted) > 0
+    for L, got in states[1:]:
+        tokens = slot.tokens[:L]
+        out = target(
+            torch.tensor([tokens[:-1]]),
+            Slots(torch.tensor([1]), torch.arange(L - 1)[None]),
+            d.config.features,
+        )
+        fresh = drafter_spec("mtp").proposer_class(d, 2, 256, torch.device("cpu"), torch.float32)
+        fp = FirstPass(
+            torch.tensor([0]),
+            torch.tensor([tokens[1:]]),
+            out.features,
+            torch.arange(L - 1)[None],
+            out.rope_pos,
+        )
+        fresh.propose(fresh.admit(fp), torch.tensor([0]), N)
+        assert_kv_equal(got, fresh.kv_snapshot(0, L - 1), f"r={r}, {L} committed")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("r", range(1, N + 1))
+def test_lossless_with_forced_rejections_deepseek(kind_env, r):
+    env = kind_env("mtp")
+    _forced_engine_rounds(env["target"], env["drafter"], r)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("r", range(1, N + 1))
+def test_lossless_with_forced_rejections_mrv2(mrv2_zoo, zoo_target, r):
+    _forced_engine_rounds(zoo_target, mrv2_zoo, r)
