@@ -1,15 +1,10 @@
 """Multi-layer MTP (`mtp`): N distinct modules, registered as the drafter kind `mtp`.
 
-Tensor layout (DESIGN section 4; checked against vLLM's `deepseek_mtp.py` loader and
-transformers' `MtpModel` conversion mapping): module k of a target with L decoder layers is
-`model.layers.{L+k}.*`:
-
-- `enorm`, `hnorm`, `eh_proj` (`[H, 2H]`, embedding first), `shared_head.norm` (the module's
-  final norm) and the block's own keys (`self_attn.*`, `mlp.*`, `input_layernorm`,
-  `post_attention_layernorm`) directly under the prefix (vLLM inserts `mtp_block.`);
-- `shared_head.head` (a copy of the target's `lm_head`, which vLLM's DeepSeek MTP loads per
-  module) and, for the first module, `embed_tokens` (vLLM lifts it to the shared embedding).
-  draftinfer ignores both copies and uses the target's own weights.
+Tensor layouts (DESIGN section 4; `layouts.py`, selected by the config's `layout`):
+`deepseek`, module k of a target with L decoder layers at `model.layers.{L+k}.*` (checked
+against vLLM's `deepseek_mtp.py` loader and transformers' `MtpModel` conversion mapping), or
+`mrv2`, Inkling's `model.mtp.layers.{k}.*` with a shared `model.mtp.chain_norm` (vLLM Model
+Runner V2's multi-module contract; checked by an independent loader in the tests).
 
 The same files are the standalone draft directory engines load as `speculative_config.model`
 (the target family's `config.json` with `num_nextn_predict_layers = N`) and what
@@ -19,19 +14,18 @@ The same files are the standalone draft directory engines load as `speculative_c
 from __future__ import annotations
 
 import logging
-import re
 from typing import Any
 
 import torch
 
 from draftinfer.errors import CheckpointError
 from draftinfer.kinds.mtp.config import MTPConfig
+from draftinfer.kinds.mtp.layouts import OWN_NAME, layout_of
 from draftinfer.kinds.mtp.module import MTPDrafter
 from draftinfer.kinds.mtp.proposer import MTPProposer
 from draftinfer.registry import DrafterSpec, copy_shared_weights, register_drafter
 
 log = logging.getLogger(__name__)
-_OWN = re.compile(r"^layers\.(\d+)\.(enorm|hnorm|eh_proj|norm|block)\.(.*)$")
 
 
 class MTPSpec(DrafterSpec):
@@ -48,48 +42,15 @@ class MTPSpec(DrafterSpec):
         # `"drafttrain"`: `MTPConfig.from_hf` reads them back from there.
         return {**super().conventions(arch), **arch.ours()}
 
-    # -- serving layout ----------------------------------------------------------------------
+    # -- serving layout (`layouts.py`: one adapter per `layout`) ------------------------------
     def serving_state_dict(self, module) -> dict[str, torch.Tensor]:
-        L = module.config.target_num_layers
-        out = {}
-        for name, t in module.trainable_state_dict().items():
-            m = _OWN.match(name)
-            k, part, rest = int(m.group(1)), m.group(2), m.group(3)
-            prefix = f"model.layers.{L + k}."
-            if part == "block":
-                out[prefix + rest] = t
-            elif part == "norm":
-                out[prefix + "shared_head.norm." + rest] = t
-            else:
-                out[prefix + f"{part}.{rest}"] = t
-        for k in range(module.config.n_predict):
-            out[f"model.layers.{L + k}.shared_head.head.weight"] = module.lm_head.weight
-        out[f"model.layers.{L}.embed_tokens.weight"] = module.embed_tokens.weight
-        return out
+        return layout_of(module.config).to_serving(module)
 
     def wants_tensor(self, arch, name: str) -> bool:
-        m = re.match(r"^model\.layers\.(\d+)\.", name)
-        return m is not None and int(m.group(1)) >= arch.target_num_layers
+        return layout_of(arch).wants(arch, name)
 
     def from_serving_names(self, arch, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        L = arch.target_num_layers
-        out = {}
-        pat = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
-        for name, t in tensors.items():
-            m = pat.match(name)
-            if m is None or int(m.group(1)) < L:
-                out[name] = t  # reported as unexpected by validate_state_dict
-                continue
-            k, rest = int(m.group(1)) - L, m.group(2)
-            if rest.startswith(("shared_head.head.", "embed_tokens.")):
-                continue  # engine copies of the target's head / embedding
-            if rest.startswith("shared_head.norm."):
-                out[f"layers.{k}.norm.{rest[len('shared_head.norm.') :]}"] = t
-            elif rest.split(".")[0] in ("enorm", "hnorm", "eh_proj"):
-                out[f"layers.{k}.{rest}"] = t
-            else:
-                out[f"layers.{k}.block.{rest}"] = t
-        return out
+        return layout_of(arch).from_serving(arch, tensors)
 
     def attach_shared(self, module, shared: dict[str, torch.Tensor]) -> None:
         roles = {"input_embeddings": module.embed_tokens.weight}
@@ -127,14 +88,19 @@ class MTPSpec(DrafterSpec):
             raise CheckpointError(
                 f"k={k} is not a multiple of the {N} MTP modules (engines pick module step % N)"
             )
+        if k > N and arch.layout == "mrv2":
+            raise CheckpointError(
+                f"k={k} > {N} modules: the mrv2 layout (vLLM MRv2's multi-module MTP) drafts "
+                f"token m with module m, at most {N} per round"
+            )
         if k > N:
             log.warning("k=%d > %d MTP modules: modules are reused (step %% %d)", k, N, N)
 
     def validate_state_dict(self, arch, tensors, module, where: str) -> None:
-        found = sorted({int(m.group(1)) for n in tensors if (m := _OWN.match(n))})
+        found = sorted({int(m.group(1)) for n in tensors if (m := OWN_NAME.match(n))})
         if found != list(range(arch.n_predict)):
-            L = arch.target_num_layers
-            missing = [f"model.layers.{L + k}" for k in range(arch.n_predict) if k not in found]
+            prefix = layout_of(arch).module_prefix
+            missing = [prefix(arch, k) for k in range(arch.n_predict) if k not in found]
             raise CheckpointError(
                 f"{where}: n_predict is {arch.n_predict} but the weights hold {len(found)} MTP "
                 f"module(s)" + (f" (missing {', '.join(missing)})" if missing else "")
@@ -142,27 +108,53 @@ class MTPSpec(DrafterSpec):
         super().validate_state_dict(arch, tensors, module, where)
 
     def serving_hint(self, arch, k: int, target: str, drafter: str) -> str:
-        N, L = arch.n_predict, arch.target_num_layers
+        N = arch.n_predict
+        first, last = (layout_of(arch).module_prefix(arch, j) for j in (0, N - 1))
         spec_cfg = f'{{"method": "mtp", "model": "{drafter}", "num_speculative_tokens": {N}}}'
-        return (
-            "vLLM:\n\n```bash\n"
-            f"vllm serve {target} --speculative-config '{spec_cfg}'\n```\n\n"
-            "This works for the families vLLM runs MTP for (DeepSeek-V3, "
-            "GLM-4.5, MiMo, Qwen3-Next, Step-3.5, ...; keys as `deepseek_mtp.py` loads them). "
-            "`num_speculative_tokens` must be a multiple of N (engines pick module `step % N`); "
-            "vLLM serves only the first MiMo-V2 MTP layer. SGLang chains modules only for "
-            "Step-3.5; its DeepSeek NextN loader reads one module renumbered `model.layers.0` "
-            "in a one-layer config, a variant this export does not write. transformers' "
-            f"`MtpModel` and vLLM with no draft model load the modules from the target: "
-            f"`python -m drafttrain.stitch {drafter} {target} <out>`. "
-            + (
-                f"This target ({arch.architecture}) is served by `draftinfer`."
-                if arch.block == "native"
-                else f"`draftinfer` does not run {arch.architecture} targets (block: hf)."
+        if arch.layout == "mrv2":
+            engines = (
+                "Layout `mrv2` (Inkling's: `model.mtp.layers.{i}.{hidden_norm, embed_norm, "
+                "input_proj, transformer_block.*}`, hidden-first concat, one shared "
+                "`model.mtp.chain_norm`; `mtp_config` in config.json). It is the layout vLLM "
+                "Model Runner V2's `MultiModuleMTPSpeculator` serves (chosen when `method` is "
+                "`mtp` and `min(num_nextn_predict_layers, num_speculative_tokens) > 1`; step m "
+                "runs module m over the window shifted left by m+1 at the window's own "
+                "positions, exactly what these modules were trained on). Its one in-tree user "
+                "is Inkling (`inkling_mtp`). `num_speculative_tokens` at most N."
             )
-            + f"\n\nmtp_chain {arch.mtp_chain}, mtp_carry {arch.mtp_carry}, mtp_feature_tap "
-            f"{arch.mtp_feature_tap}; modules at `model.layers.{L}.*` to "
-            f"`model.layers.{L + N - 1}.*`."
+        else:
+            engines = (
+                "Layout `deepseek` (`model.layers.{L+k}.*` as vLLM's `deepseek_mtp.py` and "
+                "transformers' `MtpModel` load them): vLLM serves it for the families it runs "
+                "MTP for (DeepSeek-V3, GLM-4.5, MiMo, Qwen3-Next, Step-3.5, ...); "
+                "`num_speculative_tokens` must be a multiple of N (engines pick module "
+                "`step % N`); vLLM serves only the first MiMo-V2 MTP layer. SGLang chains "
+                "modules only for Step-3.5; its DeepSeek NextN loader reads one module "
+                "renumbered `model.layers.0` in a one-layer config, a variant this export does "
+                "not write. transformers' `MtpModel` and vLLM with no draft model load the "
+                f"modules from the target: `python -m drafttrain.stitch {drafter} {target} <out>`."
+            )
+        registration = (
+            f"For a {arch.architecture} target vLLM has no MTP architecture: it registers MTP "
+            "only as a target's *own* architecture (`SpeculativeConfig.hf_config_override` "
+            "maps the target's `model_type` to `*_mtp`), and there is none for Llama or Qwen3. "
+            "Serving these modules in vLLM needs an out-of-tree registration (a plugin): a "
+            "model class registered with `ModelRegistry.register_model`, that builds N modules "
+            "of this layout around the target family's decoder layer, takes the target's "
+            "embedding and lm_head, picks module `spec_step_idx % N` and loads the names above; "
+            "plus an `hf_config_override` entry mapping the target's `model_type` to it with "
+            "`n_predict = num_nextn_predict_layers`. Then: "
+            f"`vllm serve {target} --speculative-config '{spec_cfg}'`."
+        )
+        runner = (
+            f"This target ({arch.architecture}) is served by `draftinfer` as is."
+            if arch.block == "native"
+            else f"`draftinfer` does not run {arch.architecture} targets (block: hf)."
+        )
+        return (
+            f"{engines}\n\n{registration}\n\n{runner}\n\n"
+            f"layout {arch.layout}, mtp_chain {arch.mtp_chain}, mtp_carry {arch.mtp_carry}, "
+            f"mtp_feature_tap {arch.mtp_feature_tap}; modules at `{first}.*` to `{last}.*`."
         )
 
 

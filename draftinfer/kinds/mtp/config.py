@@ -17,7 +17,13 @@ fields under `"drafttrain"`:
   `DeepSeekMultiTokenPredictorLayer` does (`inputs_embeds[positions == 0] = 0`);
 - `block`: `native` (a Llama/Qwen2/Qwen3 decoder layer: `draftinfer.layers.DecoderLayer`, run
   by training and the runner alike) or `hf` (the target family's own decoder-layer class,
-  for training against any HF causal LM; the runner refuses it).
+  for training against any HF causal LM; the runner refuses it);
+- `layout`: the checkpoint layout and the semantics that go with it (`layouts.py`):
+  `deepseek` (`model.layers.{L+k}.*`, embedding-first concat, a final norm per module, module
+  k's RoPE position advanced by k as Megatron and transformers' `MtpModel` train it) or `mrv2`
+  (vLLM Model Runner V2's multi-module contract with the Inkling layout: `model.mtp.layers.{k}.*`,
+  hidden-first concat, one `chain_norm` shared by all modules, module k at the window
+  position p itself; REFERENCES "Multi-module MTP in vLLM MRv2").
 """
 
 from __future__ import annotations
@@ -25,18 +31,48 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
+import torch
+
 from draftinfer.checkfields import require
 from draftinfer.errors import CheckpointError, ConfigError
+from draftinfer.positions import draft_step_positions
 from draftinfer.rope import rope_axes, rope_from_hf
 from draftinfer.target import FINAL_HIDDEN, FeatureSpec
 
 # Fields of a target config.json that are not the architecture (dropped when re-read).
-_NOT_ARCH = ("drafttrain", "num_nextn_predict_layers", "torch_dtype", "dtype", "_name_or_path")
+_NOT_ARCH = (
+    "drafttrain",
+    "num_nextn_predict_layers",
+    "mtp_config",
+    "torch_dtype",
+    "dtype",
+    "_name_or_path",
+)
 # Not written to the served config: `_name_or_path` (transformers' bookkeeping: the directory
 # the target was loaded from, a path of the training machine) and `dtype` (the target's load
 # dtype; the export records its own as `torch_dtype`, which transformers 5 reads as `dtype`).
 _NOT_SERVED = ("_name_or_path", "dtype")
-OURS = ("n_predict", "mtp_feature_tap", "mtp_chain", "mtp_carry", "mask_pos0_embedding", "block")
+OURS = (
+    "n_predict",
+    "mtp_feature_tap",
+    "mtp_chain",
+    "mtp_carry",
+    "mask_pos0_embedding",
+    "block",
+    "layout",
+)
+LAYOUTS = ("deepseek", "mrv2")
+
+
+def module_positions(layout: str, rope_pos: torch.Tensor, k: int) -> torch.Tensor:
+    """RoPE positions of module k's rows `[..., T]` from the rows' own positions (one
+    definition for training and the runner). Row i of module k consumes `t_{i+k+1}`;
+    `deepseek` places it at `pos_i + k` (Megatron, transformers' `MtpModel`: position advances
+    with depth); `mrv2` at `pos_i` (vLLM MRv2 runs module k "on all window positions p, at RoPE
+    position p")."""
+    if layout == "mrv2":
+        return rope_pos.clone()  # a new tensor: callers never share the target's buffer
+    return draft_step_positions(rope_pos, k)
 
 
 @dataclass
@@ -50,6 +86,7 @@ class MTPConfig:
     mtp_carry: str = "pre_norm"
     mask_pos0_embedding: bool = True
     block: str = "native"
+    layout: str = "deepseek"
 
     def __post_init__(self) -> None:
         if self.n_predict < 1:
@@ -61,6 +98,13 @@ class MTPConfig:
                 )
         if self.block not in ("native", "hf"):
             raise ConfigError(f"block must be native or hf, got {self.block!r}")
+        if self.layout not in LAYOUTS:
+            raise ConfigError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.layout == "mrv2" and self.mask_pos0_embedding:
+            # Only DeepSeek's MTP layer zeroes it (REFERENCES C); an mrv2 engine would not.
+            raise ConfigError(
+                "the mrv2 layout has no zeroed position-0 embedding: set mask_pos0_embedding false"
+            )
         c = self.target_config
         for key in ("architectures", "hidden_size", "num_hidden_layers", "vocab_size"):
             if key not in c:
@@ -102,6 +146,19 @@ class MTPConfig:
     def rope_axes(self) -> int:
         return rope_axes(getattr(self, "rope_scaling", None))
 
+    @property
+    def hidden_first(self) -> bool:
+        """Concat order of the module input: `[h, emb]` (Inkling / mrv2) or `[emb, h]`."""
+        return self.layout == "mrv2"
+
+    @property
+    def shared_norm(self) -> bool:
+        """One final norm for every module (Inkling's `chain_norm`) or one per module."""
+        return self.layout == "mrv2"
+
+    def module_positions(self, rope_pos: torch.Tensor, k: int) -> torch.Tensor:
+        return module_positions(self.layout, rope_pos, k)
+
     def ours(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in OURS}
 
@@ -121,13 +178,29 @@ class MTPConfig:
             scaled = rope.get("rope_type", "default") != "default" or "mrope_section" in rope
             if arch.get("rope_scaling") is None and scaled:
                 arch["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
-        return {**arch, "num_nextn_predict_layers": self.n_predict}
+        out = {**arch, "num_nextn_predict_layers": self.n_predict}
+        if self.layout == "mrv2":
+            # Inkling's block (what vLLM's `inkling_mtp` reads `n_predict` and the chain norm
+            # from); `mtp_hidden_states_first` says the concat order (REFERENCES 1.5).
+            out["mtp_config"] = {
+                "num_nextn_predict_layers": self.n_predict,
+                "chain_hidden_post_norm": self.mtp_carry == "post_norm",
+                "mtp_hidden_states_first": True,
+                "local_layer_ids": [],
+            }
+        return out
 
     @classmethod
     def from_hf(cls, d: dict[str, Any], where: str = "config.json") -> MTPConfig:
         meta = d.get("drafttrain") or {}
         n = int(require(d, "num_nextn_predict_layers", where))
-        ours = {name: require(meta, name, f"{where} [drafttrain]") for name in OURS}
+        # `layout` arrived with the mrv2 layout: checkpoints written before are `deepseek`.
+        ours = {
+            name: meta.get(name, "deepseek")
+            if name == "layout"
+            else require(meta, name, f"{where} [drafttrain]")
+            for name in OURS
+        }
         if ours["n_predict"] != n:
             raise CheckpointError(
                 f"{where}: num_nextn_predict_layers {n} != drafttrain.n_predict {ours['n_predict']}"

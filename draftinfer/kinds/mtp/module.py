@@ -1,13 +1,14 @@
 """Multi-layer MTP drafter: N distinct modules; one definition for training and the runner.
 
 Module k (convention 5): `h_k = block_k(eh_proj_k(cat[enorm_k(embed(t)), hnorm_k(h_in)]))`
-(embedding first), then a per-module final norm (`norm`, DeepSeek's `shared_head.norm`)
-before the target's shared, frozen `lm_head`. `h_in` is the target's final hidden state for
+(embedding first; hidden first for the `mrv2` layout, Inkling's `[hidden_norm(h) ‖
+embed_norm(emb)]`), then a per-module final norm (`norm`, DeepSeek's `shared_head.norm`; the
+`mrv2` layout shares one, Inkling's `chain_norm`) before the target's shared, frozen `lm_head`. `h_in` is the target's final hidden state for
 module 0, and for module k+1 module k's output (`mtp_chain`; its pre- or post-norm state per
 `mtp_carry`) or again the target's feature (no chain).
 
 Rows (convention 1, extended by depth): module k at row i consumes token `t_{i+k+1}` at RoPE
-position `pos_i + k` and predicts `t_{i+k+2}`. Every module keeps its own KV cache in the
+position `pos_i + k` (`mrv2`: `pos_i`; `config.module_positions`) and predicts `t_{i+k+2}`. Every module keeps its own KV cache in the
 runner, indexed by the row (the target token index `i`), while RoPE reads `pos_i + k`.
 
 `embed_tokens` and `lm_head` are the target's, frozen and never part of the drafter's own
@@ -46,7 +47,8 @@ def hf_layer_classes(cfg: MTPConfig):
 
 
 class MTPLayer(nn.Module):
-    """One MTP module: enorm, hnorm, eh_proj `[H, 2H]`, a decoder block, a final norm."""
+    """One MTP module: enorm, hnorm, eh_proj `[H, 2H]`, a decoder block, a final norm (none
+    when the layout shares one `chain_norm` across modules)."""
 
     def __init__(self, c: MTPConfig, k: int, block: nn.Module, eps: float):
         super().__init__()
@@ -55,7 +57,8 @@ class MTPLayer(nn.Module):
         self.hnorm = RMSNorm(H, eps)
         self.eh_proj = nn.Linear(2 * H, H, bias=False)
         self.block = block
-        self.norm = RMSNorm(H, eps)
+        if not c.shared_norm:
+            self.norm = RMSNorm(H, eps)
 
 
 class MTPDrafter(nn.Module):
@@ -78,6 +81,12 @@ class MTPDrafter(nn.Module):
             eps = float(getattr(hf, "rms_norm_eps", 1e-6))
             self.hf_rotary = rotary_cls(hf)
         self.layers = nn.ModuleList(MTPLayer(c, k, b, eps) for k, b in enumerate(blocks))
+        # Inkling's `chain_norm`: one final norm whose output is every module's head input.
+        self.chain_norm = RMSNorm(H, eps) if c.shared_norm else None
+
+    def final_norm(self, k: int) -> nn.Module:
+        """Module k's final norm (its own, or the shared `chain_norm`)."""
+        return self.chain_norm if self.chain_norm is not None else self.layers[k].norm
 
     def draft_vocab_ids(self) -> torch.Tensor:
         """MTP drafts over the target's whole vocabulary."""
@@ -101,7 +110,8 @@ class MTPDrafter(nn.Module):
         if self.config.mask_pos0_embedding:
             at0 = rope_pos == 0 if rope_pos.dim() == input_ids.dim() else (rope_pos == 0).all(0)
             emb = torch.where(at0[..., None], torch.zeros_like(emb), emb)
-        x = layer.eh_proj(torch.cat([layer.enorm(emb), layer.hnorm(h_in)], dim=-1))
+        e, h = layer.enorm(emb), layer.hnorm(h_in)
+        x = layer.eh_proj(torch.cat([h, e] if self.config.hidden_first else [e, h], dim=-1))
         if self.hf_rotary is None:
             cos, sin = self.rotary(rope_pos)
             pre = layer.block(x, cos, sin, attn_fn, k)
@@ -115,7 +125,7 @@ class MTPDrafter(nn.Module):
                 position_ids=rope_pos,
             )
             pre = out[0] if isinstance(out, tuple) else out
-        return layer.norm(pre), pre
+        return self.final_norm(k)(pre), pre
 
     def carry(self, normed: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         """What module k hands module k+1 when chained (`mtp_carry`)."""

@@ -1,27 +1,38 @@
 """Multi-layer MTP drafting: module k drafts token k+1, each module with its own KV cache.
 
-Rows and the window (conventions 1, 5, 10). Module k at row i consumes `t_{i+k+1}` and `h_in`
-at RoPE position `pos_i + k`, and writes its KV at cache index `i` (the row) of its own cache.
-In a round with committed length L, module k's last row `L-2` consumes the draft `d_k` (module
-0 consumes the committed `t_{L-1}`), so its output yields draft `d_{k+1}`. Rows that consumed
-drafts are stale once the round commits: module k's rows `L-1-k .. L-2`.
+This is vLLM Model Runner V2's multi-module contract (REFERENCES C, points 1-5), row by row:
 
-Each round therefore runs every module over one *window* of rows: the `N-1` rows before the
-first pass (the per-request cache `hist`: token ids, target features, cache index and RoPE
-position of the last `N-1` rows of the previous window) followed by the first pass (the rows
-the last commit made final). Re-running the window re-prefills exactly the stale rows, with
-correctly chained inputs: module k's row i consumes the committed token when `t_{i+k+1}` is
-committed, else the draft of this round, and (chained) module k-1's output at row i from this
-same window. After the round, `hist` keeps the window's last `N-1` rows. Shapes are static:
-the window is `[B, N - 1 + K + 1]`, rows padded with cache index -1.
+1. Window shift. Every round runs every module over the whole window. Module k at row i
+   consumes `t_{i+k+1}` (the window ids shifted left by k+1 from the target's token i; past
+   the window's last row: the bonus token's successors, i.e. known lookahead tokens, then the
+   drafts of steps < k) at RoPE position `module_positions(pos_i, k)` (`mrv2`: `pos_i`;
+   `deepseek`: `pos_i + k`), and writes its KV at cache index `i` of its own cache.
+2. Hidden chaining. Module 0 consumes the target's feature `f_i`; module k >= 1 module k-1's
+   output at the same row (`mtp_chain`; which output per `mtp_carry`), or `f_i` (no chain).
+3. Sampling. Draft k comes from module k's last live row.
+4. Prefill lookahead. `admit` writes the prompt rows but the last (it stays pending for the
+   first round); the pending row's token, and any further known prompt tokens a chunked caller
+   passes as `lookahead`, are consumed before drafts, so every module's KV at those rows is
+   exact at once.
+5. Re-prefill of stale rows. The per-request cache `hist` keeps the last N-1 rows of the
+   previous window (token ids, target features, cache index, RoPE position, multimodal rows)
+   and `hist_ext`, the N-1 tokens its modules consumed past its last row. A row is stale when
+   a module consumed one of those that is not the committed token; the stale rows are the
+   last `N-1-g` of `hist`, g = the leading `hist_ext` tokens equal to the committed ones
+   (= `max(0, r-1)` after r rejected drafts of K = N). Only those re-run, from the cached ids
+   and features, inside the window (the others are padding: cache index -1 writes nothing).
 
-K > N reuses modules (`step % N`, as engines do, with a warning): step s >= N runs module
-`s % N` on one extra row (the draft `d_s` with the carried output of step s-1, RoPE position
-`p_last + s`) appended after its window rows in its cache; the next windows overwrite those
-entries before any query reads them.
+Shapes are static: the window is `[B, N - 1 + K + 1]`, rows padded with cache index -1.
+
+K > N reuses modules (`step % N`, as engines' DeepSeek-style MTP does, with a warning; the
+`mrv2` layout refuses it): step s >= N runs module `s % N` on one extra row (the draft `d_s`
+with the carried output of step s-1, RoPE position `p_last + s`) appended after its window rows
+in its cache; the next windows overwrite those entries before any query reads them.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -74,6 +85,8 @@ class MTPProposer(Proposer):
             torch.full((max_batch, N - 1), -1, dtype=torch.long, device=dev),
             torch.zeros(*axes, max_batch, N - 1, dtype=torch.long, device=dev),
         )
+        # The N-1 tokens the last window's modules consumed past its last row (point 5).
+        self.hist_ext = torch.zeros(max_batch, max(N - 1, 0), dtype=torch.long, device=dev)
         self._fwd = cached_mtp_forward
 
     def compile(self, **kwargs) -> None:
@@ -112,16 +125,23 @@ class MTPProposer(Proposer):
         )
 
     # -- the window --------------------------------------------------------------------------
-    def _window(self, win: FirstPass, attn_len, steps: int, num_drafts, choose, drafts, qs):
+    def _window(
+        self, win: FirstPass, attn_len, steps: int, num_drafts, choose, drafts, qs, known=None
+    ):
         """Every module over the window rows; module j < steps records draft j+1 from its
-        last live row. Returns (qs, per-request last-row carry of the last module, last)."""
+        last live row. `known`: (tokens, mask) `[B, N]` past the last row that are already
+        known (lookahead, point 4); they are consumed in place of drafts. Returns (qs,
+        per-request last-row carry of the last module, last, the tokens consumed past the
+        last row `[B, N]`)."""
         d, N = self.drafter, self.N
         B, Tw = win.ids.shape
         dev = win.ids.device
         last = last_live(win.cache_pos)  # [B]
         ar = torch.arange(B, device=dev)
         src0 = torch.arange(Tw, device=dev)[None]  # [1, Tw]
-        ext = torch.zeros(B, N, dtype=torch.long, device=dev)  # d_1..d_N for the window
+        ext = torch.zeros(B, N, dtype=torch.long, device=dev)  # t past the last row
+        if known is not None:
+            ext = torch.where(known[1], known[0], ext)
         feat = win.features.to(self.dtype)
         carry = feat
         for j in range(N):
@@ -137,20 +157,24 @@ class MTPProposer(Proposer):
                 shifted = win.mm.shifted(j)
                 mm = TokenEmbeds(shifted.mask & in_win, shifted.embeds)
             h_in = carry if (j > 0 and d.config.mtp_chain) else feat
-            normed, pre = self._run(
-                j, tok, h_in, win.rope_pos + j, win.rows, win.cache_pos, attn_len, mm
-            )
+            rope = d.config.module_positions(win.rope_pos, j)
+            normed, pre = self._run(j, tok, h_in, rope, win.rows, win.cache_pos, attn_len, mm)
             carry = d.carry(normed, pre)
             if j < steps:
                 logits = d.logits(normed[ar, last])  # [B, V]
                 qs = self._record(drafts, qs, j, logits, num_drafts > j, choose)
-                ext[:, j] = drafts[:, j]
-        return qs, carry[ar, last], last
+                draft = drafts[:, j]
+                ext[:, j] = (
+                    draft if known is None else torch.where(known[1][:, j], ext[:, j], draft)
+                )
+        return qs, carry[ar, last], last, ext
 
-    def _keep_history(self, win: FirstPass, last: torch.Tensor) -> None:
-        """hist <- the window's last N-1 live rows (padding where the sequence is shorter)."""
+    def _keep_history(self, win: FirstPass, last: torch.Tensor, ext: torch.Tensor) -> None:
+        """hist <- the window's last N-1 live rows (padding where the sequence is shorter),
+        hist_ext <- the tokens its modules consumed past its last row."""
         if self.N == 1:
             return
+        self.hist_ext[win.rows] = ext[:, : self.N - 1]
         t = torch.arange(self.N - 1, device=last.device)
         idx = last[:, None] - (self.N - 2) + t[None]  # [B, N-1]
         ok = idx >= 0
@@ -176,21 +200,48 @@ class MTPProposer(Proposer):
                 )
 
     @torch.no_grad()
-    def admit(self, first_pass: FirstPass, attn_len: int | None = None) -> FirstPass:
-        """Prefill every module over the prompt rows but the last (rows whose tokens are not
-        known yet are recomputed by the first round's window); the last row stays pending."""
+    def admit(
+        self,
+        first_pass: FirstPass,
+        attn_len: int | None = None,
+        lookahead: torch.Tensor | None = None,
+    ) -> FirstPass:
+        """Prefill every module over the prompt rows but the last, which stays pending. Prefill
+        lookahead (point 4): the pending row's token and `lookahead` `[B, n]` (the next prompt
+        tokens, for a caller that feeds the drafter a prompt in chunks; the engine admits a
+        whole prompt at once) are consumed in place of drafts; rows that would need a token
+        beyond them are re-prefilled by the next window (point 5)."""
         self._keep_mm(first_pass)
         self.hist.cache_pos[first_pass.rows] = -1
         if self.hist.mm is not None:
             self.hist.mm.mask[first_pass.rows] = False
         if first_pass.width > 1:
             win = first_pass.take(0, -1)
-            B = win.ids.shape[0]
-            drafts = torch.zeros(B, self.N, dtype=torch.long, device=win.ids.device)
-            zero = torch.zeros(B, dtype=torch.long, device=win.ids.device)
-            _, _, last = self._window(win, attn_len, 0, zero, greedy_chooser, drafts, None)
-            self._keep_history(win, last)
+            B, N = win.ids.shape[0], self.N
+            dev = win.ids.device
+            tokens = torch.zeros(B, N, dtype=torch.long, device=dev)
+            mask = torch.zeros(B, N, dtype=torch.bool, device=dev)
+            more = [first_pass.ids[:, -1:]] + ([] if lookahead is None else [lookahead])
+            more = torch.cat(more, 1)[:, :N]
+            tokens[:, : more.shape[1]] = more
+            mask[:, : more.shape[1]] = (first_pass.cache_pos[:, -1:] >= 0).expand_as(more)
+            drafts = torch.zeros(B, N, dtype=torch.long, device=dev)
+            zero = torch.zeros(B, dtype=torch.long, device=dev)
+            *_, last, ext = self._window(
+                win, attn_len, 0, zero, greedy_chooser, drafts, None, (tokens, mask)
+            )
+            self._keep_history(win, last, ext)
         return first_pass.take(-1)
+
+    def stale_rows(self, first_pass: FirstPass) -> torch.Tensor:
+        """Per request, how many of the `hist` rows are stale `[B]` (point 5): N-1 minus the
+        leading tokens the last window consumed past its last row that the new first pass
+        commits (a match means the KV built from it stands)."""
+        N, fp = self.N, first_pass
+        m = min(N - 1, fp.width)
+        got = self.hist_ext[fp.rows, :m] == fp.ids[:, :m]
+        good = (got & (fp.cache_pos[:, :m] >= 0)).long().cumprod(1).sum(1)
+        return (N - 1) - good
 
     @torch.no_grad()
     def propose(
@@ -214,17 +265,24 @@ class MTPProposer(Proposer):
                 torch.cat([hm.mask, hm.mask.new_zeros(B, T)], 1),
                 torch.cat([hm.embeds, hm.embeds.new_zeros(B, T, hm.embeds.shape[-1])], 1),
             )
+        hist_pos = torch.where(alive, h.cache_pos[fp.rows], -1)  # [B, N-1]
         win = FirstPass(
             fp.rows,
             torch.cat([h.ids[fp.rows], fp.ids], 1),
             torch.cat([h.features[fp.rows].to(fp.features.dtype), fp.features], 1),
-            torch.cat([torch.where(alive, h.cache_pos[fp.rows], -1), fp.cache_pos], 1),
+            torch.cat([hist_pos, fp.cache_pos], 1),
             torch.cat([h.rope_pos[..., fp.rows, :], fp.rope_pos], -1),
             mm,
         )
+        # Re-prefill only the stale hist rows; the others are padding and write nothing.
+        t = torch.arange(N - 1, device=dev)[None]
+        rerun = t >= (N - 1 - self.stale_rows(fp))[:, None]
+        run = replace(win, cache_pos=torch.cat([torch.where(rerun, hist_pos, -1), fp.cache_pos], 1))
         drafts = torch.zeros(B, max(k, N), dtype=torch.long, device=dev)
-        qs, carry, last = self._window(win, attn_len, min(k, N), num_drafts, choose, drafts, None)
-        self._keep_history(win, last)
+        qs, carry, last, ext = self._window(
+            run, attn_len, min(k, N), num_drafts, choose, drafts, None
+        )
+        self._keep_history(win, last, ext)
         ar = torch.arange(B, device=dev)
         base_cache, base_rope = win.cache_pos[ar, last], win.rope_pos[..., ar, last]
         f_last = win.features[ar, last].to(self.dtype)
@@ -237,7 +295,7 @@ class MTPProposer(Proposer):
                 j,
                 drafts[:, s - 1 : s],
                 h_in[:, None],
-                (base_rope + s)[..., None],
+                d.config.module_positions(base_rope, s)[..., None],
                 fp.rows,
                 cache,
                 attn_len,
@@ -285,7 +343,7 @@ class MTPProposer(Proposer):
                     j,
                     tok[None],
                     h_in[None],
-                    (rope_pos + j)[..., None, :],
+                    d.config.module_positions(rope_pos, j)[..., None, :],
                     causal_attn,
                     rows_mm(j, 0),
                 )
@@ -294,11 +352,12 @@ class MTPProposer(Proposer):
                 out = normed[0, -1:]
             else:
                 h = carry_last if d.config.mtp_chain else feat[-1]
-                extra[j].append((drafts[-1], h, rope_pos[..., -1:] + s))
+                extra[j].append((drafts[-1], h, d.config.module_positions(rope_pos[..., -1:], s)))
                 tok0, h0 = rows_in[j]
                 tok = torch.cat([tok0, ids.new_tensor([t for t, _, _ in extra[j]])])
                 h_in = torch.cat([h0, torch.stack([x for _, x, _ in extra[j]])])
-                rope = torch.cat([rope_pos + j] + [r for _, _, r in extra[j]], dim=-1)
+                own = d.config.module_positions(rope_pos, j)
+                rope = torch.cat([own] + [r for _, _, r in extra[j]], dim=-1)
                 mm_j = rows_mm(j, len(extra[j]))
                 normed, pre = d(j, tok[None], h_in[None], rope[..., None, :], causal_attn, mm_j)
                 carry_last = d.carry(normed, pre)[0, -1]

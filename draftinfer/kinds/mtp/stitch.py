@@ -2,8 +2,8 @@
 
 Engines that load MTP from the target itself (vLLM's `method: mtp` with no draft model,
 transformers' `MtpModel.from_pretrained(main_model)`) read `num_nextn_predict_layers` from the
-target's `config.json` and the modules' tensors `model.layers.{L+k}.*` from its safetensors
-index. The copy gets:
+target's `config.json` and the modules' tensors (`model.layers.{L+k}.*`, or `model.mtp.*` for
+the `mrv2` layout) from its safetensors index. The copy gets:
 
 - every file of the target, its weights as shard 1 of the index (a single `model.safetensors`
   is renamed, since loaders prefer a single file over an index when both exist);
@@ -74,8 +74,7 @@ def stitch(spec, export_dir: Path, arch, target_dir: Path, out_dir: Path) -> Pat
             with safe_open(str(tmp / shard), framework="pt") as f:
                 index = {"metadata": {}, "weight_map": {k: shard for k in f.keys()}}
         weight_map = index["weight_map"]
-        L = info.num_layers  # the decoder's (a multimodal family nests it)
-        stale = [k for k in weight_map if _layer(k) is not None and _layer(k) >= L]
+        stale = [k for k in weight_map if spec.wants_tensor(arch, k)]
         if stale:
             raise CheckpointError(f"{target_dir} already holds MTP layers ({stale[0]}, ...)")
         tensors = load_file(str(export_dir / "model.safetensors"))
@@ -87,8 +86,9 @@ def stitch(spec, export_dir: Path, arch, target_dir: Path, out_dir: Path) -> Pat
         )
         index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         export_cfg = json.loads((export_dir / "config.json").read_text())
-        tcfg["num_nextn_predict_layers"] = arch.n_predict
-        tcfg["drafttrain"] = export_cfg["drafttrain"]
+        for key in ("num_nextn_predict_layers", "mtp_config", "drafttrain"):
+            if key in export_cfg:
+                tcfg[key] = export_cfg[key]
         (tmp / "config.json").write_text(json.dumps(tcfg, indent=2, sort_keys=True) + "\n")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -97,10 +97,3 @@ def stitch(spec, export_dir: Path, arch, target_dir: Path, out_dir: Path) -> Pat
         out.rmdir()
     tmp.rename(out)
     return out
-
-
-def _layer(name: str) -> int | None:
-    parts = name.split(".")
-    if len(parts) > 3 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
-        return int(parts[2])
-    return None

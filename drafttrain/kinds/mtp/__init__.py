@@ -53,8 +53,13 @@ class MTPTrainSpec(TrainSpec):
             mtp_feature_tap=cfg.mtp_feature_tap,
             mtp_chain=cfg.mtp_chain,
             mtp_carry=cfg.mtp_carry,
-            mask_pos0_embedding=cfg.mask_pos0_embedding,
+            mask_pos0_embedding=(
+                cfg.layout == "deepseek"
+                if cfg.mask_pos0_embedding is None
+                else cfg.mask_pos0_embedding
+            ),
             block="native" if FAMILIES.is_native(info.architecture) else "hf",
+            layout=cfg.layout,
         )
 
     def features(self, cfg: MTPTrainConfig, ctx: InitContext):
@@ -74,13 +79,17 @@ class MTPTrainSpec(TrainSpec):
             last = ctx.target.layers[-1].state_dict()
             norm = ctx.target.final_norm_weight()
             H = drafter.config.hidden_size
-            for layer in drafter.layers:
+            # Columns of eh_proj that read the carried hidden state (the concat order).
+            hid, emb = (slice(0, H), slice(H, None))
+            if not drafter.config.hidden_first:
+                hid, emb = emb, hid
+            for k, layer in enumerate(drafter.layers):
                 layer.block.load_state_dict({k: v.float() for k, v in last.items()})
                 if norm is not None:
-                    layer.norm.weight.copy_(norm.float())
+                    drafter.final_norm(k).weight.copy_(norm.float())
                 w = torch.zeros(H, 2 * H)
-                w[:, :H].normal_(0.0, 0.02)
-                w[:, H:] = torch.eye(H)  # start from the (normed) carried hidden state
+                w[:, emb].normal_(0.0, 0.02)
+                w[:, hid] = torch.eye(H)  # start from the (normed) carried hidden state
                 layer.eh_proj.weight.copy_(w)
         return drafter
 

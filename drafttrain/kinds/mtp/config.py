@@ -17,11 +17,18 @@ class MTPTrainConfig(DrafterTrainConfig):
     mtp_feature_tap: str = "post_norm"
     mtp_chain: bool = True
     mtp_carry: str = "pre_norm"
-    # Zero the token embedding at RoPE position 0, as vLLM's DeepSeek MTP layer does.
-    mask_pos0_embedding: bool = True
+    # Checkpoint layout and its serving semantics (`draftinfer/kinds/mtp/config.py`):
+    # "deepseek" or "mrv2" (vLLM Model Runner V2's multi-module contract, Inkling's layout).
+    layout: str = "deepseek"
+    # Zero the token embedding at RoPE position 0, as vLLM's DeepSeek MTP layer does; null:
+    # the layout's own (deepseek: true, mrv2: false).
+    mask_pos0_embedding: bool | None = None
     # "target_last_layer": each module's block starts as a copy of the target's last decoder
     # layer, its final norm as the target's, eh_proj as [small noise | identity]; "random".
     init: str = "target_last_layer"
     # Loss weight of module k: "uniform" (1) or "geometric" (loss_decay^k).
     loss_weights: str = "geometric"
     loss_decay: float = 0.8
+    # Chained modules: stop module k+1's loss from reaching module k through the carried
+    # hidden state (each module then trains on its own loss only; the forward is unchanged).
+    detach_carry: bool = False

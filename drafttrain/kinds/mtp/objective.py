@@ -1,8 +1,9 @@
 """Multi-layer MTP objective: N modules over the whole sequence, each scored with `trainer.loss`.
 
 Rows (conventions 1, 4, 5): module k at row i consumes the teacher-forced token `t_{i+k+1}`
-at RoPE position `pos_i + k` (`draft_step_positions`, the runner's function) with `h_in` = the
-target's final hidden state `f_i` for module 0, and module k-1's output at row i (chained,
+at RoPE position `pos_i + k` (`mrv2` layout: `pos_i`; `module_positions`, the runner's
+function) with `h_in` = the target's final hidden state `f_i` for module 0, and module k-1's
+output at row i (chained,
 `mtp_carry`) or `f_i` again (not chained) for module k; it predicts `t_{i+k+2}`: the target's
 distribution at row `i+k+1` over the full vocabulary (the head is the target's, frozen).
 Attention is plain causal attention within each module (in the runner, module k's KV cache
@@ -20,7 +21,6 @@ from __future__ import annotations
 import torch
 
 from draftinfer.kinds.mtp import MTPDrafter
-from draftinfer.positions import draft_step_positions
 from draftinfer.proposer import causal_attn
 from draftinfer.target import TargetOutput
 from draftinfer.window import TokenEmbeds, shift_left
@@ -55,11 +55,13 @@ class MTPObjective:
                 k,
                 shift_left(input_ids, 1 + k),
                 h_in,
-                draft_step_positions(rope_pos, k),
+                d.config.module_positions(rope_pos, k),
                 causal_attn,
                 None if mm is None else mm.shifted(1 + k),
             )
             carry = d.carry(normed, pre)
+            if self.cfg.detach_carry:
+                carry = carry.detach()
             out.append(normed)
         return out
 

@@ -1,0 +1,125 @@
+"""The MTP checkpoint layouts: our module names <-> the names engines load (`MTPConfig.layout`).
+
+Our module names (`MTPDrafter.trainable_state_dict`): `layers.{k}.{enorm,hnorm,eh_proj}.*`,
+`layers.{k}.block.*` (a decoder layer: `self_attn.*`, `mlp.*`, `input_layernorm`,
+`post_attention_layernorm`), and the final norm `layers.{k}.norm.*` (one per module) or
+`chain_norm.*` (shared).
+
+- `deepseek` (vLLM's `deepseek_mtp.py`, transformers' `MtpModel`; DESIGN section 4): module k
+  of a target with L decoder layers is `model.layers.{L+k}.*` with `enorm`, `hnorm`, `eh_proj`
+  (`[H, 2H]`, embedding first), `shared_head.norm` and the block's keys directly under the
+  prefix (vLLM inserts `mtp_block.`), plus the engine copies `shared_head.head` (per module)
+  and `embed_tokens` (first module; vLLM lifts it to the shared embedding), which we ignore.
+- `mrv2` (Inkling, vLLM MRv2's multi-module user; REFERENCES C, "Checkpoint layouts"):
+  `model.mtp.layers.{k}.{hidden_norm, embed_norm, input_proj, transformer_block.*}` with
+  `input_proj` `[H, 2H]` reading `[hidden_norm(h) ‖ embed_norm(emb)]` (hidden first) and one
+  `model.mtp.chain_norm` shared by all modules; embedding and head are the target's (no copies).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+OWN_NAME = re.compile(r"^layers\.(\d+)\.(enorm|hnorm|eh_proj|norm|block)\.(.*)$")
+
+
+class DeepSeekLayout:
+    name = "deepseek"
+
+    def module_prefix(self, arch, k: int) -> str:
+        return f"model.layers.{arch.target_num_layers + k}"
+
+    def to_serving(self, module) -> dict[str, torch.Tensor]:
+        L = module.config.target_num_layers
+        out = {}
+        for name, t in module.trainable_state_dict().items():
+            m = OWN_NAME.match(name)
+            k, part, rest = int(m.group(1)), m.group(2), m.group(3)
+            prefix = f"model.layers.{L + k}."
+            if part == "block":
+                out[prefix + rest] = t
+            elif part == "norm":
+                out[prefix + "shared_head.norm." + rest] = t
+            else:
+                out[prefix + f"{part}.{rest}"] = t
+        for k in range(module.config.n_predict):
+            out[f"model.layers.{L + k}.shared_head.head.weight"] = module.lm_head.weight
+        out[f"model.layers.{L}.embed_tokens.weight"] = module.embed_tokens.weight
+        return out
+
+    def wants(self, arch, name: str) -> bool:
+        m = re.match(r"^model\.layers\.(\d+)\.", name)
+        return m is not None and int(m.group(1)) >= arch.target_num_layers
+
+    def from_serving(self, arch, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        L = arch.target_num_layers
+        out = {}
+        pat = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
+        for name, t in tensors.items():
+            m = pat.match(name)
+            if m is None or int(m.group(1)) < L:
+                out[name] = t  # reported as unexpected by validate_state_dict
+                continue
+            k, rest = int(m.group(1)) - L, m.group(2)
+            if rest.startswith(("shared_head.head.", "embed_tokens.")):
+                continue  # engine copies of the target's head / embedding
+            if rest.startswith("shared_head.norm."):
+                out[f"layers.{k}.norm.{rest[len('shared_head.norm.') :]}"] = t
+            elif rest.split(".")[0] in ("enorm", "hnorm", "eh_proj"):
+                out[f"layers.{k}.{rest}"] = t
+            else:
+                out[f"layers.{k}.block.{rest}"] = t
+        return out
+
+
+# Our per-module part -> Inkling's name under `model.mtp.layers.{k}.`.
+_MRV2 = {"enorm": "embed_norm", "hnorm": "hidden_norm", "eh_proj": "input_proj"}
+_MRV2_BACK = {v: k for k, v in _MRV2.items()}
+_MRV2_PAT = re.compile(r"^model\.mtp\.layers\.(\d+)\.([a-z_]+)\.(.*)$")
+
+
+class MRv2Layout:
+    name = "mrv2"
+
+    def module_prefix(self, arch, k: int) -> str:
+        return f"model.mtp.layers.{k}"
+
+    def to_serving(self, module) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, t in module.trainable_state_dict().items():
+            if name.startswith("chain_norm."):
+                out[f"model.mtp.{name}"] = t
+                continue
+            m = OWN_NAME.match(name)
+            k, part, rest = int(m.group(1)), m.group(2), m.group(3)
+            part = "transformer_block" if part == "block" else _MRV2[part]
+            out[f"model.mtp.layers.{k}.{part}.{rest}"] = t
+        return out
+
+    def wants(self, arch, name: str) -> bool:
+        return name.startswith("model.mtp.")
+
+    def from_serving(self, arch, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, t in tensors.items():
+            if name.startswith("model.mtp.chain_norm."):
+                out[name[len("model.mtp.") :]] = t
+                continue
+            m = _MRV2_PAT.match(name)
+            part = None if m is None else m.group(2)
+            if part == "transformer_block":
+                out[f"layers.{m.group(1)}.block.{m.group(3)}"] = t
+            elif part in _MRV2_BACK:
+                out[f"layers.{m.group(1)}.{_MRV2_BACK[part]}.{m.group(3)}"] = t
+            else:
+                out[name] = t  # reported as unexpected by validate_state_dict
+        return out
+
+
+LAYOUTS = {x.name: x for x in (DeepSeekLayout(), MRv2Layout())}
+
+
+def layout_of(arch):
+    return LAYOUTS[arch.layout]

@@ -1,0 +1,108 @@
+"""A proposer-level harness for the MTP serving contract (REFERENCES C, vLLM MRv2): one known
+token sequence, rounds whose drafts are forced to be accepted or rejected, the commit an engine
+would make, and the fresh-prefill reference the drafter state must equal after every round.
+
+Row i of the sequence consumes `(t_{i+1}, f_i)` at `pos_i` (convention 1); after a round over
+rows `a..b-1`, the committed rows are `0..b-1`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from draftinfer.proposer import FirstPass
+from draftinfer.registry import drafter_spec
+
+
+def mrope_positions(T: int) -> torch.Tensor:
+    """`[3, T]` positions whose three axes differ (an image grid in the middle)."""
+    t = torch.arange(T)
+    grid = (t >= 3) & (t < 9)
+    h = torch.where(grid, 3 + (t - 3) // 3, t)
+    w = torch.where(grid, 3 + (t - 3) % 3, t)
+    return torch.stack([torch.where(grid, 3, t), h, w])
+
+
+@dataclass
+class MTPSequence:
+    drafter: torch.nn.Module
+    M: int = 40  # rows; tokens t_0..t_M
+    seed: int = 0
+    rope: str = "1d"
+    # Per module call of a recording proposer: (module, ids, h_in, rope, cache_pos, carry).
+    calls: list = field(default_factory=list)
+
+    def __post_init__(self):
+        g = torch.Generator().manual_seed(self.seed)
+        d = self.drafter
+        self.V = d.embed_tokens.weight.shape[0]
+        self.N = d.config.n_predict
+        self.tok = torch.randint(1, self.V, (self.M + 1,), generator=g)
+        self.feat = torch.randn(self.M, d.config.hidden_size, generator=g)
+        self.pos = mrope_positions(self.M) if self.rope == "mrope" else torch.arange(self.M)
+
+    def proposer(self, record: bool = False):
+        prop = drafter_spec("mtp").proposer_class(
+            self.drafter, 2, 64, torch.device("cpu"), torch.float32
+        )
+        if record:
+            fwd = prop._fwd
+
+            def spy(drafter, k, v, j, ids, h_in, rope, rows, cache_pos, attn_len, mm=None):
+                normed, pre = fwd(drafter, k, v, j, ids, h_in, rope, rows, cache_pos, attn_len, mm)
+                carry = drafter.carry(normed, pre)
+                self.calls.append((j, ids.clone(), h_in.clone(), rope.clone(), cache_pos, carry))
+                return normed, pre
+
+            prop._fwd = spy
+        return prop
+
+    def rows(self, a: int, b: int) -> FirstPass:
+        """Rows a..b-1 as one request's first pass (cache row 0)."""
+        return FirstPass(
+            torch.tensor([0]),
+            self.tok[a + 1 : b + 1][None],
+            self.feat[a:b][None],
+            torch.arange(a, b)[None],
+            self.pos[..., a:b].unsqueeze(-2),
+        )
+
+    def forced(self, b: int, accept: int):
+        """A chooser for a round whose last row is b-1: draft s is the true `t_{b+1+s}` for
+        s < accept, a wrong token after."""
+
+        def choose(logits: torch.Tensor, step: int):
+            true = int(self.tok[b + 1 + step])
+            pick = true if step < accept else (true + 1) % self.V
+            return torch.full((logits.shape[0],), pick, dtype=torch.long), None
+
+        return choose
+
+    def round(self, prop, a: int, b: int, k: int, accept: int) -> int:
+        """Propose over rows a..b-1 with k drafts of which the first `accept` are right; the
+        engine then commits accept + 1 tokens. Returns the next round's end row."""
+        prop.propose(self.rows(a, b), torch.tensor([k]), k, self.forced(b, min(accept, k)))
+        return b + min(accept, k) + 1
+
+    def fresh_kv(self, n: int) -> list[torch.Tensor]:
+        """Every module's KV at the committed rows 0..n-1 from a fresh proposer: a prefill
+        of the committed prefix with target features and no history."""
+        fresh = self.proposer()
+        fresh.propose(fresh.admit(self.rows(0, n)), torch.tensor([0]), self.N)
+        return fresh.kv_snapshot(0, n)
+
+
+def assert_kv_equal(got: list[torch.Tensor], want: list[torch.Tensor], what: str) -> None:
+    assert len(got) == len(want)
+    for j, (x, y) in enumerate(zip(got, want)):
+        assert x.shape == y.shape, (what, j, x.shape, y.shape)
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5, msg=f"{what}: tensor {j}")
+
+
+def hist_rows_run(calls: list, N: int) -> int:
+    """How many of the window's N-1 history rows the last round's module-0 call ran (the
+    re-prefilled rows; the rest are padding)."""
+    cache_pos = [c for c in calls if c[0] == 0][-1][4]
+    return int((cache_pos[0, : N - 1] >= 0).sum())
