@@ -235,7 +235,11 @@ class SpecDecoder:
         for c in range(0, P, self.prefill_chunk):
             cols = slice(c, c + self.prefill_chunk)
             inputs, rope = plan.chunk(cols)
-            outs.append(self.target(inputs, Slots(rows, cache_pos[:, cols], rope), self.features))
+            # Only the last column's logits are read (every prompt ends there): the head over
+            # every prompt row would cost [n, P, V] fp32 for nothing.
+            last = torch.full((n, 1), min(P - c, self.prefill_chunk) - 1, device=dev)
+            slots_c = Slots(rows, cache_pos[:, cols], rope)
+            outs.append(self.target(inputs, slots_c, self.features, logit_index=last))
         logits = outs[-1].logits
         self.sampling.set_rows([s.row for s in slots], [s.req.sampling for s in slots])
         t = {name: x[rows] for name, x in self.sampling.tensors.items()}

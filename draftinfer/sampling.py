@@ -121,6 +121,8 @@ def apply_top_k_top_p(
     prefix whose mass reaches top_p, and always at least the most likely token.
     """
     r, v = logits.shape
+    if logits.device.type == "cpu" and not bool((top_p < 1.0).any()):
+        return _top_k_only(logits, top_k)
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)  # [R, V]
     k = top_k.to(torch.int64)
     k_on = (k > 0) & (k < v)
@@ -135,6 +137,23 @@ def apply_top_k_top_p(
     keep_p[:, 0] = True  # the most likely token always survives
     keep_sorted = keep_k & keep_p
     keep = torch.empty_like(keep_sorted).scatter_(1, order, keep_sorted)  # back to vocab order
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+def _top_k_only(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """`apply_top_k_top_p` when no row has top-p on, without sorting the vocabulary: the k-th
+    largest logit from `torch.topk` (the value the sort gives), ties kept the same way. It
+    reads the largest k on the host, so it runs only where a sync costs nothing (CPU); a
+    captured CUDA round takes the sorting path."""
+    v = logits.shape[-1]
+    k = top_k.to(torch.int64)
+    k_on = (k > 0) & (k < v)
+    if not bool(k_on.any()):
+        return logits
+    k_max = int(k[k_on].max())
+    top = torch.topk(logits, k_max, dim=-1).values  # [R, k_max], descending
+    kth = top.gather(1, (k.clamp(1, k_max) - 1)[:, None])  # [R, 1]
+    keep = ~k_on[:, None] | (logits >= kth)
     return logits.masked_fill(~keep, float("-inf"))
 
 
@@ -198,12 +217,20 @@ def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
     return (x >> s) & ((1 << (64 - s)) - 1)
 
 
+def _xor_shr_(x: torch.Tensor, s: int) -> torch.Tensor:
+    """x ^= x >>> s (logical shift), in place: one temporary instead of three (the [B, V]
+    noise is memory-bound)."""
+    t = x >> s
+    t &= (1 << (64 - s)) - 1
+    return x.bitwise_xor_(t)
+
+
 def _splitmix64(x: torch.Tensor) -> torch.Tensor:
     """splitmix64 (Steele, Lea, Flood 2014): a bijective 64-bit mixer with full avalanche."""
-    x = x + _GOLDEN
-    x = (x ^ _shr(x, 30)) * _MIX_1
-    x = (x ^ _shr(x, 27)) * _MIX_2
-    return x ^ _shr(x, 31)
+    x = x + _GOLDEN  # a new tensor: the caller's is never written
+    _xor_shr_(x, 30).mul_(_MIX_1)
+    _xor_shr_(x, 27).mul_(_MIX_2)
+    return _xor_shr_(x, 31)
 
 
 def random_bits(
@@ -270,8 +297,9 @@ def exponential_noise(
     token_ids = torch.arange(vocab_size, device=device)[None, :]  # [1, V]
     bits = random_bits(seeds, positions, stream, token_ids)  # [B, V]
     # 53 bits -> U in (0, 1] in fp64, E = -log U; fp64 keeps the tail (E up to ~36.7).
-    u = (_shr(bits, 11) + 1).to(torch.float64) * 2.0**-53
-    noise = (-torch.log(u)).to(torch.float32)
+    bits = _shr(bits, 11).add_(1)
+    u = bits.to(torch.float64).mul_(2.0**-53)
+    noise = u.log_().neg_().to(torch.float32)
     return noise[0] if scalar else noise
 
 

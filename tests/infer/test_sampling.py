@@ -83,6 +83,23 @@ def test_top_k_exact_and_keeps_ties():
     assert torch.equal(masked[0, [1, 4]], logits[0, [1, 4]])  # kept logits unchanged
 
 
+def test_top_k_without_top_p_equals_the_sorting_path():
+    """On CPU a batch with no top-p row takes `torch.topk` instead of the full sort; any row
+    gives the same mask in a batch that has a top-p row (and so sorts). Integer logits make
+    ties at the k-th value common."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 6, (12, 40), generator=g).float()
+    top_k = torch.tensor([0, -1, 1, 2, 3, 5, 7, 13, 39, 40, 41, 6])
+    fast = apply_top_k_top_p(logits, top_k, torch.ones(12))
+    sorting = apply_top_k_top_p(
+        torch.cat([logits, logits[:1]]),
+        torch.cat([top_k, top_k[:1]]),
+        torch.tensor([1.0] * 12 + [0.5]),
+    )[:12]
+    assert torch.equal(fast, sorting)
+    assert kept(fast)[4] == kept(sorting)[4] and len(kept(fast)[4]) >= 3
+
+
 def test_top_p_exact():
     probs = torch.tensor([0.15, 0.5, 0.05, 0.3])  # sorted: 0.5 (id 1), 0.3 (3), 0.15 (0), 0.05 (2)
     logits = probs.log().expand(5, 4).contiguous()
