@@ -202,8 +202,8 @@ class Ours:
         s, dc, tc = shapes, cfg.drafter, cfg.trainer
         self.kind, self.cfg, self.device, self.shapes = kind, cfg, device, shapes
         self.spec = train_spec(kind)
-        # The trainer's row loss (`trainer.loss`, else the kind's default: dpace for eagle3
-        # and ptd, soft_ce for dflash), as `drafttrain.train` builds the objective.
+        # The trainer's row loss (`trainer.loss`, else the kind's default: dpace for eagle3,
+        # ptd and dflash), as `drafttrain.train` builds the objective.
         self.loss = row_loss(tc.loss or self.spec.default_loss)
         self.arch = arch = ARCH[kind](kind, dc, s, k)
         dt = torch.bfloat16 if device.type == "cuda" else torch.float32

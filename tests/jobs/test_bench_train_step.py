@@ -29,7 +29,8 @@ def test_dflash_row_tiny(tmp_path, monkeypatch, capsys):
     assert r["anchors"] == 46 and r["block_size"] == 8 and r["block_rows"] == 46 * 8
     st = r["settings"]
     assert st["block_size"] == 8 and st["num_anchors"] == 512 and st["num_layers"] == 5
-    assert st["loss_weights"] == "exp_decay" and st["gamma"] == 7.0 and st["loss"] == "soft_ce"
+    # The kind's default row loss (dpace); with it the exp-decay weights are not used.
+    assert st["loss_weights"] == "exp_decay" and st["gamma"] == 7.0 and st["loss"] == "dpace"
     # z-lab's build_target_layer_ids(8, 5) = [1..5] (outputs of those layers) = our taps 2..6.
     assert st["tap_layer_ids"] == [2, 3, 4, 5, 6]
     # The parameters speculators' DFlash trains at the same shape (test_peer_speculators.py).
