@@ -232,6 +232,35 @@ def time_loop(device, steps: int, one_step) -> list[float]:
     return [a.elapsed_time(b) for a, b in events]
 
 
+def kernel_table(device, steps: int, one_step, top: int = 25) -> list[dict]:
+    """The device kernels of `steps` more calls of `one_step(s)` under torch.profiler (kernels
+    replayed from CUDA graphs included): the `top` by device time, per step."""
+    if device.type != "cuda" or steps <= 0:
+        return []
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for s in range(steps):
+            one_step(s)
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        us = e.self_cuda_time_total if us is None else us
+        if us > 0:
+            rows.append(
+                {
+                    "kernel": e.key[:110],
+                    "us_per_step": us / steps,
+                    "calls_per_step": e.count / steps,
+                }
+            )
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return [
+        {k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()} for r in rows[:top]
+    ]
+
+
 def warm_compiler(device) -> None:
     """Compile and run a trivial function once (in a throwaway cache), so neither model's
     warm-up pays for starting inductor's compile workers or initialising Triton."""
@@ -324,6 +353,7 @@ def run_ours(model, v: dict, a, device, tok0, rows, attn_len, ref_logits, warm: 
     out["ms"] = round(statistics.median(times), 4)
     out["ms_mean"] = round(statistics.fmean(times), 4)
     out["tokens"] = torch.cat(toks, 1).tolist()
+    out["kernels"] = kernel_table(device, a.profile, one)
     return out
 
 
@@ -367,6 +397,7 @@ def run_gpt_fast(model, a, device, tok0, eager_first, warm: int) -> dict:
             toks.append(cur)
 
         times = time_loop(device, a.steps, one)
+        out["kernels"] = kernel_table(device, a.profile, one)
     out["ms"] = round(statistics.median(times), 4)
     out["ms_mean"] = round(statistics.fmean(times), 4)
     out["tokens"] = torch.cat(toks, 1).tolist()
@@ -402,6 +433,9 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=512, help="prompt tokens before decoding")
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument(
+        "--profile", type=int, default=0, help="steps profiled after timing (kernel table)"
+    )
     ap.add_argument("--max-len", type=int, default=1024, help="cache length of both models")
     ap.add_argument(
         "--variants",
@@ -536,6 +570,7 @@ def main() -> int:
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
+    print_kernels(res)
     print_table(res)
     return 0
 
@@ -545,6 +580,15 @@ def _version(name: str) -> str | None:
         return __import__(name).__version__
     except ImportError:
         return None
+
+
+def print_kernels(res: dict) -> None:
+    """Each variant's top device kernels per step (`--profile`), before the table."""
+    for r in res["variants"]:
+        if r.get("kernels"):
+            print(f"\n{r['variant']}: top kernels, us per step (calls per step)")
+            for k in r["kernels"][:15]:
+                print(f"  {k['us_per_step']:9.1f} ({k['calls_per_step']:g})  {k['kernel']}")
 
 
 def print_table(res: dict) -> None:

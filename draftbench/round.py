@@ -30,7 +30,9 @@ vocabulary 32000. Weights are random bf16 (time does not depend on training).
   (`draftbench.timing.graph_ms`) at the round's shapes: the target's verify forward over K+1
   slots (compiled as the engine compiles it), the proposer's `propose` (after a real run, so
   its caches hold a prompt), and the rest of the round (verification, next first pass, the
-  upload and readback, host work) as t_round minus the two.
+  upload and readback, host work) as t_round minus the two. The rest splits into
+  `t_bookkeeping_ms` (the whole round's tensor work replayed as one graph, minus verify and
+  propose) and `t_host_ms` (t_round minus that graph: time the device waits for the host).
 - `--fuse`: also time every configuration with the target's q/k/v and gate/up projections
   fused (`draftinfer.models.transforms.fuse_projections`, the same weights).
 
@@ -189,7 +191,7 @@ def gpt_fast_step(shape, batch, context, steps, device, dtype, max_len, peer_dir
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
         pos = torch.tensor([context], device=device)
         eager_first = dp.gpt_fast_decode_one_token(model, tok0.view(-1, 1).int(), pos).long()
-    a = SimpleNamespace(compile=True, context=context, steps=steps)
+    a = SimpleNamespace(compile=True, context=context, steps=steps, profile=0)
     with torch._inductor.config.patch(dp.GPT_FAST_INDUCTOR):
         r = dp.run_gpt_fast(model, a, device, tok0, eager_first, warm=3)
     dp.reset_compile_state()
@@ -226,6 +228,12 @@ def breakdown_ms(dec, target, k: int, context: int) -> dict:
     out["t_propose_ms"] = round(
         graph_ms(lambda: dec.proposer.propose(fp, num, k, greedy_chooser, attn_len)), 4
     )
+    # The whole round's tensor work (the graphed function itself) on the last round's state:
+    # t_round minus this is host time the device waits through (input upload, launch,
+    # readback, the host's bookkeeping); this minus verify and propose is the bookkeeping
+    # kernels inside the round.
+    state = (*dec.fp.tensors(), dec.pending_token, dec._upload.to(dev))
+    out["t_round_graph_ms"] = round(graph_ms(lambda: dec._round_tensors(*state, attn_len, True)), 4)
     return out
 
 
@@ -450,6 +458,10 @@ def bench_batch(a, res, target, drafters, b, ks, device, fused, name) -> None:
             if a.breakdown and graphs:
                 row.update(breakdown_ms(dec, target, k, a.context))
                 row["t_rest_ms"] = round(t_round - row["t_verify_ms"] - row["t_propose_ms"], 4)
+                row["t_host_ms"] = round(t_round - row["t_round_graph_ms"], 4)
+                row["t_bookkeeping_ms"] = round(
+                    row["t_round_graph_ms"] - row["t_verify_ms"] - row["t_propose_ms"], 4
+                )
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
             del dec
@@ -470,7 +482,14 @@ def print_summary(res: dict, batches, kinds) -> None:
         )
     cols = ["kind", "k", "batch", "fused", "round_graphs", "t_round_ms", "ratio_vs_gptfast"]
     cols += ["ratio_vs_graph", "ratio"]
-    extra = ["t_verify_ms", "t_one_slot_ms", "t_propose_ms", "t_rest_ms"]
+    extra = [
+        "t_verify_ms",
+        "t_one_slot_ms",
+        "t_propose_ms",
+        "t_rest_ms",
+        "t_bookkeeping_ms",
+        "t_host_ms",
+    ]
     cols += [c for c in extra if any(c in r for r in res["rows"])]
     print(" | ".join(cols))
     for r in res["rows"]:
