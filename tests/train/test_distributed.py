@@ -22,6 +22,7 @@ from tests.support.presets import compose_preset, small_overrides
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 8
+GLOO_ABORT = "terminate called without an active exception"
 
 
 def _overrides(env, out: Path) -> list[str]:
@@ -46,7 +47,19 @@ def _torchrun(env, out: Path, *extra: str) -> None:
         *_overrides(env, out),
         *extra,
     ]
+    before = out.with_name(out.name + ".before")
+    if out.exists():  # a resume: keep what the attempt starts from
+        shutil.copytree(out, before)
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0 and GLOO_ABORT in r.stderr:
+        # Seen once, in a clean-clone CI run (2026-11-26): a rank aborted right after loading the
+        # target, in gloo's C++ threads, before any step; the same run passed on every rerun.
+        # One retry from the same starting state: a failure of the job itself fails both.
+        print(f"torchrun: a rank aborted ({GLOO_ABORT!r}); retrying once", file=sys.stderr)
+        shutil.rmtree(out, ignore_errors=True)
+        if before.exists():
+            shutil.copytree(before, out)
+        r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
 
 
