@@ -16,8 +16,10 @@ follow from the same rule: the mask is rebuilt from `cache_pos` at every call, s
 sequence-length state can go stale between draft steps.
 
 Attention backends (`ATTENTION`, chosen per target layer from outside the model code by
-`draftinfer.models.transforms.use_attention`): `sdpa` (the default) runs
-`F.scaled_dot_product_attention` over the rows' cache prefix; `maths_decode` writes a compiled
+`draftinfer.models.transforms.use_attention`): `split_kv` (the default, `DEFAULT_ATTENTION`)
+runs a forward of at most 64 query rows per KV head (decode, verify, drafting) on CUDA through
+the split-KV Triton kernel `draftkernels.decode_attention`, and everything else as `sdpa`;
+`sdpa` runs `F.scaled_dot_product_attention` over the rows' cache prefix; `maths_decode` writes a compiled
 one-token step (T == 1) as plain tensor maths that inductor fuses into its own reduction
 kernels (how gpt-fast's decode step is compiled), and is `sdpa` everywhere else.
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import draftkernels.decode_attention as split_kv
 import torch
 import torch.nn.functional as F
 
@@ -166,12 +169,35 @@ def cached_attention_maths_decode(
     return decode_attention(q, kc, vc, mask)
 
 
+def cached_attention_split_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    rows: torch.Tensor,
+    write_pos: torch.Tensor,
+    mask: torch.Tensor,
+    attn_len: int,
+) -> torch.Tensor:
+    """`cached_attention` (same arguments) whose attention of a few query slots per row
+    (decode, verify, drafting: `T * g <= 64`) on CUDA is `draftkernels.decode_attention`, a
+    split-KV Triton kernel reading the cache in place; prefill chunks and the CPU run SDPA."""
+    if not (q.is_cuda and split_kv.TRITON and split_kv.fits(q, k_cache)):
+        return cached_attention(q, k, v, k_cache, v_cache, rows, write_pos, mask, attn_len)
+    write_cache(k, v, k_cache, v_cache, rows, write_pos)
+    return split_kv.decode_attention(q, k_cache, v_cache, rows, mask, attn_len)
+
+
 # attention(q, k, v, k_cache, v_cache, rows, write_pos, mask, attn_len) -> o [B, T, nh, D]
 AttentionFn = Callable[..., torch.Tensor]
 ATTENTION: dict[str, AttentionFn] = {
+    "split_kv": cached_attention_split_kv,
     "sdpa": cached_attention,
     "maths_decode": cached_attention_maths_decode,
 }
+# What targets and drafters attend with unless `transforms.use_attention` says otherwise.
+DEFAULT_ATTENTION = "split_kv"
 
 
 def bind_cache(k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], slots: Slots):
@@ -187,7 +213,7 @@ def bind_cache(k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], slots: 
         g = q.shape[2] // k.shape[2]
         if g not in masks:
             masks[g] = visibility_mask(slots.cache_pos, attn_len, g)
-        return cached_attention(
+        return ATTENTION[DEFAULT_ATTENTION](
             q, k, v, k_cache[layer], v_cache[layer], slots.rows, write_pos, masks[g], attn_len
         )
 

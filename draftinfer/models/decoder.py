@@ -22,7 +22,13 @@ import torch
 from torch import nn
 
 from draftinfer.errors import ConfigError
-from draftinfer.kv_cache import cached_attention, resolve_attn_len, visibility_mask, write_index
+from draftinfer.kv_cache import (
+    ATTENTION,
+    DEFAULT_ATTENTION,
+    resolve_attn_len,
+    visibility_mask,
+    write_index,
+)
 from draftinfer.layers import RMSNorm, SwiGLU
 from draftinfer.rope import RotaryEmbedding, apply_rope, rope_axes, rope_from_hf
 from draftinfer.slots import Slots
@@ -70,7 +76,7 @@ class CachedAttention(nn.Module):
 
     # How this forward's K/V are written to the cache and attended; an instance may hold
     # another backend of `kv_cache.ATTENTION` (`transforms.use_attention`).
-    attention = staticmethod(cached_attention)
+    attention = staticmethod(ATTENTION[DEFAULT_ATTENTION])
 
     def __init__(self, cfg: NativeConfig):
         super().__init__()

@@ -36,8 +36,9 @@ from draftinfer.compiled import compiled
 from draftinfer.kinds.dflash.attention import CONTEXT, STALE, nonempty, visible
 from draftinfer.kinds.dflash.module import selector_logits
 from draftinfer.kv_cache import (
+    ATTENTION,
+    DEFAULT_ATTENTION,
     KVCache,
-    cached_attention,
     resolve_attn_len,
     write_cache,
     write_index,
@@ -68,7 +69,7 @@ def block_masks(drafter, cache_pos, anchor, block_end, attn_len: int, group: int
     """Per layer, the bool `[B, 1, n * group, attn_len]` mask of block slots at `cache_pos`
     `[B, n]` (-1 = padding) over cache indices: context before `anchor [B]`, the block's own
     entries `anchor..block_end [B]`, nothing stale (`attention.visible`); the query axis is
-    repeated per KV group as `cached_attention` folds it."""
+    repeated per KV group as `kv_cache.cached_attention` folds it."""
     c = drafter.config
     B, n = cache_pos.shape
     keys = torch.arange(attn_len, device=cache_pos.device)[None, None]  # [1, 1, L]
@@ -106,7 +107,7 @@ def dflash_block_forward(
     wpos = write_index(cache_pos, k_cache[0].shape[1] - 1)
 
     def attn_fn(layer: int, q, k, v):
-        return cached_attention(
+        return ATTENTION[DEFAULT_ATTENTION](
             q, k, v, k_cache[layer], v_cache[layer], rows, wpos, masks[layer], attn_len
         )
 

@@ -1,0 +1,133 @@
+"""Split-KV attention over the static cache (`draftkernels.decode_attention`): kernel ==
+reference == SDPA over the written cache (`kv_cache.cached_attention`, the oracle that is not
+this module), on GQA groups 1/2/4, one to 16 query slots, several rows in a permuted cache,
+padding slots, a key range spread over several splits and one (CPU: Triton interpreter;
+CUDA: compiled, and inside `torch.compile` + a CUDA graph)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from draftkernels.runtime import use_triton
+
+from draftinfer.kv_cache import cached_attention, visibility_mask, write_cache, write_index
+from tests.support.utils import import_kernel_module, kernel_test_device, poison_empty  # noqa: F401
+
+da = import_kernel_module("draftkernels.decode_attention")
+DEVICE = kernel_test_device()
+DTYPE = torch.float32 if DEVICE.type == "cpu" else torch.bfloat16
+TOL = 1e-5 if DTYPE == torch.float32 else 2e-2
+
+
+def case(B, T, nh, nkv, d, max_len, attn_len, seed=0, pad=True):
+    """Random q/k/v for `B` rows at random cache rows of a larger cache; slot positions
+    `< attn_len`, one padding slot (-1) when `pad`; the new K/V already written."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, nh, d, generator=g)
+    k, v = torch.randn(2, B, T, nkv, d, generator=g)
+    kc, vc = torch.randn(2, B + 2, max_len + 1, nkv, d, generator=g)
+    rows = torch.randperm(B + 2, generator=g)[:B]
+    start = torch.randint(0, attn_len - T + 1, (B,), generator=g)
+    cache_pos = start[:, None] + torch.arange(T)  # consecutive slots, as a round writes
+    cache_pos[:, -1] = attn_len - 1  # some slot reads the whole range
+    if pad and B * T > 1:
+        cache_pos[-1, 0] = -1
+    wpos = write_index(cache_pos, max_len)
+    mask = visibility_mask(cache_pos, attn_len, nh // nkv)
+    to = dict(device=DEVICE)
+    t = [x.to(**to, dtype=DTYPE) for x in (q, k, v, kc, vc)]
+    return (*t, rows.to(**to), wpos.to(**to), mask.to(**to), attn_len)
+
+
+def run_all(q, k, v, kc, vc, rows, wpos, mask, L):
+    """(oracle, reference, kernel) outputs: the oracle through `cached_attention` (which
+    writes the cache itself), the other two over a cache written by `write_cache`."""
+    want = cached_attention(q, k, v, kc.clone(), vc.clone(), rows, wpos, mask, L)
+    kc2, vc2 = kc.clone(), vc.clone()
+    write_cache(k, v, kc2, vc2, rows, wpos)
+    ref = da.decode_attention_ref(q, kc2, vc2, rows, mask, L)
+    got = da.decode_attention(q, kc2, vc2, rows, mask, L)
+    return want, ref, got
+
+
+SHAPES = [
+    # B, T, nh, nkv, d, max_len, attn_len
+    (1, 1, 8, 2, 64, 200, 37),  # one-token step, one split
+    (1, 1, 4, 1, 32, 300, 300),  # MQA, the whole cache
+    (3, 5, 8, 2, 64, 400, 333),  # verify of 5 slots, several rows and splits
+    (2, 4, 4, 4, 32, 100, 70),  # no GQA
+    (1, 16, 8, 2, 16, 80, 65),  # 64 rows: the largest tile, a key range past one tile
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_kernel_and_reference_match_sdpa(shape, poison_empty):  # noqa: F811
+    want, ref, got = run_all(*case(*shape))
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(ref.float(), want.float(), atol=TOL, rtol=TOL)
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL, rtol=TOL)
+
+
+def test_one_split_equals_many(monkeypatch):
+    """The split merge is exact up to rounding: one program per KV head gives the same."""
+    args = case(2, 3, 8, 2, 64, 400, 390, seed=3)
+    many = run_all(*args)[2]
+    monkeypatch.setattr(da, "TARGET_PROGRAMS", 1)
+    assert da.split_plan(4, 390)[1] == 1
+    one = run_all(*args)[2]
+    torch.testing.assert_close(one.float(), many.float(), atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("programs", [1, 2, 8, 64, 128, 1000])
+@pytest.mark.parametrize("attn_len", [1, 63, 64, 65, 600, 8192])
+def test_split_plan_covers_the_keys_once(programs, attn_len):
+    chunk, ns = da.split_plan(programs, attn_len)
+    assert chunk % da.BLOCK_N == 0 and ns >= 1
+    assert (ns - 1) * chunk < attn_len <= ns * chunk  # no empty split, every key in one
+    assert programs * ns <= max(programs, da.TARGET_PROGRAMS) and ns <= da.MAX_SPLITS
+
+
+def test_too_many_rows_fall_back_to_the_reference():
+    q, _, _, kc, vc, rows, _, mask, L = case(1, 17, 8, 2, 16, 80, 65)
+    assert not da.supports(q, kc)  # 17 * 4 > MAX_ROWS
+    torch.testing.assert_close(
+        da.decode_attention(q, kc, vc, rows, mask, L),
+        da.decode_attention_ref(q, kc, vc, rows, mask, L),
+    )
+
+
+def test_the_kernel_runs_here():
+    q, _, _, kc, *_ = case(1, 1, 8, 2, 64, 200, 37)
+    assert use_triton(torch.device(DEVICE)) and da.supports(q, kc)
+
+
+def test_rejects_bad_inputs():
+    q, _, _, kc, vc, rows, _, mask, L = case(1, 2, 8, 2, 16, 40, 30)
+    with pytest.raises(ValueError, match="mask must be bool"):
+        da.decode_attention(q, kc, vc, rows, mask[..., :-1], L)
+    with pytest.raises(ValueError, match="rows must be int64"):
+        da.decode_attention(q, kc, vc, rows.int(), mask, L)
+    with pytest.raises(ValueError, match="do not fit"):
+        da.decode_attention(q[:, :, :7], kc, vc, rows, mask, L)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_and_graph_captured_backend_equals_eager():
+    """The runner's default backend under `torch.compile` and replayed from a CUDA graph:
+    the custom op stays one call and reads the cache its own forward just wrote."""
+    from draftinfer.kv_cache import cached_attention_split_kv
+
+    q, k, v, kc, vc, rows, wpos, mask, L = case(2, 4, 32, 8, 128, 1024, 700, seed=5)
+    want = cached_attention(q, k, v, kc.clone(), vc.clone(), rows, wpos, mask, L)
+    fn = torch.compile(cached_attention_split_kv, fullgraph=True)
+    kc2, vc2 = kc.clone(), vc.clone()
+    fn(q, k, v, kc2, vc2, rows, wpos, mask, L)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(q, k, v, kc2, vc2, rows, wpos, mask, L)
+    kc2.copy_(kc)
+    vc2.copy_(vc)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.float(), want.float(), atol=TOL, rtol=TOL)
