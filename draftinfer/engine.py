@@ -195,6 +195,7 @@ class SpecDecoder:
         self.pending_token = torch.zeros(B, dtype=torch.long, device=dev)
         pin = dev.type == "cuda"
         self._upload = torch.zeros(3, B, dtype=torch.long, pin_memory=pin)  # L, remaining, live
+        self._upload_np = self._upload.numpy()  # the same memory: filled without torch ops
         self._target_fwd = target_forward
         mode = {False: "none", True: "all"}.get(compile, compile)
         if mode not in ("none", "target", "all"):
@@ -290,10 +291,9 @@ class SpecDecoder:
         needed = min(max(lengths[s.row] for s in live) + K, self.max_model_len)
         attn_len = attn_bucket(needed, self.max_model_len)
         all_greedy = all(self.sampling.greedy[s.row] for s in live)
-        self._upload[0] = torch.tensor(lengths)
-        self._upload[1] = torch.tensor(remaining)
-        self._upload[2] = 0
-        self._upload[2, [s.row for s in live]] = 1
+        up = self._upload_np  # numpy writes: 3 us a round where torch ops took 16 (batch 1)
+        up[0], up[1], up[2] = lengths, remaining, 0
+        up[2, [s.row for s in live]] = 1
         host = self._upload.to(self.device, non_blocking=True, copy=True)
         state = (*self.fp.tensors(), self.pending_token, host)
         if self._graphed is not None:
