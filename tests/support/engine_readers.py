@@ -604,7 +604,17 @@ REPO = Path(__file__).resolve().parents[2]
 # The user's own record (the resolved training config, the human-readable card with local
 # launch commands, the runner's reports of where it ran) and pictures; every other exported
 # file is read by an engine or a loader.
-OWN_RECORD = ("training_args.yaml", "README.md", "runner_report*.json", "*.png")
+# The acceptance suites' report and resume records (`suites/*.json`,
+# `suites/requests/<suite>/t<T>/*.json`, written into the export by `draftinfer.suite_run`)
+# name the drafter, data and target they ran on, as the runner's reports do.
+OWN_RECORD = (
+    "training_args.yaml",
+    "README.md",
+    "runner_report*.json",
+    "*.png",
+    "suites/*.json",
+    "suites/requests/*/*/*.json",
+)
 
 
 def machine_paths(*extra: str | Path) -> list[str]:
