@@ -33,8 +33,10 @@ vocabulary 32000. Weights are random bf16 (time does not depend on training).
   upload and readback, host work) as t_round minus the two. The rest splits into
   `t_bookkeeping_ms` (the whole round's tensor work replayed as one graph, minus verify and
   propose) and `t_host_ms` (t_round minus that graph: time the device waits for the host).
-- `--fuse`: also time every configuration with the target's q/k/v and gate/up projections
-  fused (`draftinfer.models.transforms.fuse_projections`, the same weights).
+- `--fuse`: also time every configuration on the runner's CUDA default GEMMs
+  (`draftinfer.run.serving_transforms`): the target's q/k/v and gate/up projections fused
+  (`draftinfer.models.transforms.fuse_projections`, the same weights) and GEMMs of <= 16 rows
+  of target and drafters by the skinny-GEMM kernel (`use_skinny_gemm`; `--no-skinny`: cuBLAS).
 
 Before timing: a sync check (K=4, each kind, each batch, rounds under
 `torch.cuda.set_sync_debug_mode("error")`) and a losslessness check (speculative tokens equal
@@ -330,6 +332,7 @@ def bench_target(name: str, a, device, dtype, batches, ks, kinds) -> dict:
         "context": a.context,
         "compile": a.compile,
         "round_graphs": a.round_graphs,
+        "skinny_gemm": not a.no_skinny,
         "gpt_fast": {},
         "plain": {},
         "sync_check": {},
@@ -356,9 +359,11 @@ def bench_target(name: str, a, device, dtype, batches, ks, kinds) -> dict:
     res["build_s"] = round(time.perf_counter() - t0, 1)
     for fused in [True] if a.fuse_only else [False, True] if a.fuse else [False]:
         if fused:
-            from draftinfer.models.transforms import fuse_projections
+            from draftinfer.models.transforms import fuse_projections, use_skinny_gemm
 
             fuse_projections(target)  # same weights, one GEMM for q/k/v and for gate/up
+            for module in [target, *drafters.values()]:
+                use_skinny_gemm(module, on=not a.no_skinny)
             torch._dynamo.reset()  # recompile every function over the fused modules
         for b in batches:
             bench_batch(a, res, target, drafters, b, ks, device, fused, name)
@@ -530,6 +535,9 @@ def main() -> int:
     ap.add_argument("--breakdown", action="store_true", help="verify / propose / rest per round")
     ap.add_argument("--fuse", action="store_true", help="also time a fused-projection target")
     ap.add_argument("--fuse-only", action="store_true", help="time only the fused target")
+    ap.add_argument(
+        "--no-skinny", action="store_true", help="fused target on cuBLAS, not the skinny GEMM"
+    )
     ap.add_argument(
         "--inductor",
         default="default",

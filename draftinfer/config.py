@@ -66,6 +66,12 @@ class InferConfig:
     # kept on the unfused GEMMs). On one H100 at batch 1 (Llama-3.1-8B shapes) it takes the
     # graph-captured plain step from 1.31x to 1.14x gpt-fast's (docs/results.md).
     fuse_projections: bool | None = None
+    # Run GEMMs of at most 16 rows (decode, verify, drafting) in bf16/fp16 through the
+    # skinny-GEMM Triton kernel (`draftkernels.skinny_gemm`, target and drafter;
+    # `draftinfer.models.transforms.use_skinny_gemm`), F.linear elsewhere. null (the default)
+    # = on for CUDA. On one H100 a Llama-3.1-8B decode step's GEMMs take 0.90x cuBLAS's time
+    # (docs/results.md).
+    skinny_gemm: bool | None = None
     # Replay each round from a CUDA graph (`draftinfer.graphs`; CUDA only, best with compile).
     cuda_graphs: bool = False
     # How the drafter's rotary reads positions: "native" (as trained: the target's [3, N]

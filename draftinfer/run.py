@@ -113,6 +113,20 @@ def load_served_drafter(cfg: InferConfig, target, device: torch.device, dtype: t
     return drafter
 
 
+def serving_transforms(cfg: InferConfig, target, drafter, device: torch.device) -> None:
+    """How the runner's GEMMs run (`draftinfer.models.transforms`; the same weights and maths):
+    the target's q/k/v and gate/up fused into one GEMM each (`cfg.fuse_projections`), and
+    the skinny-GEMM kernel for target and drafter (`cfg.skinny_gemm`); null = on for CUDA."""
+    from draftinfer.models.transforms import fuse_projections, use_skinny_gemm
+
+    cuda = device.type == "cuda"
+    if cuda if cfg.fuse_projections is None else cfg.fuse_projections:
+        fuse_projections(target)
+    if cuda if cfg.skinny_gemm is None else cfg.skinny_gemm:
+        use_skinny_gemm(target)
+        use_skinny_gemm(drafter)
+
+
 def run_eval(cfg: InferConfig) -> RunReport:
     from tqdm.auto import tqdm
 
@@ -131,14 +145,10 @@ def run_eval(cfg: InferConfig) -> RunReport:
     target = load_native_target(
         target_path, device, dtype, max_batch=cfg.batch_size, max_seq_len=cfg.max_model_len
     )
-    fuse = device.type == "cuda" if cfg.fuse_projections is None else cfg.fuse_projections
-    if fuse:
-        from draftinfer.models.transforms import fuse_projections
-
-        fuse_projections(target)  # one GEMM for q/k/v, one for gate/up (same model)
     spec.check_fit(arch, target.info)
     spec.check_k(arch, cfg.k)
     drafter = load_served_drafter(cfg, target, device, dtype)
+    serving_transforms(cfg, target, drafter, device)
     # The target family renders the prompts: text families through the tokenizer's chat
     # template, a multimodal one through its processor (each prompt carrying `mm_inputs`).
     loaded, tokenizer = load_prompts(

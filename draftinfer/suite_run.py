@@ -125,7 +125,7 @@ def run_suites(cfg: InferConfig) -> SuitesReport:
     from draftinfer.engine import SpecDecoder
     from draftinfer.families import family_of
     from draftinfer.loading import load_native_target
-    from draftinfer.run import load_served_drafter, pick_device, pick_dtype
+    from draftinfer.run import load_served_drafter, pick_device, pick_dtype, serving_transforms
 
     temps = check_suites_config(cfg)
     suites = [_with_overrides(load_suite(n), cfg) for n in cfg.eval.suites]
@@ -150,14 +150,10 @@ def run_suites(cfg: InferConfig) -> SuitesReport:
     target = load_native_target(
         target_path, device, dtype, max_batch=cfg.batch_size, max_seq_len=cfg.max_model_len
     )
-    # As `run_eval`: null = fused on CUDA (the same weights, one GEMM for q/k/v and gate/up).
-    if device.type == "cuda" if cfg.fuse_projections is None else cfg.fuse_projections:
-        from draftinfer.models.transforms import fuse_projections
-
-        fuse_projections(target)
     spec.check_fit(arch, target.info)
     spec.check_k(arch, cfg.k)
     drafter = load_served_drafter(cfg, target, device, dtype)
+    serving_transforms(cfg, target, drafter, device)  # as `run_eval`
     renderer = PromptRenderer(family, target_path, cfg.max_model_len)
     first_turns = [
         {

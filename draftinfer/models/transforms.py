@@ -4,6 +4,7 @@ rule 3, like `torch.compile`): they change how a decode step runs, never what it
     model = load_native_target(path, "cuda", torch.bfloat16, max_batch=1, max_seq_len=4096)
     fuse_projections(model)                # q/k/v -> one GEMM, gate/up -> one GEMM
     use_attention(model, "maths_decode")   # a compiled one-token step's attention by inductor
+    use_skinny_gemm(model)                 # GEMMs of <= 16 rows by the skinny-GEMM kernel
 
 - `fuse_projections`: each layer's q/k/v weights become row slices of one `[(nh + 2 nkv) d, H]`
   tensor and gate/up of one `[2 I, H]` tensor, and the layer runs one GEMM (GEMV at batch 1)
@@ -16,10 +17,16 @@ rule 3, like `torch.compile`): they change how a decode step runs, never what it
   calling it again re-fuses. A state dict of a fused model holds views of one storage, which
   `safetensors.save_file` refuses: save an unfused model.
 - `use_attention`: the attention backend of every layer (`draftinfer.kv_cache.ATTENTION`).
+- `use_skinny_gemm`: every `nn.Linear` of a module (a target or a drafter) and the fused
+  projections run `draftkernels.skinny_gemm.linear`: the weight-streaming Triton kernel for
+  inputs of at most 16 rows in bf16/fp16 on CUDA (decode, verify, drafting), `F.linear` for
+  anything else (prefill, fp32, the CPU), so CPU numerics do not change. Same weights, same
+  parameter names; `on=False` undoes it. Serving only: the kernel has no backward.
 """
 
 from __future__ import annotations
 
+import draftkernels.skinny_gemm as skinny
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,10 +41,11 @@ class FusedQKVAttention(CachedAttention):
 
     qkv_weight: torch.Tensor  # [(nh + 2 nkv) * d, H]
     qkv_bias: torch.Tensor | None
+    linear = staticmethod(F.linear)  # `use_skinny_gemm` sets the kernel's
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, kv = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-        return F.linear(x, self.qkv_weight, self.qkv_bias).split([q, kv, kv], dim=-1)
+        return self.linear(x, self.qkv_weight, self.qkv_bias).split([q, kv, kv], dim=-1)
 
 
 class FusedSwiGLU(SwiGLU):
@@ -45,10 +53,19 @@ class FusedSwiGLU(SwiGLU):
 
     gate_up_weight: torch.Tensor  # [2 * I, H]: gate rows, then up rows
     gate_up_bias: torch.Tensor | None
+    linear = staticmethod(F.linear)  # `use_skinny_gemm` sets the kernel's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        gate, up = self.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+
+class SkinnyLinear(nn.Linear):
+    """`nn.Linear` running `draftkernels.skinny_gemm.linear` (the kernel for skinny inputs on
+    CUDA, `F.linear` elsewhere); same parameters and names."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return skinny.linear(x, self.weight, self.bias)
 
 
 @torch.no_grad()
@@ -94,3 +111,13 @@ def use_attention(model: NativeCausalLM, backend: str | AttentionFn) -> None:
         if not isinstance(layer.self_attn, CachedAttention):
             raise TypeError(f"{type(layer.self_attn).__name__} is not a CachedAttention")
         layer.self_attn.attention = backend
+
+
+def use_skinny_gemm(module: nn.Module, on: bool = True) -> None:
+    """Run every `nn.Linear` of `module` and its fused projections through the skinny-GEMM
+    kernel's `linear` (`on`), or back through `F.linear` (module docstring)."""
+    for m in module.modules():
+        if type(m) in (nn.Linear, SkinnyLinear):
+            m.__class__ = SkinnyLinear if on else nn.Linear
+        elif isinstance(m, (FusedQKVAttention, FusedSwiGLU)):
+            m.linear = skinny.linear if on else F.linear

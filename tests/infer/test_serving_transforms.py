@@ -1,6 +1,6 @@
 """Serving transforms of native targets (`draftinfer.models.transforms`) change how a step
 runs, never what it computes: fused q/k/v and gate/up projections, the `maths_decode`
-attention backend, the single-row cache view. Exact or fp32-tight against the untransformed
+attention backend, the single-row cache view, the skinny-GEMM kernel. Exact or fp32-tight against the untransformed
 model, through the HF-named loader and state dict."""
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ from draftinfer.models.decoder import NativeCausalLM, NativeConfig
 from draftinfer.models.transforms import (
     FusedQKVAttention,
     FusedSwiGLU,
+    SkinnyLinear,
     fuse_projections,
     use_attention,
+    use_skinny_gemm,
 )
 from draftinfer.slots import Slots
 from draftinfer.target import FeatureSpec
@@ -68,7 +70,11 @@ def _biased_model(seed: int = 0) -> NativeCausalLM:
 
 
 def _forward(model, ids, pos, rows, attn_len=None, features=None):
-    t = torch.tensor
+    dev = model.lm_head.weight.device
+
+    def t(x):
+        return torch.tensor(x, device=dev)
+
     return model(t(ids), Slots(t(rows), t(pos), attn_len=attn_len), features)
 
 
@@ -182,3 +188,50 @@ def test_use_attention_names_the_backends(tiny_llama3_dir):
     assert all(
         layer.self_attn.attention is ATTENTION["maths_decode"] for layer in model.model.layers
     )
+
+
+def test_skinny_gemm_swaps_every_linear_and_back(tiny_llama3_dir):
+    """Every `nn.Linear` becomes a `SkinnyLinear` (same names, same weights) and the fused
+    projections take the kernel's `linear`; on the CPU that is `F.linear`, so the outputs are
+    the same bits; `on=False` restores the modules."""
+    import draftkernels.skinny_gemm as skinny
+    import torch.nn.functional as F
+
+    model = load_native_target(tiny_llama3_dir, "cpu", torch.float32, 4, 32)
+    fuse_projections(model)
+    want = _prefill_and_decode(model)
+    names = list(model.state_dict())
+    use_skinny_gemm(model)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(type(m) is SkinnyLinear for m in linears)
+    assert all(layer.self_attn.linear is skinny.linear for layer in model.model.layers)
+    assert all(layer.mlp.linear is skinny.linear for layer in model.model.layers)
+    assert list(model.state_dict()) == names
+    for x, y in zip(_prefill_and_decode(model), want):
+        assert torch.equal(x, y)
+    use_skinny_gemm(model, on=False)
+    assert all(type(m) is torch.nn.Linear for m in linears)
+    assert all(layer.mlp.linear is F.linear for layer in model.model.layers)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_skinny_gemm_serves_the_same_logits_on_cuda(monkeypatch):
+    """bf16 on CUDA: the GEMMs of the 8-row prefill and the 2-row decode (biases too) run the
+    kernel -- counted -- and the logits stay within bf16 rounding of cuBLAS's."""
+    import draftkernels.skinny_gemm as skinny
+
+    model = _biased_model(seed=3).to("cuda", torch.bfloat16)
+    model.setup_caches(3, 40)
+    fuse_projections(model)
+    want = _prefill_and_decode(model)
+    monkeypatch.setattr(skinny, "MIN_COLS_MMA", 0)  # this tiny model's GEMMs are narrow
+    calls = []
+    launch = skinny._launch
+    monkeypatch.setattr(skinny, "_launch", lambda *a: calls.append(a[0].shape) or launch(*a))
+    use_skinny_gemm(model)
+    got = _prefill_and_decode(model)
+    assert calls and all(shape[0] <= skinny.MAX_ROWS for shape in calls)
+    for x, y in zip(got, want):
+        scale = y.float().abs().max().item()
+        torch.testing.assert_close(x.float(), y.float(), atol=3e-2 * scale, rtol=0)

@@ -1,0 +1,232 @@
+"""`F.linear` for a few rows of input (decode, verify, drafting): a weight-streaming GEMM.
+
+    skinny_gemm(x [M, K], weight [N, K], bias [N] | None) -> y [M, N] (x's dtype)
+
+Why a kernel: at batch 1 a decode step is a chain of GEMVs whose cost is reading the weights
+once. cuBLAS picks one kernel per shape for any M and on an H100 streamed Llama-3.1-8B's
+decode weights at about 2.8 TB/s, where gpt-fast's coordinate-descent-tuned Triton reductions
+reached about 3 TB/s (`docs/results.md`). Here each program owns `BLOCK_N` output columns
+and streams their weight rows over K once, in `BLOCK_K` tiles, for all `M` input rows:
+
+- `M == 1` (`BLOCK_M == 1`): a multiply-accumulate into a `[BLOCK_N, BLOCK_K]` fp32 tile,
+  summed over K at the end (no reduction inside the loop; wide vector loads of W).
+- `1 < M <= MAX_ROWS`: `tl.dot` of the x tile (`BLOCK_M = 16` rows, the smallest MMA tile;
+  padding rows are masked) with the transposed weight tile, fp32 accumulator.
+
+The config (`BLOCK_N`, `BLOCK_K`, warps, stages) comes from `config(M, N, K)`, a table
+measured by `python -m draftbench.skinny_gemm --sweep` (one per M class and weight shape,
+a default elsewhere); no autotuning at run time, so a CUDA graph captures one fixed kernel.
+
+`skinny_gemm_ref` is the pure-torch reference with the same signature (fp32 maths, test
+oracle, CPU path). `skinny_gemm` is registered as the custom op `draftkernels::skinny_gemm`,
+so `torch.compile` keeps it as one opaque call (inside CUDA graphs too). `fits(x, weight)`
+checks only shapes and dtypes (a compiled caller picks it without a graph break); `linear`
+has `F.linear`'s signature and takes the kernel where it fits, `F.linear` elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from draftkernels.runtime import triton_available, use_triton
+
+TRITON = triton_available()
+# Input rows one launch takes (a verify of K + 1 <= 16 slots at batch 1); above, cuBLAS.
+MAX_ROWS = 16
+# Output columns below which several rows stay on cuBLAS: the MMA path's 32-64-column
+# programs are too few there (1024 columns, 5 rows: 9.5 us vs cuBLAS's 8.2 on an H100).
+MIN_COLS_MMA = 2048
+DTYPES = (torch.bfloat16, torch.float16)
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages); keys (M class, N, K), M class 1 or "m16".
+# Measured on an H100 (`python -m draftbench.skinny_gemm --sweep`, 2026-11-26): Llama-3.1-8B's
+# fused q/k/v, o, gate/up, down and head; the unfused k/v; EAGLE-3's fc and draft head;
+# MTP's eh_proj. One row: two weight rows a program, K in 2048-wide tiles, 8 warps.
+DEFAULT = {1: (2, 2048, 8, 1), "m16": (32, 256, 4, 4)}
+TABLE: dict[tuple, tuple[int, int, int, int]] = {
+    (1, 28672, 4096): (2, 2048, 8, 3),
+    (1, 4096, 12288): (2, 2048, 8, 3),
+    (1, 4096, 8192): (2, 2048, 8, 3),
+    ("m16", 6144, 4096): (64, 256, 4, 3),
+    ("m16", 28672, 4096): (64, 256, 4, 3),
+    ("m16", 128256, 4096): (64, 256, 4, 4),
+    ("m16", 32000, 4096): (64, 256, 4, 4),
+    ("m16", 4096, 8192): (64, 256, 4, 4),
+}
+
+if TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _skinny_kernel(
+        x_ptr,
+        w_ptr,
+        b_ptr,
+        y_ptr,
+        M,
+        N,
+        K,
+        sx_m,
+        sw_n,
+        sy_m,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        EVEN: tl.constexpr,  # N % BLOCK_N == 0 and K % BLOCK_K == 0: no masks in the loop
+        IEEE: tl.constexpr,
+    ):
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk0 = tl.arange(0, BLOCK_K)
+        n_ok = rn < N
+        if BLOCK_M == 1:
+            acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                rk = k0 + rk0
+                w_ptrs = w_ptr + rn[:, None] * sw_n + rk[None, :]
+                if EVEN:
+                    w = tl.load(w_ptrs)
+                    xv = tl.load(x_ptr + rk)
+                else:
+                    k_ok = rk < K
+                    w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                    xv = tl.load(x_ptr + rk, mask=k_ok, other=0.0)
+                acc2 += w.to(tl.float32) * xv.to(tl.float32)[None, :]
+            y = tl.sum(acc2, 1)
+            if HAS_BIAS:
+                y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+            tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+        else:
+            rm = tl.arange(0, BLOCK_M)
+            m_ok = rm < M
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                rk = k0 + rk0
+                x_ptrs = x_ptr + rm[:, None] * sx_m + rk[None, :]
+                w_ptrs = w_ptr + rn[:, None] * sw_n + rk[None, :]
+                if EVEN:
+                    xt = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+                    w = tl.load(w_ptrs)
+                else:
+                    k_ok = rk < K
+                    xt = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                    w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                if IEEE:
+                    acc = tl.dot(xt, tl.trans(w), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(xt, tl.trans(w), acc)
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            y_ptrs = y_ptr + rm[:, None] * sy_m + rn[None, :]
+            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def skinny_gemm_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """Pure-torch reference (module docstring): fp32 maths, x's dtype out."""
+    y = x.float() @ weight.float().T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def m_class(M: int) -> int | str:
+    """The config class of `M` input rows: 1 (the multiply-accumulate path) or "m16" (MMA)."""
+    return 1 if M == 1 else "m16"
+
+
+def config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for `M` rows of a `[N, K]` weight."""
+    cls = m_class(M)
+    return TABLE.get((cls, N, K), DEFAULT[cls])
+
+
+def _shapes_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    rows = x.numel() // max(x.shape[-1], 1)
+    return (
+        1 <= rows <= MAX_ROWS
+        and weight.dim() == 2
+        and weight.dtype == x.dtype
+        and x.stride(-1) == 1 == weight.stride(-1)
+        and x.shape[-1] == weight.shape[1]
+    )
+
+
+def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear` takes the kernel for `F.linear(x, weight)`: one row, or at most
+    `MAX_ROWS` rows (all leading dims together) of a weight with at least `MIN_COLS_MMA`
+    output columns; a 16-bit float dtype shared by x and the weight, unit-stride last dims, a
+    2-D weight. Shapes and dtypes only, so `torch.compile` traces it."""
+    one_row = x.numel() == x.shape[-1]
+    return (
+        x.dtype in DTYPES and (one_row or weight.shape[0] >= MIN_COLS_MMA) and _shapes_ok(x, weight)
+    )
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `skinny_gemm` runs the kernel here: CUDA or the interpreter, the shapes of
+    `fits`, and fp32 too (exact-dot tests on the CPU interpreter)."""
+    return use_triton(x.device) and x.dtype in (*DTYPES, torch.float32) and _shapes_ok(x, weight)
+
+
+def _launch(x, weight, bias, cfg: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    M, K = x.shape
+    N = weight.shape[0]
+    block_n, block_k, warps, stages = cfg or config(M, N, K)
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    _skinny_kernel[(triton.cdiv(N, block_n),)](
+        x,
+        weight,
+        bias if bias is not None else weight,  # never read without HAS_BIAS
+        y,
+        M,
+        N,
+        K,
+        x.stride(0),
+        weight.stride(0),
+        y.stride(0),
+        HAS_BIAS=bias is not None,
+        BLOCK_M=1 if M == 1 else 16,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        EVEN=N % block_n == 0 and K % block_k == 0,
+        IEEE=x.dtype == torch.float32,
+        num_warps=warps,
+        num_stages=stages,
+    )
+    return y
+
+
+def _check(x, weight, bias) -> None:
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"x must be [M, K] and weight [N, K]; got {tuple(x.shape)} and {tuple(weight.shape)}"
+        )
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
+    if x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise ValueError(f"x, weight and bias must share a dtype; got {x.dtype}, {weight.dtype}")
+
+
+@torch.library.custom_op("draftkernels::skinny_gemm", mutates_args=())
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """See the module docstring: the kernel where `supports` says so, else the reference."""
+    _check(x, weight, bias)
+    if not supports(x, weight):
+        return skinny_gemm_ref(x, weight, bias)
+    return _launch(x, weight, bias)
+
+
+@skinny_gemm.register_fake
+def _(x, weight, bias):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` with the kernel for skinny inputs on CUDA (`fits`), `F.linear` elsewhere."""
+    if not (x.is_cuda and TRITON and fits(x, weight)):
+        return F.linear(x, weight, bias)
+    y = skinny_gemm(x.reshape(-1, x.shape[-1]), weight, bias)
+    return y.view(*x.shape[:-1], weight.shape[0])

@@ -1,0 +1,126 @@
+"""The skinny GEMM (`draftkernels.skinny_gemm`): kernel == reference == `F.linear` (the oracle
+that is not this module) on both paths (one row: multiply-accumulate; 2..16 rows: MMA), with
+and without bias, shapes that do and do not divide the tiles, every config class; `linear`
+takes the kernel only where it fits (CPU: Triton interpreter in fp32 and fp16 -- the
+interpreter's bf16 dot is wrong --; CUDA: bf16, and inside `torch.compile` + a CUDA graph)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from draftkernels.runtime import use_triton
+
+from tests.support.utils import import_kernel_module, kernel_test_device, poison_empty  # noqa: F401
+
+sg = import_kernel_module("draftkernels.skinny_gemm")
+DEVICE = kernel_test_device()
+DTYPES = [torch.float32, torch.float16] if DEVICE.type == "cpu" else [torch.bfloat16]
+
+
+def make(M, N, K, dtype, bias=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g)
+    w = torch.randn(N, K, generator=g) / K**0.5
+    b = torch.randn(N, generator=g) if bias else None
+    to = dict(device=DEVICE, dtype=dtype)
+    return x.to(**to), w.to(**to), None if b is None else b.to(**to)
+
+
+def oracle(x, w, b):
+    """`F.linear` in fp32 (on the CPU: torch's own GEMM, not this module's maths)."""
+    return F.linear(x.float().cpu(), w.float().cpu(), None if b is None else b.float().cpu())
+
+
+def tol(dtype):
+    return dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+
+
+CASES = [
+    # M, N, K, bias, config (BLOCK_N, BLOCK_K, warps, stages)
+    (1, 64, 256, False, (8, 64, 4, 1)),  # one row, tiles divide: no masks
+    (1, 37, 300, True, (8, 64, 4, 1)),  # one row, ragged N and K, bias
+    (1, 16, 128, False, (16, 128, 4, 3)),  # one tile of K
+    (2, 64, 256, False, (16, 64, 4, 2)),  # MMA path, tiles divide
+    (5, 70, 200, True, (32, 64, 4, 3)),  # a verify of five slots, ragged, bias
+    (16, 48, 96, False, (16, 32, 4, 2)),  # the largest row count
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:4])))
+def test_kernel_and_reference_match_f_linear(case, dtype, poison_empty):  # noqa: F811
+    M, N, K, bias, cfg = case
+    x, w, b = make(M, N, K, dtype, bias)
+    want = oracle(x, w, b)
+    got = sg._launch(x, w, b, cfg)
+    assert got.dtype == dtype and got.shape == (M, N)
+    torch.testing.assert_close(sg.skinny_gemm_ref(x, w, b).float().cpu(), want, **tol(dtype))
+    torch.testing.assert_close(got.float().cpu(), want, **tol(dtype))
+
+
+def test_default_configs_and_custom_op_match():
+    dtype = DTYPES[-1]
+    for M in (1, 3):
+        x, w, b = make(M, 96, 1100, dtype, bias=True, seed=M)
+        torch.testing.assert_close(
+            sg.skinny_gemm(x, w, b).float().cpu(), oracle(x, w, b), **tol(dtype)
+        )
+
+
+def test_config_table_is_consulted(monkeypatch):
+    monkeypatch.setitem(sg.TABLE, (1, 96, 512), (4, 128, 4, 1))
+    assert sg.config(1, 96, 512) == (4, 128, 4, 1)
+    assert sg.config(2, 96, 512) == sg.DEFAULT["m16"]
+    assert sg.config(1, 97, 512) == sg.DEFAULT[1]
+
+
+def test_linear_takes_the_kernel_only_where_it_fits():
+    x16 = torch.zeros(2, 3, 64, dtype=torch.float16)
+    w16 = torch.zeros(sg.MIN_COLS_MMA, 64, dtype=torch.float16)
+    assert sg.fits(x16, w16)  # 6 rows, 16-bit
+    assert not sg.fits(torch.zeros(3, 6, 64, dtype=torch.float16), w16)  # 18 rows
+    assert not sg.fits(x16, w16[:-1])  # several rows: too few columns for the MMA path
+    assert sg.fits(x16[:1, :1], w16[:32])  # one row: any width
+    assert not sg.fits(x16.float(), w16.float())  # fp32 models keep cuBLAS
+    assert not sg.fits(x16, w16.t().contiguous().t()[:, :64])  # weight not unit-stride in K
+    # On the CPU `linear` is F.linear (the kernel is for CUDA); its shape is F.linear's.
+    x, w, b = make(5, 40, 64, torch.float32, bias=True)
+    y = sg.linear(x.view(1, 5, 64).cpu(), w.cpu(), b.cpu())
+    assert y.shape == (1, 5, 40)
+    torch.testing.assert_close(y[0], oracle(x, w, b))
+
+
+def test_the_kernel_runs_here():
+    x, w, _ = make(1, 16, 32, DTYPES[-1])
+    assert use_triton(torch.device(DEVICE)) and sg.supports(x, w)
+
+
+def test_rejects_bad_inputs():
+    x, w, b = make(2, 16, 32, torch.float32, bias=True)
+    with pytest.raises(ValueError, match=r"x must be \[M, K\]"):
+        sg.skinny_gemm(x, w[:, :31], None)
+    with pytest.raises(ValueError, match="bias must be"):
+        sg.skinny_gemm(x, w, b[:-1])
+    with pytest.raises(ValueError, match="share a dtype"):
+        sg.skinny_gemm(x, w.half(), None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("M", [1, 5, 16])
+def test_real_shapes_compiled_and_graph_captured(M):
+    """Llama-3.1-8B's fused q/k/v and down projections through `linear` under
+    `torch.compile(fullgraph=True)`, replayed from a CUDA graph, == F.linear in fp32."""
+    fn = torch.compile(sg.linear, fullgraph=True)
+    for N, K in ((6144, 4096), (4096, 14336)):
+        x, w, b = make(M, N, K, torch.bfloat16)
+        x = x.view(1, M, K)
+        want = oracle(x[0], w, b)
+        fn(x, w)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn(x, w)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out[0].float().cpu(), want, atol=2e-2, rtol=2e-2)
