@@ -41,14 +41,20 @@ DTYPES = (torch.bfloat16, torch.float16)
 # (BLOCK_N, BLOCK_K, num_warps, num_stages); keys (M class, N, K), M class 1 or "m16".
 # Measured on an H100 (`python -m draftbench.skinny_gemm --sweep`, 2026-11-26): Llama-3.1-8B's
 # fused q/k/v, o, gate/up, down and head; the unfused k/v; EAGLE-3's fc and draft head;
-# MTP's eh_proj. One row: two weight rows a program, K in 2048-wide tiles, 8 warps.
+# MTP's eh_proj. One row: one weight row a program, K in 4096-wide tiles, 8 warps.
 DEFAULT = {1: (2, 2048, 8, 1), "m16": (32, 256, 4, 4)}
 TABLE: dict[tuple, tuple[int, int, int, int]] = {
-    (1, 28672, 4096): (2, 2048, 8, 3),
-    (1, 4096, 12288): (2, 2048, 8, 3),
-    (1, 4096, 8192): (2, 2048, 8, 3),
+    (1, 6144, 4096): (1, 4096, 8, 1),
+    (1, 4096, 4096): (1, 4096, 8, 3),
+    (1, 28672, 4096): (1, 4096, 8, 1),
+    (1, 4096, 14336): (1, 2048, 4, 3),
+    (1, 128256, 4096): (1, 4096, 8, 1),
+    (1, 4096, 12288): (1, 4096, 8, 3),
+    (1, 32000, 4096): (1, 4096, 8, 3),
+    (1, 4096, 8192): (1, 4096, 8, 3),
     ("m16", 6144, 4096): (64, 256, 4, 3),
-    ("m16", 28672, 4096): (64, 256, 4, 3),
+    ("m16", 4096, 4096): (64, 256, 4, 4),
+    ("m16", 28672, 4096): (32, 128, 4, 3),
     ("m16", 128256, 4096): (64, 256, 4, 4),
     ("m16", 32000, 4096): (64, 256, 4, 4),
     ("m16", 4096, 8192): (64, 256, 4, 4),
