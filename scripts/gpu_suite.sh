@@ -21,7 +21,8 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     tests/infer/test_native_target.py 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_rejection_sampler.py \
     tests/kernels/test_parallel_layout.py tests/kernels/test_chain_inputs.py \
-    tests/kernels/test_decode_attention.py 2>&1 | tee -a "$OUT/pytest_gpu.log" | tail -3
+    tests/kernels/test_decode_attention.py tests/kernels/test_skinny_gemm.py \
+    tests/infer/test_serving_transforms.py 2>&1 | tee -a "$OUT/pytest_gpu.log" | tail -3
 fi
 for b in 1 8; do
   if [ "$what" = "bench-$b" ] || [ "$what" = all ]; then
