@@ -3,10 +3,10 @@
     skinny_gemm(x [M, K], weight [N, K], bias [N] | None) -> y [M, N] (x's dtype)
 
 Why a kernel: at batch 1 a decode step is a chain of GEMVs whose cost is reading the weights
-once. cuBLAS picks one kernel per shape for any M and on an H100 streamed Llama-3.1-8B's
-decode weights at about 2.8 TB/s, where gpt-fast's coordinate-descent-tuned Triton reductions
-reached about 3 TB/s (`docs/results.md`). Here each program owns `BLOCK_N` output columns
-and streams their weight rows over K once, in `BLOCK_K` tiles, for all `M` input rows:
+once. On an H100, cuBLAS streamed a Llama-3.1-8B step's weights (15 GB) at 2.66 TB/s and
+inductor's coordinate-descent-tuned reductions (gpt-fast's step) at 2.92; this kernel at 2.96
+(`python -m draftbench.skinny_gemm`, `docs/results.md`). Each program owns `BLOCK_N` output
+columns and streams their weight rows over K once, in `BLOCK_K` tiles, for all `M` input rows:
 
 - `M == 1` (`BLOCK_M == 1`): a multiply-accumulate into a `[BLOCK_N, BLOCK_K]` fp32 tile,
   summed over K at the end (no reduction inside the loop; wide vector loads of W).
