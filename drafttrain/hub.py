@@ -4,9 +4,9 @@
     python -m drafttrain conf=<preset> export.push_to_hub=ORG/NAME [export.hub_private=true]
 
 The folder uploaded is staged first: every file of the export (weights, `config.json`,
-`speculators/`, tokenizer, `training_args.yaml`, plots, the runner's reports) plus the model
-card of `drafttrain.card` written for the Hub (the launch commands load the drafter from
-`ORG/NAME`). `--dry-run` writes that folder to a local directory and uploads nothing. The upload
+`speculators/`, tokenizer, `training_args.yaml`, plots, the runner's and the suites' reports;
+not the suites' per-request resume store) plus the model card of `drafttrain.card` written
+for the Hub (the launch commands load the drafter from `ORG/NAME`). `--dry-run` writes that folder to a local directory and uploads nothing. The upload
 is `HfApi.create_repo(exist_ok=True, private=...)` then `HfApi.upload_folder` of the staged
 folder. The token is never read here: huggingface_hub resolves it itself (`HF_TOKEN`, then the
 token file of `hf auth login`) and only its presence is checked, so it cannot reach a log or a
@@ -19,6 +19,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from draftinfer.suite_report import SUITES_DIR
 from drafttrain.card import write_model_card
 from drafttrain.config import ExportConfig, TargetConfig
 from drafttrain.errors import ConfigError, DraftError
@@ -80,16 +81,32 @@ def check_push(
     return base
 
 
-def stage(run_dir: Path, export_dir: Path, repo_id: str, base_model: str, dest: Path) -> Path:
-    """Write the folder to upload into `dest` (created; must not hold other files): the
-    export's files and the Hub model card."""
-    dest.mkdir(parents=True, exist_ok=True)
+# Inside an export, what stays local: the acceptance suites' resume store (one record per
+# request, with this machine's data paths; `draftinfer.suite_run`). Their report is shipped.
+LOCAL_ONLY = (Path(SUITES_DIR) / "requests",)
+
+
+def staged_files(export_dir: Path) -> list[Path]:
+    """The export's files that are uploaded, relative to it: all but the local model card
+    (the Hub's is written instead), unfinished `.tmp` writes and `LOCAL_ONLY` folders."""
+    out = []
     for src in sorted(export_dir.rglob("*")):
         rel = src.relative_to(export_dir)
         if not src.is_file() or rel == Path("README.md") or src.name.endswith(".tmp"):
             continue
+        if any(rel.is_relative_to(d) for d in LOCAL_ONLY):
+            continue
+        out.append(rel)
+    return out
+
+
+def stage(run_dir: Path, export_dir: Path, repo_id: str, base_model: str, dest: Path) -> Path:
+    """Write the folder to upload into `dest` (created; must not hold other files): the
+    export's `staged_files` and the Hub model card."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for rel in staged_files(export_dir):
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(src, dest / rel)
+        shutil.copyfile(export_dir / rel, dest / rel)
     write_model_card(run_dir, export_dir, dest=dest, drafter_ref=repo_id, base_model=base_model)
     return dest
 

@@ -299,3 +299,29 @@ def test_job_refuses_local_target_without_hub_base_model(train_env, tmp_path):
     with pytest.raises(ConfigError, match="base_model must be the target's hub id"):
         run_job(compose_preset("eagle3", args))
     assert not out.exists()
+
+
+def test_suites_resume_store_stays_local(tmp_path):
+    """The suites' report is uploaded with the export; their per-request resume store (this
+    machine's paths, one file per batch of requests) and the local card are not."""
+    from drafttrain.hub import staged_files
+
+    export = tmp_path / "export"
+    for rel in [
+        "config.json",
+        "README.md",
+        "model.safetensors.tmp",
+        "suites/suites.json",
+        "suites/suites.png",
+        "suites/requests/mt_bench/t0/batch_0.json",
+        "speculators/config.json",
+    ]:
+        (export / rel).parent.mkdir(parents=True, exist_ok=True)
+        (export / rel).write_text("{}")
+    got = {str(p) for p in staged_files(export)}
+    assert got == {
+        "config.json",
+        "suites/suites.json",
+        "suites/suites.png",
+        "speculators/config.json",
+    }
