@@ -12,7 +12,10 @@ vocabulary 32000. Weights are random bf16 (time does not depend on training).
   same process.
 - t_round(kind, K, batch): `SpecDecoder.generate` over `--context`-token prompts; each round
   ends in the engine's one readback, so the wall time between consecutive readbacks is the
-  round (the engine records it); the median after warm-up. Positions advance as in real
+  round (the engine records it); the median after warm-up. The engine launches each round
+  before reading the previous one back (`--pipeline on`, its CUDA default), so that time is
+  the device's time per round; `--pipeline off` waits for each readback before the next
+  launch (the host's part of a round then adds to it; `both` times each way). Positions advance as in real
   generation (with random weights almost every draft is rejected: one new position per
   round, never a revisited length; a round's cost does not depend on how many drafts were
   accepted, its shapes are fixed). The target's verify forward (and, with `--compile all`,
@@ -234,7 +237,9 @@ def breakdown_ms(dec, target, k: int, context: int) -> dict:
     # t_round minus this is host time the device waits through (input upload, launch,
     # readback, the host's bookkeeping); this minus verify and propose is the bookkeeping
     # kernels inside the round.
-    state = (*dec.fp.tensors(), dec.pending_token, dec._upload.to(dev))
+    # Every row live at the prompt's length, set by the host (the upload's four rows).
+    up = torch.tensor([[context + 64] * B, [64] * B, [1] * B, [1] * B], device=dev)
+    state = (*dec.fp.tensors(), dec.pending_token, dec.carry, up)
     out["t_round_graph_ms"] = round(graph_ms(lambda: dec._round_tensors(*state, attn_len, True)), 4)
     return out
 
@@ -288,6 +293,7 @@ def run_spec(
     reqs=None,
     graphs=False,
     options=None,
+    pipeline=None,
 ):
     from draftinfer.engine import Request, SpecDecoder
 
@@ -300,6 +306,7 @@ def run_spec(
         compile=compile_mode,
         cuda_graphs=graphs,
         compile_options=options,
+        pipeline=pipeline,
     )
     if reqs is None:
         reqs = [(p, None) for p in prompts(batch, context, target.config.vocab_size)]
@@ -402,7 +409,8 @@ def bench_batch(a, res, target, drafters, b, ks, device, fused, name) -> None:
         except RuntimeError as e:
             res["sync_check"][f"{kind} K={k4} b={tag}"] = f"SYNC: {str(e).splitlines()[0]}"
         modes = {"on": [True], "off": [False], "both": [False, True]}[a.round_graphs]
-        for k, graphs in ((k, g) for k in ks[kind] for g in modes):
+        ahead = {"on": [True], "off": [False], "both": [False, True]}[a.pipeline]
+        for k, graphs, pipe in ((k, g, p) for k in ks[kind] for g in modes for p in ahead):
             if graphs and device.type != "cuda":
                 continue
             t2 = time.perf_counter()
@@ -418,6 +426,7 @@ def bench_batch(a, res, target, drafters, b, ks, device, fused, name) -> None:
                 reqs=reqs,
                 graphs=graphs,
                 options=opts,
+                pipeline=pipe,
             )
             rt = stats["round_seconds"][2:]
             t_round = statistics.median(rt) * 1e3
@@ -439,7 +448,9 @@ def bench_batch(a, res, target, drafters, b, ks, device, fused, name) -> None:
                             "safe": safe,
                         }
                     )
-            res["lossless"][f"{kind} K={k} b={tag}"] = ok if ok else notes
+            res["lossless"][f"{kind} K={k} b={tag}{'' if pipe else ' no-pipeline'}"] = (
+                ok if ok else notes
+            )
             acc = [x for o in outs for x in o.accepted]
             row = {
                 "target": name,
@@ -448,6 +459,7 @@ def bench_batch(a, res, target, drafters, b, ks, device, fused, name) -> None:
                 "batch": b,
                 "fused": fused,
                 "round_graphs": graphs,
+                "pipeline": pipe,
                 "t_round_ms": round(t_round, 4),
                 "t_gptfast_ms": gf_ms,
                 "ratio_vs_gptfast": round(t_round / gf_ms, 3),
@@ -485,7 +497,8 @@ def print_summary(res: dict, batches, kinds) -> None:
             f"batch {tag}: ours plain step {p['ms']:.3f} ms compiled, "
             f"{p.get('cuda_graph_ms', float('nan')):.3f} ms compiled + CUDA graph"
         )
-    cols = ["kind", "k", "batch", "fused", "round_graphs", "t_round_ms", "ratio_vs_gptfast"]
+    cols = ["kind", "k", "batch", "fused", "round_graphs", "pipeline", "t_round_ms"]
+    cols += ["ratio_vs_gptfast"]
     cols += ["ratio_vs_graph", "ratio"]
     extra = [
         "t_verify_ms",
@@ -530,6 +543,12 @@ def main() -> int:
         default="on",
         choices=["on", "off", "both"],
         help="replay the round from CUDA graphs (SpecDecoder(cuda_graphs=True)); CUDA only",
+    )
+    ap.add_argument(
+        "--pipeline",
+        default="on",
+        choices=["on", "off", "both"],
+        help="launch each round before reading the previous one back (SpecDecoder(pipeline=))",
     )
     ap.add_argument("--peer-dir", type=Path, default=Path("peers/gpt-fast"))
     ap.add_argument("--breakdown", action="store_true", help="verify / propose / rest per round")

@@ -19,6 +19,17 @@ asynchronous) and reads back once per round (the emitted tokens and accepted cou
 checks and scheduling); the round's tensor work in between makes no host-device sync
 (`sync_check=True` enforces it on CUDA with `torch.cuda.set_sync_debug_mode("error")`).
 
+One round ahead (`pipeline=True`, the CUDA default). The round also leaves each row's next
+(length, remaining tokens, live) on the device (`carry`): a row that is not stopped commits
+`a + 1` tokens, and one that reaches `max_tokens` or `max_model_len` stops there (the host's
+stop rules imply both, so the device never stops a row the host keeps). So the host launches
+round i+1 before it reads round i back: its upload sets only the rows it knows (admitted,
+finished, free; `set` = 1) and leaves the rows of the unread round to the carry. The device
+never waits for the host's readback, Python and launch (0.1-0.4 ms a round at 8B shapes).
+A request the host stops on reading round i (EOS, a stop string) has run round i+1 as well:
+its results are dropped, and its stale KV is overwritten as a rejected draft's is. Outputs
+are the same with and without it (tested).
+
 Prefill inputs come from the target (`target.prefill_plan`, per chunk): text targets feed
 the ids; a multimodal target (Qwen3-VL) feeds each chunk its vision rows and its own `[3, N]`
 position table from the request's `mm_inputs` and records the request's `mrope_delta`, after
@@ -134,6 +145,17 @@ class _Active:
     finish: str | None = None
 
 
+@dataclass
+class _Launched:
+    """A round on the device: the requests it was launched for, the host buffer its
+    `[B, K + 3]` table is copied into, the event that says it has been, and the launch time."""
+
+    slots: list[_Active]
+    table: torch.Tensor
+    done: torch.cuda.Event | None
+    start: float
+
+
 class SpecDecoder:
     """Speculative decoding of a batch of requests with a native target and a drafter.
 
@@ -142,7 +164,9 @@ class SpecDecoder:
     `cuda_graphs=True` (CUDA only) replays each round's tensor work from a CUDA graph captured
     per (attention-length bucket, all-greedy) on its second use (`draftinfer.graphs`); the
     first use of a bucket runs as is and compiles. `sync_check=True` makes any host sync
-    inside a round an error (CUDA only).
+    inside a round an error (CUDA only). `pipeline` launches each round before reading the
+    previous one back (module docstring; None: on for CUDA, where it hides the host's part of
+    a round, off on the CPU, where a launch is the work itself).
     """
 
     def __init__(
@@ -159,6 +183,7 @@ class SpecDecoder:
         sync_check: bool = False,
         cuda_graphs: bool = False,
         compile_options: dict | None = None,
+        pipeline: bool | None = None,
     ):
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
@@ -193,9 +218,16 @@ class SpecDecoder:
             torch.zeros(*axes, B, W, dtype=torch.long, device=dev),
         )
         self.pending_token = torch.zeros(B, dtype=torch.long, device=dev)
+        # Each row's (L, remaining, live) as the last round left them (module docstring).
+        self.carry = torch.zeros(3, B, dtype=torch.long, device=dev)
+        self.pipeline = dev.type == "cuda" if pipeline is None else bool(pipeline)
         pin = dev.type == "cuda"
-        self._upload = torch.zeros(3, B, dtype=torch.long, pin_memory=pin)  # L, remaining, live
-        self._upload_np = self._upload.numpy()  # the same memory: filled without torch ops
+        # Two of each host buffer: with a round in flight, the next launch writes the other
+        # one (the one before it was read back and its upload consumed).
+        # Upload rows: L, remaining, live, set (1: the host's values; 0: the carry's).
+        self._uploads = [torch.zeros(4, B, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._tables = [torch.zeros(B, k + 3, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._launches = 0
         self._target_fwd = target_forward
         mode = {False: "none", True: "all"}.get(compile, compile)
         if mode not in ("none", "target", "all"):
@@ -280,39 +312,64 @@ class SpecDecoder:
         self.pending_token[r] = torch.tensor(first, device=dev)[k]
 
     def _round(self, live: list[_Active]) -> None:
-        """One round for every live request: tensor work with no host sync, then one readback."""
-        K, B = self.k, self.max_batch
-        lengths, remaining = [1] * B, [0] * B
-        host_caps = {}
+        """One round for every live request, read back before returning."""
+        self._process(self._launch(live))
+
+    def _launch(self, live: list[_Active], in_flight: frozenset[int] = frozenset()) -> _Launched:
+        """Queue one round for `live` (tensor work with no host sync) and the copy of its table
+        to the host. Rows in `in_flight` belong to a round launched and not read back yet:
+        the device's carry holds their state, and their lengths are bounded by K + 1 more."""
+        K, start = self.k, time.perf_counter()
+        n, self._launches = self._launches, self._launches + 1
+        up_t, table = self._uploads[n % 2], self._tables[n % 2]
+        up = up_t.numpy()  # numpy writes: 3 us a round where torch ops took 16 (batch 1)
+        up[:3], up[3] = 0, 1  # rows with no live request: set, not live
+        top = 0
         for s in live:
-            lengths[s.row], remaining[s.row] = len(s.tokens), s.req.max_tokens - len(s.out)
-            host_caps[s.row] = draft_cap(self.max_model_len, len(s.tokens), remaining[s.row], K)
+            L = len(s.tokens)
+            if s.row in in_flight:
+                up[3, s.row] = 0
+                L += K + 1
+            else:
+                up[0, s.row], up[1, s.row], up[2, s.row] = L, s.req.max_tokens - len(s.out), 1
+            top = max(top, L)
         # Keys the verify forward reads: up to cache index L - 1 + K.
-        needed = min(max(lengths[s.row] for s in live) + K, self.max_model_len)
-        attn_len = attn_bucket(needed, self.max_model_len)
+        attn_len = attn_bucket(min(top + K, self.max_model_len), self.max_model_len)
         all_greedy = all(self.sampling.greedy[s.row] for s in live)
-        up = self._upload_np  # numpy writes: 3 us a round where torch ops took 16 (batch 1)
-        up[0], up[1], up[2] = lengths, remaining, 0
-        up[2, [s.row for s in live]] = 1
-        host = self._upload.to(self.device, non_blocking=True, copy=True)
-        state = (*self.fp.tensors(), self.pending_token, host)
+        host = up_t.to(self.device, non_blocking=True, copy=True)
+        state = (*self.fp.tensors(), self.pending_token, self.carry, host)
         if self._graphed is not None:
             out = self._graphed(state, attn_len, all_greedy)
         else:
             out = self._round_tensors(*state, attn_len, all_greedy)
-        *fp, self.pending_token, packed = out
+        *fp, self.pending_token, self.carry, packed = out
         self.fp = FirstPass.of_tensors(fp)
-        table = packed.tolist()  # the round's one readback: [B, K + 2]
-        for s in live:
+        table.copy_(packed, non_blocking=True)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return _Launched(list(live), table, done, start)
+
+    def _process(self, launched: _Launched) -> bool:
+        """Read a launched round back and commit it for its requests that are still running
+        (one the host stopped after the launch ran ahead: dropped). True if any was."""
+        if launched.done is not None:
+            launched.done.synchronize()
+        K = self.k
+        table = launched.table.tolist()  # the round's one readback: [B, K + 3]
+        running = [s for s in launched.slots if s.finish is None]
+        for s in running:
             a = table[s.row][K + 1]
             emitted = table[s.row][: a + 1]
             s.accepted.append(a)
-            s.proposed.append(host_caps[s.row])
+            s.proposed.append(table[s.row][K + 2])
             L, n_before = len(s.tokens), len(s.out)
             s.out, s.finish = apply_stops(
                 s.req, s.out, emitted, L, self.max_model_len, self.tokenizer
             )
             s.tokens.extend(s.out[n_before:])
+        return bool(running)
 
     def _round_tensors(
         self,
@@ -322,6 +379,7 @@ class SpecDecoder:
         fp_cache_pos: torch.Tensor,
         fp_rope_pos: torch.Tensor,
         pending: torch.Tensor,
+        carry: torch.Tensor,
         host: torch.Tensor,
         attn_len: int,
         all_greedy: bool,
@@ -329,11 +387,14 @@ class SpecDecoder:
         """The round's tensor work, a function of the round state alone (so it can be replayed
         from a CUDA graph, `draftinfer.graphs`): propose, verify forward, verify, next first
         pass. In: the pending first pass (`FirstPass.tensors()`), the pending token `[B]`, the
-        uploaded `[3, B]` (L, remaining, live). Out: the next first pass's tensors, the next
-        pending token, and `[B, K + 2]`: emitted tokens (-1 padded) and the accepted count last."""
+        carry `[3, B]` (L, remaining, live) and the uploaded `[4, B]` (the same and `set`: rows
+        whose values the host sets). Out: the next first pass's tensors, the next pending
+        token, the next carry, and `[B, K + 3]`: emitted tokens (-1 padded), the accepted count
+        and the number of drafts."""
         K = self.k
         with no_host_sync(self.sync_check, self.device):
-            L, remaining, live = host[0], host[1], host[2].bool()
+            now = torch.where(host[3].bool(), host[:3], carry)
+            L, remaining, live = now[0], now[1], now[2].bool()
             # Draft cap (see `draft_cap`), 0 for rows with no live request.
             cap = torch.clamp(torch.minimum(self.max_model_len - L, remaining) - 1, 0, K)
             num_drafts = torch.where(live, cap, 0)
@@ -373,8 +434,14 @@ class SpecDecoder:
             # table is made dense (an M-RoPE target returns an expanded view): it is state
             # the next round reads, and a graph's static input.
             fp_ids, fp_cache, _, next_pending = prepare_chain_inputs(out_ids, n_acc, L)
-            packed = torch.cat([out_ids, n_acc[:, None]], dim=1)
-            return fp_rows, fp_ids, v_feat, fp_cache, v_rope.contiguous(), next_pending, packed
+            packed = torch.cat([out_ids, n_acc[:, None], num_drafts[:, None]], dim=1)
+            # The carry: a row that is not stopped commits a + 1 tokens; one at max_tokens or
+            # max_model_len is stopped (the host stops it there too, or earlier).
+            L_next, left = L + n_acc + 1, remaining - n_acc - 1
+            going = live & (L_next < self.max_model_len) & (left > 0)
+            carry = torch.stack([L_next, left, going.long()])
+            v_rope = v_rope.contiguous()
+            return fp_rows, fp_ids, v_feat, fp_cache, v_rope, next_pending, carry, packed
 
     def generate(self, requests: list[Request], on_finish=None) -> tuple[list[RequestOutput], dict]:
         """Continuous batching over `max_batch` cache rows; outputs in request order.
@@ -394,7 +461,9 @@ class SpecDecoder:
         results: dict[int, RequestOutput] = {}
         round_seconds: list[float] = []
         t0 = time.perf_counter()
-        while pending or active:
+        in_flight: _Launched | None = None
+        last_read = t0
+        while pending or active or in_flight is not None:
             admitted = []
             while pending and free_rows:
                 idx, req = pending.pop()
@@ -408,10 +477,21 @@ class SpecDecoder:
             self._admit(admitted)
             active.extend(admitted)
             live = [s for s in active if s.finish is None]
+            launched = None
             if live:
-                start = time.perf_counter()
-                self._round(live)
-                round_seconds.append(time.perf_counter() - start)
+                ahead = frozenset()
+                if in_flight is not None:
+                    ahead = frozenset(s.row for s in in_flight.slots if s.finish is None)
+                launched = self._launch(live, ahead)
+            # A round's time: from its launch or the previous readback, whichever is later,
+            # to its own readback (with a round in flight: the device's time per round).
+            read = [r for r in (in_flight, None if self.pipeline else launched) if r]
+            for r in read:
+                if self._process(r):
+                    now = time.perf_counter()
+                    round_seconds.append(now - max(r.start, last_read))
+                    last_read = now
+            in_flight = launched if self.pipeline else None
             for s in active:
                 if s.finish is None:
                     continue

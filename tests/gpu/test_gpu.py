@@ -110,7 +110,8 @@ def test_b4_graph_replay_equals_eager(zoo_run, kind, dtype):
     zoo drafter (drafts are accepted, so the KV refresh and the carried first pass matter),
     a batch of 4 rows with different prompt lengths, greedy and sampled requests, requests
     finishing mid-batch and a fifth one admitted into a freed row (admission writes into the
-    graph's outputs)."""
+    graph's outputs). Both run one round ahead (`pipeline`, the CUDA default); a third run
+    that reads every round back first (`pipeline=False`) emits the same (P1 on CUDA)."""
     from draftinfer.checkpoint import load_drafter
     from draftinfer.paths import resolve_path
     from tests.support.prompts import zoo_prompts
@@ -129,17 +130,26 @@ def test_b4_graph_replay_equals_eager(zoo_run, kind, dtype):
         Request(ps[4], max_tokens=30),
     ]
     runs = []
-    for graphs in (False, True):
+    for graphs, ahead in ((False, True), (True, True), (False, False)):
         dec = SpecDecoder(
-            target, drafter, 3, max_batch=4, max_model_len=384, compile="all", cuda_graphs=graphs
+            target,
+            drafter,
+            3,
+            max_batch=4,
+            max_model_len=384,
+            compile="all",
+            cuda_graphs=graphs,
+            pipeline=ahead,
         )
+        assert dec.pipeline == ahead
         outs, stats = dec.generate(reqs)
         kv = [t.clone() for t in dec.proposer.kv_snapshot(0, 64)]
         runs.append((outs, kv, dec))
-    (eager, kv_e, _), (graphed, kv_g, dec) = runs
+    (eager, kv_e, _), (graphed, kv_g, dec), (one_at_a_time, _, _) = runs
     assert dec._graphed.replays > 0  # rounds really came from graphs
-    assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
-    assert [o.accepted for o in graphed] == [o.accepted for o in eager]
+    for outs in (graphed, one_at_a_time):
+        assert [o.token_ids for o in outs] == [o.token_ids for o in eager]
+        assert [o.accepted for o in outs] == [o.accepted for o in eager]
     assert sum(a for o in eager for a in o.accepted) > 0  # the drafter's drafts were accepted
     for a, b in zip(kv_g, kv_e):
         assert torch.equal(a, b)

@@ -299,3 +299,42 @@ def test_untrained_random_drafter_is_lossless_with_al_near_one(zoo_target, kind)
     assert [o.token_ids for o in outs] == plain
     al = acceptance_length([a for o in outs for a in o.accepted])
     assert 1.0 <= al <= 1.15, al
+
+
+@pytest.mark.parametrize("kind", registered_kinds())
+def test_p1_one_round_ahead_serves_what_one_at_a_time_does(kind_env, kind):
+    """P1 (`SpecDecoder(pipeline=True)`, the CUDA default): launching round i+1 before reading
+    round i back, with the rows of the unread round left to the device's carry, emits the same
+    tokens, finish reasons, accepted and proposed counts as reading every round back first,
+    with requests that stop on EOS inside an accepted run, on `max_tokens` (1 included), on
+    `max_model_len`, seeded sampling, and more requests than rows (rows freed while a round
+    that still ran them is in flight, then refilled). The rounds launched ahead for stopped
+    requests are dropped, and there were some."""
+    env = kind_env(kind)
+    max_len = 72
+    ps = [p[-(max_len - 12) :] for p in zoo_prompts(8, seed=31)]
+    plain = greedy_generate(env["target"], ps, 12)
+    reqs = []
+    for i, (p, g) in enumerate(zip(ps, plain)):
+        sampling = SamplingParams(1.0, seed=7 + i) if i == 3 else SamplingParams(0.0)
+        stop = (g[6],) if i % 4 == 1 else ()
+        reqs.append(
+            Request(p, sampling, max_tokens=[9, 1, 40, 5, 16, 12, 2, 40][i], stop_token_ids=stop)
+        )
+    runs = {}
+    for ahead in (False, True):
+        dec = SpecDecoder(
+            env["target"], env["drafter"], 3, max_batch=3, max_model_len=max_len, pipeline=ahead
+        )
+        outs, stats = dec.generate(reqs)
+        runs[ahead] = outs, stats["rounds"], dec._launches
+    (one, n_one, launched_one), (ahead, n_ahead, launched_ahead) = runs[False], runs[True]
+    for a, b in zip(one, ahead):
+        assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason)
+        assert (a.accepted, a.proposed) == (b.accepted, b.proposed)
+    assert {o.finish_reason for o in one} == {"stop", "length"}
+    assert any(len(p) + len(o.token_ids) == max_len for p, o in zip(ps, one))
+    assert sum(x for o in one for x in o.accepted) > 0
+    # Every round read one at a time ran a request; ahead, some ran only stopped ones (a row
+    # freed while a round was in flight is refilled one round later, so the counts differ).
+    assert n_one == launched_one and n_ahead < launched_ahead

@@ -226,7 +226,7 @@ class HarnessDecoder(SpecDecoder):
             self.verifier = SteeredVerifier(self.verifier, oracles)
         self.steer = steer  # per request of the next `generate`: (oracle index, mode)
 
-    def _round(self, live):
+    def _launch(self, live, in_flight=frozenset()):
         if self.steer is not None:
             B = self.max_batch
             hist, n_out, which, modes = [[-1, -1] for _ in range(B)], [0] * B, [0] * B, [0] * B
@@ -238,10 +238,14 @@ class HarnessDecoder(SpecDecoder):
             self.verifier.context = tuple(
                 torch.tensor(x, device=self.device) for x in (hist, n_out, which, modes)
             )
-        super()._round(live)
-        for s in live:
+        return super()._launch(live, in_flight)
+
+    def _process(self, launched):
+        running = super()._process(launched)
+        for s in launched.slots:
             if s.finish is None and len(s.out) >= DEPTH:
                 s.finish = "length"
+        return running
 
 
 @dataclass
