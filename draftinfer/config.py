@@ -74,6 +74,11 @@ class InferConfig:
     skinny_gemm: bool | None = None
     # Replay each round from a CUDA graph (`draftinfer.graphs`; CUDA only, best with compile).
     cuda_graphs: bool = False
+    # Launch each round before reading the previous one back (`SpecDecoder(pipeline=)`: the
+    # device never waits for the host's readback and Python between rounds; the same
+    # outputs). null (the default) = on for CUDA, off on the CPU. On one H100 at batch 1 it
+    # took ptd's K=4 round from 1.198x to 1.155x gpt-fast's step (docs/results.md).
+    pipeline: bool | None = None
     # How the drafter's rotary reads positions: "native" (as trained: the target's [3, N]
     # M-RoPE rows for a Qwen3-VL drafter) or "1d" (as an engine that strips `mrope_section`
     # serves it: plain RoPE at the T row, vLLM's `positions[0]`), to measure the AL that costs

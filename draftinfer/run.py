@@ -127,6 +127,23 @@ def serving_transforms(cfg: InferConfig, target, drafter, device: torch.device) 
         use_skinny_gemm(drafter)
 
 
+def spec_decoder(cfg: InferConfig, target, drafter, tokenizer) -> SpecDecoder:
+    """The speculative decoder the runner's config describes (`run_eval`, the suites)."""
+    return SpecDecoder(
+        target,
+        drafter,
+        cfg.k,
+        max_batch=cfg.batch_size,
+        max_model_len=cfg.max_model_len,
+        verify=cfg.verify,
+        prefill_chunk=cfg.prefill_chunk,
+        tokenizer=tokenizer,
+        compile=cfg.compile,
+        cuda_graphs=cfg.cuda_graphs,
+        pipeline=cfg.pipeline,
+    )
+
+
 def run_eval(cfg: InferConfig) -> RunReport:
     from tqdm.auto import tqdm
 
@@ -189,18 +206,7 @@ def run_eval(cfg: InferConfig) -> RunReport:
     t_plain = time.perf_counter() - t0
     bar.update(len(prompts))
 
-    decoder = SpecDecoder(
-        target,
-        drafter,
-        cfg.k,
-        max_batch=cfg.batch_size,
-        max_model_len=cfg.max_model_len,
-        verify=cfg.verify,
-        prefill_chunk=cfg.prefill_chunk,
-        tokenizer=tokenizer,
-        compile=cfg.compile,
-        cuda_graphs=cfg.cuda_graphs,
-    )
+    decoder = spec_decoder(cfg, target, drafter, tokenizer)
     if cfg.mode == "fast":
         decoder.generate(requests[:1])  # warm-up
         outs, stats = decoder.generate(requests, on_finish=lambda: bar.update(1))

@@ -122,10 +122,15 @@ def run_suites(cfg: InferConfig) -> SuitesReport:
     from tqdm.auto import tqdm
 
     from draftinfer.checkpoint import read_drafter_config
-    from draftinfer.engine import SpecDecoder
     from draftinfer.families import family_of
     from draftinfer.loading import load_native_target
-    from draftinfer.run import load_served_drafter, pick_device, pick_dtype, serving_transforms
+    from draftinfer.run import (
+        load_served_drafter,
+        pick_device,
+        pick_dtype,
+        serving_transforms,
+        spec_decoder,
+    )
 
     temps = check_suites_config(cfg)
     suites = [_with_overrides(load_suite(n), cfg) for n in cfg.eval.suites]
@@ -167,18 +172,7 @@ def run_suites(cfg: InferConfig) -> SuitesReport:
         }
         for s, src, rs in zip(suites, sources, rows)
     ]
-    decoder = SpecDecoder(
-        target,
-        drafter,
-        cfg.k,
-        max_batch=cfg.batch_size,
-        max_model_len=cfg.max_model_len,
-        verify=cfg.verify,
-        prefill_chunk=cfg.prefill_chunk,
-        tokenizer=renderer.tokenizer,
-        compile=cfg.compile,
-        cuda_graphs=cfg.cuda_graphs,
-    )
+    decoder = spec_decoder(cfg, target, drafter, renderer.tokenizer)
     d = Decoding(
         target,
         drafter,

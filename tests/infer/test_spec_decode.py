@@ -338,3 +338,20 @@ def test_p1_one_round_ahead_serves_what_one_at_a_time_does(kind_env, kind):
     # Every round read one at a time ran a request; ahead, some ran only stopped ones (a row
     # freed while a round was in flight is refilled one round later, so the counts differ).
     assert n_one == launched_one and n_ahead < launched_ahead
+
+
+def test_p1_runner_config_reaches_the_decoder(monkeypatch):
+    """`infer.pipeline` (null: on for CUDA) and the other decoder settings of the runner's
+    config reach `SpecDecoder` in `run_eval` and the suites (`draftinfer.run.spec_decoder`)."""
+    import draftinfer.run as run
+    from draftinfer.config import InferConfig
+
+    seen = {}
+    monkeypatch.setattr(run, "SpecDecoder", lambda *a, **kw: seen.update(kw, args=a))
+    cfg = InferConfig(k=5, batch_size=3, pipeline=False, cuda_graphs=True, verify="full")
+    run.spec_decoder(cfg, "target", "drafter", "tok")
+    assert seen["args"] == ("target", "drafter", 5)
+    assert (seen["pipeline"], seen["cuda_graphs"], seen["verify"]) == (False, True, "full")
+    assert (seen["max_batch"], seen["tokenizer"]) == (3, "tok")
+    run.spec_decoder(InferConfig(), "target", "drafter", None)
+    assert seen["pipeline"] is None  # SpecDecoder's default: on for CUDA, off on the CPU
