@@ -449,10 +449,13 @@ AL_FLOOR = {1: 1.5, 3: 2.5, 4: 2.5}
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("k", ["min", "max"])
 @pytest.mark.parametrize("max_batch", [2, 4])
-def test_m3_t1_lossless_greedy_with_images(target, plain, drafters, kind, k, max_batch):
+@pytest.mark.parametrize("ahead", [False, True], ids=["one-at-a-time", "one-ahead"])
+def test_m3_t1_lossless_greedy_with_images(target, plain, drafters, kind, k, max_batch, ahead):
     """Speculative greedy == plain greedy on image+text prompts (chunked prefill; batch 4, and
     batch 2 so rows are reused with a new request's mrope_delta), with drafts accepted, for
-    every kind that fits the family, at the smallest and the largest K <= 4 it serves."""
+    every kind that fits the family, at the smallest and the largest K <= 4 it serves; each
+    round read back before the next launch, and one round ahead (`pipeline`: a row is
+    refilled, its mrope_delta rewritten, while a round that ran its old request is in flight)."""
     d = drafters(kind)
     ks = [k for k in (1, 2, 3, 4) if servable(kind, d.config, k)]
     k = ks[0] if k == "min" else ks[-1]
@@ -463,6 +466,7 @@ def test_m3_t1_lossless_greedy_with_images(target, plain, drafters, kind, k, max
         max_batch=max_batch,
         max_model_len=MAX_LEN,
         prefill_chunk=CHUNK,
+        pipeline=ahead,
     )
     outs, _ = dec.generate(requests())
     assert [o.token_ids for o in outs] == plain
