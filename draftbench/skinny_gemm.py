@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from draftbench.timing import print_table
 
 # name -> (N, K): Llama-3.1-8B with fused q/k/v and gate/up (the runner's CUDA default), the
-# unfused k/v, EAGLE-3's fc over three taps and its 32k draft head, MTP's eh_proj.
+# unfused k/v, the fused k/v of a block drafter's context rows, EAGLE-3's fc over three taps
+# and its 32k draft head, MTP's eh_proj.
 SHAPES = {
     "qkv": (6144, 4096),
     "o": (4096, 4096),
@@ -36,6 +37,7 @@ SHAPES = {
     "down": (4096, 14336),
     "head": (128256, 4096),
     "kv": (1024, 4096),
+    "kv2": (2048, 4096),
     "fc3": (4096, 12288),
     "draft_head": (32000, 4096),
     "eh_proj": (4096, 8192),
@@ -61,6 +63,25 @@ def configs(m_cls) -> list[tuple[int, int, int, int]]:
                 for w in (4, 8):
                     if bn * bk // (32 * w) <= 128:
                         out += [(bn, bk, w, s) for s in (2, 3, 4)]
+        # Swapped (y^T = W x^T: the weight tile is the MMA's 64- or 128-row side, which
+        # Hopper's warpgroup MMA needs); stages limited by shared memory (~227 KB); and the
+        # same with the tiles brought in by the tensor memory accelerator ("tma").
+        for variant in (True, "tma"):
+            for bn in (64, 128):
+                for bk in (64, 128, 256):
+                    for w in (4, 8):
+                        for s in (2, 3, 4, 5, 6):
+                            if (bn + 16) * bk * 2 * s <= 200 * 1024:
+                                out.append((bn, bk, w, s, variant))
+        # Split K: 2-4 programs per column block (more programs than SMs on the narrow
+        # shapes), partial sums reduced by the last program to finish.
+        for variant in (True, "tma"):
+            for bn in (64, 128):
+                for bk in (128, 256):
+                    for s in (3, 4, 5):
+                        for split in (2, 3, 4):
+                            if (bn + 16) * bk * 2 * s <= 200 * 1024:
+                                out.append((bn, bk, 4, s, variant, split))
     return out
 
 
@@ -100,27 +121,38 @@ def cold_us(fn, x, ws) -> float:
     return sorted(chunks)[3] * 1e3 / len(ws)
 
 
-def sweep(sg, device) -> tuple[dict, list[dict]]:
-    """Fastest config per (M class, shape) and every timing."""
+def sweep(sg, device, classes=(1, "m16"), shapes=None) -> tuple[dict, list[dict]]:
+    """Fastest config per (M class, shape) and every timing (a config that fails to compile
+    or to match the reference is skipped)."""
     table, log = {}, []
-    for m_cls, M in ((1, 1), ("m16", 5)):
+    for m_cls, M in ((c, 1 if c == 1 else 5) for c in classes):
         cands = configs(m_cls)
         for name, (N, K) in SHAPES.items():
+            if shapes and name not in shapes:
+                continue
             ws = weights(N, K, device)
             x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
             want = sg.skinny_gemm_ref(x, ws[0], None).float()
-            best = None
+            best = {}
             for cfg in cands:
-                got = sg._launch(x, ws[0], None, cfg).float()
+                try:
+                    got = sg._launch(x, ws[0], None, cfg).float()
+                except Exception as e:  # out of shared memory, registers
+                    print(f"SKIP {m_cls} {name} {cfg}: {type(e).__name__}", file=sys.stderr)
+                    continue
                 if (got - want).abs().max().item() > 2e-2 * max(1.0, want.abs().max().item()):
                     print(f"MISMATCH {m_cls} {name} {cfg}", file=sys.stderr)
                     continue
                 us = cold_us(lambda x, w, cfg=cfg: sg._launch(x, w, None, cfg), x, ws)
                 log.append({"m_class": str(m_cls), "shape": name, "config": cfg, "us": us})
-                if best is None or us < best[1]:
-                    best = (cfg, us)
-            table[(m_cls, N, K)] = best[0]
-            print(f"sweep {m_cls} {name}: best {best[0]} {best[1]:.1f} us", flush=True)
+                fam = {(): "plain", (True,): "swap", ("tma",): "tma"}[tuple(cfg[4:5])]
+                fam += "+split" if cfg[5:] else ""
+                if fam not in best or us < best[fam][1]:
+                    best[fam] = (cfg, us)
+            win = min(best.values(), key=lambda b: b[1])
+            table[(m_cls, N, K)] = win[0]
+            seen = ", ".join(f"{f} {c} {u:.1f} us" for f, (c, u) in sorted(best.items()))
+            print(f"sweep {m_cls} {name}: best {win[0]} {win[1]:.1f} us ({seen})", flush=True)
             del ws
     return table, log
 
@@ -129,6 +161,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--sweep", action="store_true", help="time every config first (minutes)")
+    ap.add_argument(
+        "--sweep-classes", default="1,m16", help="the M classes --sweep times (1, m16 or both)"
+    )
+    ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="M values timed after")
+    ap.add_argument("--shapes", default="", help="comma-separated names of SHAPES (default: all)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_skinny_gemm: CUDA is not available; nothing to benchmark.")
@@ -137,10 +174,12 @@ def main() -> int:
     from draftkernels import skinny_gemm as sg
 
     dev = torch.device("cuda")
+    rows_m = [int(m) for m in a.rows.split(",")]
     torch._dynamo.config.cache_size_limit = 64  # one compiled graph per shape below
     swept, log = {}, []
     if a.sweep:
-        swept, log = sweep(sg, dev)
+        classes = [1 if c == "1" else c for c in a.sweep_classes.split(",")]
+        swept, log = sweep(sg, dev, classes, a.shapes.split(",") if a.shapes else None)
         sg.TABLE.update(swept)
         print("TABLE = {")
         for (m_cls, N, K), cfg in swept.items():
@@ -151,8 +190,10 @@ def main() -> int:
 
         rows, worst = [], 0.0
         for name, (N, K) in SHAPES.items():
+            if a.shapes and name not in a.shapes.split(","):
+                continue
             ws = weights(N, K, dev)
-            for M in ROWS:
+            for M in rows_m:
                 x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
                 want = sg.skinny_gemm_ref(x, ws[0], None).float()
                 scale = max(1.0, want.abs().max().item())
@@ -181,7 +222,7 @@ def main() -> int:
                 )
                 print(json.dumps(rows[-1]), flush=True)
             del ws
-    for M in ROWS:
+    for M in rows_m if all(name in {r["shape"] for r in rows} for name in STEP) else []:
         sel = [r for r in rows if r["M"] == M and r["shape"] in STEP]
         tot = {
             k: sum(STEP[r["shape"]] * r[k] for r in sel)

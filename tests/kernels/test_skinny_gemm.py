@@ -37,26 +37,55 @@ def tol(dtype):
 
 
 CASES = [
-    # M, N, K, bias, config (BLOCK_N, BLOCK_K, warps, stages)
+    # M, N, K, bias, config (BLOCK_N, BLOCK_K, warps, stages[, swap])
     (1, 64, 256, False, (8, 64, 4, 1)),  # one row, tiles divide: no masks
     (1, 37, 300, True, (8, 64, 4, 1)),  # one row, ragged N and K, bias
     (1, 16, 128, False, (16, 128, 4, 3)),  # one tile of K
     (2, 64, 256, False, (16, 64, 4, 2)),  # MMA path, tiles divide
     (5, 70, 200, True, (32, 64, 4, 3)),  # a verify of five slots, ragged, bias
     (16, 48, 96, False, (16, 32, 4, 2)),  # the largest row count
+    (2, 64, 256, False, (64, 64, 4, 2, True)),  # swapped MMA (W x^T), tiles divide
+    (5, 70, 200, True, (64, 64, 4, 3, True)),  # swapped, ragged, bias
+    (16, 130, 96, False, (64, 32, 4, 2, True)),  # swapped, the largest row count, 3 programs
+    (1, 64, 256, True, (8, 64, 4, 1, True)),  # swap is ignored at one row
+    (2, 64, 256, False, (64, 64, 4, 2, "tma")),  # copy-engine loads, tiles divide
+    (5, 70, 200, True, (64, 64, 4, 3, "tma")),  # copy-engine loads, ragged N and K, bias
+    (16, 130, 96, False, (64, 32, 4, 2, "tma")),  # the largest row count, 3 programs
+    (5, 70, 200, True, (64, 64, 4, 3, True, 2)),  # split K in two, ragged, bias
+    (3, 130, 300, False, (64, 32, 4, 2, "tma", 4)),  # copy-engine loads, K in four
+    (16, 64, 256, True, (16, 64, 4, 2, False, 3)),  # unswapped MMA, K in three (64 + 64 + 128)
 ]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:4])))
+@pytest.mark.parametrize(
+    "case", CASES, ids=lambda c: "x".join(map(str, c[:4])) + "".join(f"-{v}" for v in c[4][4:])
+)
 def test_kernel_and_reference_match_f_linear(case, dtype, poison_empty):  # noqa: F811
     M, N, K, bias, cfg = case
     x, w, b = make(M, N, K, dtype, bias)
     want = oracle(x, w, b)
     got = sg._launch(x, w, b, cfg)
     assert got.dtype == dtype and got.shape == (M, N)
+    if cfg[5:]:  # split K leaves its workspace and counters zero: a second call agrees
+        ws, cnt = sg._WORKSPACES[(str(x.device), N)]
+        assert not ws.any() and not cnt.any()
+        torch.testing.assert_close(sg._launch(x, w, b, cfg), got, atol=0, rtol=0)
     torch.testing.assert_close(sg.skinny_gemm_ref(x, w, b).float().cpu(), want, **tol(dtype))
     torch.testing.assert_close(got.float().cpu(), want, **tol(dtype))
+
+
+def test_tma_variant_falls_back_where_the_copy_engine_cannot():
+    """An x row stride that is not a multiple of 16 bytes (a column slice): the "tma" config
+    runs the swapped path instead, with the same result."""
+    dtype = DTYPES[-1]
+    x, w, b = make(3, 64, 200, dtype, bias=True, seed=5)
+    wide = torch.zeros(3, 203, dtype=dtype, device=DEVICE)
+    wide[:, :200] = x
+    xs = wide[:, :200]  # row stride 203 elements
+    assert not sg.tma_ok(xs, w) and (sg.TensorDescriptor is None or sg.tma_ok(x, w))
+    got = sg._launch(xs, w, b, (64, 64, 4, 2, "tma"))
+    torch.testing.assert_close(got.float().cpu(), oracle(x, w, b), **tol(dtype))
 
 
 def test_default_configs_and_custom_op_match():
@@ -109,9 +138,18 @@ def test_rejects_bad_inputs():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("M", [1, 5, 16])
-def test_real_shapes_compiled_and_graph_captured(M):
+@pytest.mark.parametrize("split", [None, ("tma", 3), (True, 2)], ids=["table", "tma3", "swap2"])
+def test_real_shapes_compiled_and_graph_captured(M, split, monkeypatch):
     """Llama-3.1-8B's fused q/k/v and down projections through `linear` under
-    `torch.compile(fullgraph=True)`, replayed from a CUDA graph, == F.linear in fp32."""
+    `torch.compile(fullgraph=True)`, replayed from a CUDA graph (three replays: split K's
+    workspace must be zero again after each), == F.linear in fp32; with the table's configs
+    and with split-K ones."""
+    if split is not None:
+        if M == 1:
+            pytest.skip("one row does not split K")
+        for key in ((6144, 4096), (4096, 14336)):
+            monkeypatch.setitem(sg.TABLE, ("m16", *key), (64, 256, 4, 4, *split))
+    torch._dynamo.reset()
     fn = torch.compile(sg.linear, fullgraph=True)
     for N, K in ((6144, 4096), (4096, 14336)):
         x, w, b = make(M, N, K, torch.bfloat16)
@@ -121,6 +159,8 @@ def test_real_shapes_compiled_and_graph_captured(M):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = fn(x, w)
-        graph.replay()
-        torch.cuda.synchronize()
-        torch.testing.assert_close(out[0].float().cpu(), want, atol=2e-2, rtol=2e-2)
+        for _ in range(3):
+            out.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            torch.testing.assert_close(out[0].float().cpu(), want, atol=2e-2, rtol=2e-2)
