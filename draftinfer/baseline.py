@@ -15,6 +15,7 @@ from draftinfer.models.decoder import NativeCausalLM
 from draftinfer.sampling import (
     RoundKeys,
     SamplingParams,
+    argmax_ids,
     exponential_noise,
     logits_to_probs,
     sample_from_probs,
@@ -120,7 +121,7 @@ def _sampling_pick(params: Sequence[SamplingParams], device: torch.device) -> Pi
 
 
 def _argmax_pick(logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    return logits.argmax(-1)
+    return argmax_ids(logits)
 
 
 def _greedy_group(

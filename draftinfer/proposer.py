@@ -35,6 +35,7 @@ import torch
 
 from draftinfer.errors import CheckpointError
 from draftinfer.layers import causal_attention
+from draftinfer.sampling import argmax_ids
 from draftinfer.window import TokenEmbeds
 
 # choose(draft_logits [B, Dd], step) -> (draft ids in the draft vocabulary [B],
@@ -43,7 +44,7 @@ DraftChooser = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor | 
 
 
 def greedy_chooser(logits: torch.Tensor, step: int) -> tuple[torch.Tensor, None]:
-    return logits.argmax(-1), None
+    return argmax_ids(logits), None
 
 
 def causal_attn(_layer, q, k, v):

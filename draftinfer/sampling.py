@@ -157,6 +157,39 @@ def _top_k_only(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(~keep, float("-inf"))
 
 
+# A last axis this long is reduced in two passes (`argmax_ids`); shorter ones in one.
+ARGMAX_TWO_PASS = 8192
+
+
+def _argmax_chunk(V: int) -> int | None:
+    """The chunk length of `argmax_ids`' first pass over `V` ids: the divisor of `V` giving
+    the chunk count closest to 256 among 64..2048 chunks (None: one pass)."""
+    if V < ARGMAX_TWO_PASS:
+        return None
+    best = None
+    for n in range(64, 2049):
+        if V % n == 0 and (best is None or abs(n - 256) < abs(best - 256)):
+            best = n
+    return None if best is None else V // best
+
+
+def argmax_ids(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(-1)` (the lowest index on ties; NaN counts as the largest), in two passes
+    over a vocabulary-long last axis: the argmax within each chunk, then the first chunk
+    holding the largest of their maxima. The same result; one pass over `[B, V]` is a
+    reduction of one thread block per row on CUDA (37 us at V = 128256, one row, on an H100),
+    two passes take many blocks. Shape `[..., V]` -> `[...]` int64."""
+    V = x.shape[-1]
+    c = _argmax_chunk(V)
+    if c is None:
+        return x.argmax(-1)
+    chunks = x.unflatten(-1, (V // c, c))  # [..., n, c]
+    inner = chunks.argmax(-1)  # [..., n]
+    best = chunks.gather(-1, inner.unsqueeze(-1)).squeeze(-1)  # [..., n]
+    j = best.argmax(-1, keepdim=True)  # [..., 1] the first chunk with the maximum
+    return (j * c + inner.gather(-1, j)).squeeze(-1)
+
+
 def logits_to_probs(
     logits: torch.Tensor,  # [R, V] any float dtype
     temperature: torch.Tensor,  # [R] fp32, 0: greedy
@@ -177,7 +210,7 @@ def logits_to_probs(
         scaled, top_k.to(logits.device), top_p.to(device=logits.device, dtype=torch.float32)
     )
     probs = torch.softmax(masked, dim=-1)
-    one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    one_hot = torch.zeros_like(probs).scatter_(1, argmax_ids(logits)[:, None], 1.0)
     return torch.where(greedy[:, None], one_hot, probs)
 
 
@@ -190,7 +223,7 @@ def sample_from_probs(
     Zero-probability tokens score -1 and never win; one-hot rows return their hot token.
     """
     score = torch.where(probs > 0.0, probs / noise, -1.0)
-    return torch.argmax(score, dim=-1)
+    return argmax_ids(score)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from draftkernels.rejection_sampler import rejection_sample
 
 from draftinfer.sampling import (
     RoundKeys,
+    argmax_ids,
     exponential_noise,
     logits_to_probs,
     sample_from_probs,
@@ -37,7 +38,7 @@ VERIFY_MODES = ("onehot", "full")
 def _one_hot_rows(logits: torch.Tensor) -> torch.Tensor:
     """Greedy target distribution: one-hot at the (lowest) argmax. `[R, V]` fp32."""
     out = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
-    return out.scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+    return out.scatter_(1, argmax_ids(logits)[:, None], 1.0)
 
 
 class Verifier:
@@ -66,7 +67,7 @@ class Verifier:
     def draft_chooser(self, t: dict[str, torch.Tensor], L: torch.Tensor):
         """How the proposer picks drafts; the draft of step `s` sits at position `L + s`."""
         if self.mode == "onehot":
-            return lambda logits, step: (logits.argmax(-1), None)
+            return lambda logits, step: (argmax_ids(logits), None)
         keys = RoundKeys(L)
 
         def choose(logits: torch.Tensor, step: int):
@@ -124,7 +125,7 @@ class Verifier:
         # The bonus token sits right after the last draft: position L + n.
         bonus_logits = logits[torch.arange(B, device=dev), num_drafts]  # [B, V]
         if all_greedy:
-            bonus = bonus_logits.argmax(-1)
+            bonus = argmax_ids(bonus_logits)
             # Greedy rows read no randomness: fixed placeholders, no hashing work per round.
             noise, uniforms = self._placeholders(B, V, N, dev)
         else:

@@ -245,3 +245,22 @@ def test_module_has_no_generator_state():
     b = exponential_noise(torch.tensor([3]), torch.tensor([4]), 17)
     assert torch.equal(a, b)
     assert not any(isinstance(v, torch.Generator) for v in vars(sampling).values())
+
+
+@pytest.mark.parametrize("V", [128256, 151936, 32000, 4099, 65537, 8192])
+def test_argmax_ids_is_torch_argmax_with_ties_and_nan(V):
+    """The two-pass argmax (`argmax_ids`) against `torch.argmax` (documented: the first maximal
+    index): many exact ties (a few distinct values), ties across chunk boundaries, -inf rows,
+    NaN, a strided slice of a `[B, k, V]` block, leading dims."""
+    from draftinfer.sampling import _argmax_chunk, argmax_ids
+
+    g = torch.Generator().manual_seed(V)
+    x = torch.randint(0, 7, (3, 4, V), generator=g).to(torch.bfloat16)  # ties everywhere
+    x[0, 1] = float("-inf")
+    x[1, 2, V // 3] = float("nan")
+    x[1, 3, [V - 1, 5]] = 1000.0  # the max in the first and the last chunk
+    x[2, 0, [V // 2, V // 2 + 1]] = 999.0  # ties on either side of a chunk boundary (or not)
+    for t in (x, x[:, 2], x.float(), x[:, :, :]):
+        assert torch.equal(argmax_ids(t), t.argmax(-1))
+    if V >= 32000 and V != 65537:
+        assert _argmax_chunk(V) is not None  # the real vocabularies take two passes
