@@ -37,7 +37,7 @@ vocabulary 32000. Weights are random bf16 (time does not depend on training).
   `t_bookkeeping_ms` (the whole round's tensor work replayed as one graph, minus verify and
   propose) and `t_host_ms` (t_round minus that graph: time the device waits for the host).
 - `--fuse`: also time every configuration on the runner's CUDA default GEMMs
-  (`draftinfer.run.serving_transforms`): the target's q/k/v and gate/up projections fused
+  (`draftinfer.run.serving_transforms`): target's and drafters' q/k/v and gate/up fused
   (`draftinfer.models.transforms.fuse_projections`, the same weights) and GEMMs of <= 16 rows
   of target and drafters by the skinny-GEMM kernel (`use_skinny_gemm`; `--no-skinny`: cuBLAS).
 
@@ -205,11 +205,14 @@ def gpt_fast_step(shape, batch, context, steps, device, dtype, max_len, peer_dir
     return {k: r[k] for k in ("ms", "ms_mean", "warmup_s", "same_first_token_as_eager")}
 
 
-def breakdown_ms(dec, target, k: int, context: int) -> dict:
+def breakdown_ms(dec, target, k: int, context: int, profile: int = 0) -> dict:
     """Device ms of the pieces of a round at its shapes, each replayed from a CUDA graph: the
     target's verify forward over K+1 slots and a one-slot forward through the same compiled
-    function, and the proposer's `propose` on the decoder's last first pass."""
-    from draftbench.timing import graph_ms
+    function, and the proposer's `propose` on the decoder's last first pass. `profile` > 0:
+    also the top device kernels of verify and propose per call (`profile` graph replays under
+    torch.profiler), as `kernels_verify` / `kernels_propose`."""
+    from draftbench.decode_peer import kernel_table
+    from draftbench.timing import captured, graph_ms
     from draftinfer.proposer import greedy_chooser
     from draftinfer.slots import attn_bucket
 
@@ -228,11 +231,19 @@ def breakdown_ms(dec, target, k: int, context: int) -> dict:
             )
 
         out[f"t_{name}_ms"] = round(graph_ms(fwd), 4)
+        if profile and name == "verify":
+            g = captured(fwd)
+            out["kernels_verify"] = kernel_table(dev, profile, lambda s, g=g: g.replay())
     fp = dec.fp
     num = torch.full((B,), k, dtype=torch.long, device=dev)
-    out["t_propose_ms"] = round(
-        graph_ms(lambda: dec.proposer.propose(fp, num, k, greedy_chooser, attn_len)), 4
-    )
+
+    def propose():
+        dec.proposer.propose(fp, num, k, greedy_chooser, attn_len)
+
+    out["t_propose_ms"] = round(graph_ms(propose), 4)
+    if profile:
+        g = captured(propose)
+        out["kernels_propose"] = kernel_table(dev, profile, lambda s: g.replay())
     # The whole round's tensor work (the graphed function itself) on the last round's state:
     # t_round minus this is host time the device waits through (input upload, launch,
     # readback, the host's bookkeeping); this minus verify and propose is the bookkeeping
@@ -368,8 +379,8 @@ def bench_target(name: str, a, device, dtype, batches, ks, kinds) -> dict:
         if fused:
             from draftinfer.models.transforms import fuse_projections, use_skinny_gemm
 
-            fuse_projections(target)  # same weights, one GEMM for q/k/v and for gate/up
             for module in [target, *drafters.values()]:
+                fuse_projections(module)  # same weights, one GEMM for q/k/v and for gate/up
                 use_skinny_gemm(module, on=not a.no_skinny)
             torch._dynamo.reset()  # recompile every function over the fused modules
         for b in batches:
@@ -473,14 +484,15 @@ def bench_batch(a, res, target, drafters, b, ks, device, fused, name) -> None:
                 "wall_s": round(time.perf_counter() - t2, 1),
             }
             if a.breakdown and graphs:
-                row.update(breakdown_ms(dec, target, k, a.context))
+                row.update(breakdown_ms(dec, target, k, a.context, a.profile))
                 row["t_rest_ms"] = round(t_round - row["t_verify_ms"] - row["t_propose_ms"], 4)
                 row["t_host_ms"] = round(t_round - row["t_round_graph_ms"], 4)
                 row["t_bookkeeping_ms"] = round(
                     row["t_round_graph_ms"] - row["t_verify_ms"] - row["t_propose_ms"], 4
                 )
             res["rows"].append(row)
-            print(json.dumps(row), flush=True)
+            print(json.dumps({c: v for c, v in row.items() if not c.startswith("kernels_")}))
+            sys.stdout.flush()
             del dec
 
 
@@ -512,6 +524,13 @@ def print_summary(res: dict, batches, kinds) -> None:
     print(" | ".join(cols))
     for r in res["rows"]:
         print(" | ".join(str(r.get(c, "")) for c in cols))
+    for r in res["rows"]:
+        for part in ("verify", "propose"):
+            table = r.get(f"kernels_{part}")
+            if table:
+                print(f"\n{r['kind']} K={r['k']} b={r['batch']}: top kernels of {part}, us a call")
+                for t in table:
+                    print(f"{t['us_per_step']:9.2f} {t['calls_per_step']:6.1f}  {t['kernel']}")
     print("sync check:", json.dumps(res["sync_check"]))
     bad = {k: v for k, v in res["lossless"].items() if v is not True}
     print("lossless (margin-aware):", not bad, "" if not bad else json.dumps(bad)[:600])
@@ -552,6 +571,12 @@ def main() -> int:
     )
     ap.add_argument("--peer-dir", type=Path, default=Path("peers/gpt-fast"))
     ap.add_argument("--breakdown", action="store_true", help="verify / propose / rest per round")
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        help="with --breakdown: the top kernels of verify and propose over this many replays",
+    )
     ap.add_argument("--fuse", action="store_true", help="also time a fused-projection target")
     ap.add_argument("--fuse-only", action="store_true", help="time only the fused target")
     ap.add_argument(

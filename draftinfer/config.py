@@ -60,7 +60,7 @@ class InferConfig:
     device: str = "auto"
     # Compile the target's verify forward and the drafter forward(s) (useful on CUDA).
     compile: bool = False
-    # Run the target's q/k/v and gate/up projections as one GEMM each
+    # Run the target's and the drafter's q/k/v and gate/up projections as one GEMM each
     # (`draftinfer.models.transforms.fuse_projections`, the same weights). null (the default) =
     # on for CUDA, off on the CPU (where the fp32 lossless check and the golden AL files are
     # kept on the unfused GEMMs). On one H100 at batch 1 (Llama-3.1-8B shapes) it takes the

@@ -83,14 +83,23 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_fn: AttnFn, layer_idx: int
     ) -> torch.Tensor:
         lead = x.shape[:-1]
-        q = self.q_proj(x).view(*lead, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(*lead, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(*lead, self.n_kv, self.head_dim)
+        q, k, v = self.project(x)
+        q = q.view(*lead, self.n_heads, self.head_dim)
+        k = k.view(*lead, self.n_kv, self.head_dim)
+        v = v.view(*lead, self.n_kv, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = attn_fn(layer_idx, q, k, v)  # [B, T, n_heads, head_dim]
         return self.o_proj(o.reshape(*lead, self.n_heads * self.head_dim))
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q `[..., n_heads * d]`, k and v `[..., n_kv * d]` (a serving transform fuses them)."""
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+    def project_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k and v only `[..., n_kv * d]` (keys/values of rows that ask no query)."""
+        return self.k_proj(x), self.v_proj(x)
 
 
 class DecoderLayer(nn.Module):

@@ -115,13 +115,14 @@ def load_served_drafter(cfg: InferConfig, target, device: torch.device, dtype: t
 
 def serving_transforms(cfg: InferConfig, target, drafter, device: torch.device) -> None:
     """How the runner's GEMMs run (`draftinfer.models.transforms`; the same weights and maths):
-    the target's q/k/v and gate/up fused into one GEMM each (`cfg.fuse_projections`), and
-    the skinny-GEMM kernel for target and drafter (`cfg.skinny_gemm`); null = on for CUDA."""
+    q/k/v and gate/up fused into one GEMM each in target and drafter (`cfg.fuse_projections`),
+    and the skinny-GEMM kernel for both (`cfg.skinny_gemm`); null = on for CUDA."""
     from draftinfer.models.transforms import fuse_projections, use_skinny_gemm
 
     cuda = device.type == "cuda"
     if cuda if cfg.fuse_projections is None else cfg.fuse_projections:
         fuse_projections(target)
+        fuse_projections(drafter)
     if cuda if cfg.skinny_gemm is None else cfg.skinny_gemm:
         use_skinny_gemm(target)
         use_skinny_gemm(drafter)

@@ -8,7 +8,9 @@ rule 3, like `torch.compile`): they change how a decode step runs, never what it
 
 - `fuse_projections`: each layer's q/k/v weights become row slices of one `[(nh + 2 nkv) d, H]`
   tensor and gate/up of one `[2 I, H]` tensor, and the layer runs one GEMM (GEMV at batch 1)
-  for each group, as gpt-fast's `wqkv`. The HF-named parameters (`self_attn.q_proj.weight`,
+  for each group, as gpt-fast's `wqkv`. It takes a target or a drafter: every attention block
+  (`CachedAttention`, the drafters' `layers.Attention`) and SwiGLU MLP in the module; a block
+  drafter's context keys/values (rows that ask no query) run one GEMM over the fused k/v rows. The HF-named parameters (`self_attn.q_proj.weight`,
   `mlp.gate_proj.weight`, ...) stay, as views into the fused tensors: `state_dict`, the
   safetensors loader (`load_weights` copies into the views, so into the fused tensor),
   `shared_weights` and the drafters' taps see the same model. The fused tensors are
@@ -32,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftinfer.kv_cache import ATTENTION, AttentionFn
-from draftinfer.layers import SwiGLU
+from draftinfer.layers import Attention, SwiGLU
 from draftinfer.models.decoder import CachedAttention, NativeCausalLM
 
 
@@ -46,6 +48,25 @@ class FusedQKVAttention(CachedAttention):
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, kv = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         return self.linear(x, self.qkv_weight, self.qkv_bias).split([q, kv, kv], dim=-1)
+
+
+class FusedAttention(Attention):
+    """A drafter's `layers.Attention` projecting q, k and v with one GEMM over `qkv_weight`,
+    and the k/v of rows that ask no query (a block drafter's context) with one GEMM over its
+    k/v rows (a contiguous row slice)."""
+
+    qkv_weight: torch.Tensor  # [(nh + 2 nkv) * d, in_features]
+    qkv_bias: torch.Tensor | None
+    linear = staticmethod(F.linear)  # `use_skinny_gemm` sets the kernel's
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, kv = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        return self.linear(x, self.qkv_weight, self.qkv_bias).split([q, kv, kv], dim=-1)
+
+    def project_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, kv = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        b = None if self.qkv_bias is None else self.qkv_bias[q:]
+        return self.linear(x, self.qkv_weight[q:], b).split([kv, kv], dim=-1)
 
 
 class FusedSwiGLU(SwiGLU):
@@ -86,16 +107,17 @@ def _fuse(module: nn.Module, linears: list[nn.Linear], name: str) -> None:
             start += n
 
 
-def fuse_projections(model: NativeCausalLM, qkv: bool = True, gate_up: bool = True) -> None:
-    """Fuse each decoder layer's q/k/v and gate/up projections in place (module docstring)."""
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        if qkv:
-            _fuse(attn, [attn.q_proj, attn.k_proj, attn.v_proj], "qkv")
-            attn.__class__ = FusedQKVAttention
-        if gate_up:
-            _fuse(mlp, [mlp.gate_proj, mlp.up_proj], "gate_up")
-            mlp.__class__ = FusedSwiGLU
+def fuse_projections(model: nn.Module, qkv: bool = True, gate_up: bool = True) -> None:
+    """Fuse the q/k/v and gate/up projections of every attention block and SwiGLU MLP of
+    `model` (a target's decoder layers, a drafter's layers) in place (module docstring)."""
+    for m in list(model.modules()):
+        if qkv and isinstance(m, (CachedAttention, Attention)):
+            _fuse(m, [m.q_proj, m.k_proj, m.v_proj], "qkv")
+            if type(m) in (CachedAttention, Attention):
+                m.__class__ = FusedQKVAttention if type(m) is CachedAttention else FusedAttention
+        elif gate_up and isinstance(m, SwiGLU):
+            _fuse(m, [m.gate_proj, m.up_proj], "gate_up")
+            m.__class__ = FusedSwiGLU
 
 
 def use_attention(model: NativeCausalLM, backend: str | AttentionFn) -> None:
@@ -119,5 +141,5 @@ def use_skinny_gemm(module: nn.Module, on: bool = True) -> None:
     for m in module.modules():
         if type(m) in (nn.Linear, SkinnyLinear):
             m.__class__ = SkinnyLinear if on else nn.Linear
-        elif isinstance(m, (FusedQKVAttention, FusedSwiGLU)):
+        elif isinstance(m, (FusedQKVAttention, FusedAttention, FusedSwiGLU)):
             m.linear = skinny.linear if on else F.linear

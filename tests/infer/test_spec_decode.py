@@ -286,6 +286,34 @@ def test_fused_projections_serve_the_same_tokens(env):
 
 
 @pytest.mark.parametrize("kind", registered_kinds())
+def test_fused_drafter_projections_serve_what_unfused_ones_do(kind_env, kind):
+    """`fuse_projections` on a drafter (every kind's attention blocks and SwiGLU MLPs; a block
+    drafter's context k/v through the fused k/v rows): the same tokens and the same accepted
+    counts as the unfused drafter, with drafts accepted, and the HF-named weights unchanged."""
+    import copy
+
+    from draftinfer.layers import Attention
+    from draftinfer.models.transforms import FusedAttention, fuse_projections
+
+    env = kind_env(kind)
+    fused = copy.deepcopy(env["drafter"])
+    names = {k: v.clone() for k, v in fused.state_dict().items()}
+    fuse_projections(fused)
+    assert any(isinstance(m, FusedAttention) for m in fused.modules())
+    assert not any(type(m) is Attention for m in fused.modules())
+    after = fused.state_dict()
+    assert list(after) == list(names) and all(torch.equal(after[k], names[k]) for k in names)
+    ps = zoo_prompts(4, seed=12)
+    runs = []
+    for drafter in (env["drafter"], fused):
+        dec = SpecDecoder(env["target"], drafter, 3, max_batch=4, max_model_len=MAX_LEN)
+        runs.append(dec.generate([Request(p, max_tokens=16) for p in ps])[0])
+    for a, b in zip(*runs):
+        assert (a.token_ids, a.accepted) == (b.token_ids, b.accepted)
+    assert sum(x for o in runs[0] for x in o.accepted) > 0
+
+
+@pytest.mark.parametrize("kind", registered_kinds())
 def test_untrained_random_drafter_is_lossless_with_al_near_one(zoo_target, kind):
     from draftinfer.paths import resolve_path
     from tests.support.tiny_models import untrained_drafter

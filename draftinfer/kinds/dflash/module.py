@@ -127,8 +127,9 @@ class DFlashLayer(nn.Module):
         already `hidden_norm`ed)."""
         a = self.self_attn
         lead = ctx.shape[:-1]
-        k = a.k_norm(a.k_proj(ctx).view(*lead, a.n_kv, a.head_dim))
-        v = a.v_proj(ctx).view(*lead, a.n_kv, a.head_dim)
+        k, v = a.project_kv(ctx)
+        k = a.k_norm(k.view(*lead, a.n_kv, a.head_dim))
+        v = v.view(*lead, a.n_kv, a.head_dim)
         return apply_rope(k, cos, sin), v
 
 
