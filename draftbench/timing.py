@@ -22,13 +22,12 @@ def median_ms(fn) -> float:
     return float(do_bench(fn, warmup=10, rep=50, return_mode="median"))
 
 
-def graph_ms(fn, calls: int = 20) -> float:
-    """Median milliseconds of one `fn()` replayed from a CUDA graph of `calls` back-to-back
-    calls (the device time of its kernels without Python launch overhead: how the engine runs
-    it, inside the captured round). `fn` must be capturable (no host sync)."""
+def captured(fn, calls: int = 1):
+    """A CUDA graph of `calls` back-to-back `fn()` (run once and once more on a side stream
+    first, to compile and allocate outside the capture). `fn` must not sync with the host."""
     import torch
 
-    fn()  # compile / allocate outside the capture
+    fn()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -39,7 +38,14 @@ def graph_ms(fn, calls: int = 20) -> float:
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
-    return median_ms(graph.replay) / calls
+    return graph
+
+
+def graph_ms(fn, calls: int = 20) -> float:
+    """Median milliseconds of one `fn()` replayed from a CUDA graph of `calls` back-to-back
+    calls (the device time of its kernels without Python launch overhead: how the engine runs
+    it, inside the captured round). `fn` must be capturable (no host sync)."""
+    return median_ms(captured(fn, calls).replay) / calls
 
 
 def same_outputs(a, b) -> bool:

@@ -53,6 +53,51 @@ def cached_mtp_forward(
     return drafter(j, ids, h_in, rope_pos, bind_cache(k_cache, v_cache, slots), mm)
 
 
+def mtp_window_module(
+    drafter,
+    k_cache,
+    v_cache,
+    j,
+    win_ids,
+    ext,
+    last,
+    h_in,
+    rope_pos,
+    rows,
+    cache_pos,
+    attn_len,
+    mm=None,
+    logits=True,
+    forward=cached_mtp_forward,
+):
+    """Module j over the window rows (point 1): row r consumes the token of window row r + j,
+    past the request's last live row `last [B]` the known tokens or drafts `ext [B, N]`; RoPE
+    at `module_positions(pos, j)`. `mm`: the window's multimodal rows shifted by j (only
+    window rows can consume a placeholder). -> (the carry of every row `[B, Tw, H]`, the
+    head's logits at each request's last live row `[B, V]` or None). One compiled piece: the
+    token shift, the module (`forward`) and the head (eager, a dozen small kernels per
+    module)."""
+    N = drafter.config.n_predict
+    B, Tw = win_ids.shape
+    src = (torch.arange(Tw, device=win_ids.device)[None] + j).expand(B, Tw)
+    in_win = src <= last[:, None]
+    tok = torch.where(
+        in_win,
+        win_ids.gather(1, src.clamp(max=Tw - 1)),
+        ext.gather(1, (src - last[:, None] - 1).clamp(0, N - 1)),
+    )
+    if mm is not None:
+        mm = TokenEmbeds(mm.mask & in_win, mm.embeds)
+    rope = drafter.config.module_positions(rope_pos, j)
+    normed, pre = forward(
+        drafter, k_cache, v_cache, j, tok, h_in, rope, rows, cache_pos, attn_len, mm
+    )
+    if not logits:
+        return drafter.carry(normed, pre), None
+    ar = torch.arange(B, device=win_ids.device)
+    return drafter.carry(normed, pre), drafter.logits(normed[ar, last])
+
+
 def last_live(cache_pos: torch.Tensor) -> torch.Tensor:
     """Index of each request's last live row `[B]` (0 when none); live rows are contiguous
     but may start after padding."""
@@ -87,10 +132,11 @@ class MTPProposer(Proposer):
         )
         # The N-1 tokens the last window's modules consumed past its last row (point 5).
         self.hist_ext = torch.zeros(max_batch, max(N - 1, 0), dtype=torch.long, device=dev)
-        self._fwd = cached_mtp_forward
+        self._fwd, self._module = cached_mtp_forward, mtp_window_module
 
     def compile(self, **kwargs) -> None:
         self._fwd = compiled(cached_mtp_forward, **kwargs)
+        self._module = compiled(mtp_window_module, **kwargs)
 
     def _run(self, j, ids, h_in, rope, rows, cache_pos, attn_len, mm=None):
         c = self.cache
@@ -133,35 +179,38 @@ class MTPProposer(Proposer):
         known (lookahead, point 4); they are consumed in place of drafts. Returns (qs,
         per-request last-row carry of the last module, last, the tokens consumed past the
         last row `[B, N]`)."""
-        d, N = self.drafter, self.N
-        B, Tw = win.ids.shape
+        d, N, c = self.drafter, self.N, self.cache
+        B = win.ids.shape[0]
         dev = win.ids.device
         last = last_live(win.cache_pos)  # [B]
         ar = torch.arange(B, device=dev)
-        src0 = torch.arange(Tw, device=dev)[None]  # [1, Tw]
         ext = torch.zeros(B, N, dtype=torch.long, device=dev)  # t past the last row
         if known is not None:
             ext = torch.where(known[1], known[0], ext)
         feat = win.features.to(self.dtype)
         carry = feat
         for j in range(N):
-            src = (src0 + j).expand(B, Tw)  # row r consumes the token of window row r + j
-            in_win = src <= last[:, None]
-            tok = torch.where(
-                in_win,
-                win.ids.gather(1, src.clamp(max=Tw - 1)),
-                ext.gather(1, (src - last[:, None] - 1).clamp(0, N - 1)),
-            )
-            mm = None  # drafts are text: only window rows can consume an image placeholder
-            if win.mm is not None:
-                shifted = win.mm.shifted(j)
-                mm = TokenEmbeds(shifted.mask & in_win, shifted.embeds)
+            mm = None if win.mm is None else win.mm.shifted(j)
             h_in = carry if (j > 0 and d.config.mtp_chain) else feat
-            rope = d.config.module_positions(win.rope_pos, j)
-            normed, pre = self._run(j, tok, h_in, rope, win.rows, win.cache_pos, attn_len, mm)
-            carry = d.carry(normed, pre)
+            carry, logits = self._module(
+                d,
+                c.k,
+                c.v,
+                j,
+                win.ids,
+                ext,
+                last,
+                h_in,
+                win.rope_pos,
+                win.rows,
+                win.cache_pos,
+                attn_len,
+                mm,
+                j < steps,
+                # Eager: through `_fwd` (what tests wrap); compiled: traced in one piece.
+                **({} if self._module is not mtp_window_module else {"forward": self._fwd}),
+            )
             if j < steps:
-                logits = d.logits(normed[ar, last])  # [B, V]
                 qs = self._record(drafts, qs, j, logits, num_drafts > j, choose)
                 draft = drafts[:, j]
                 ext[:, j] = (
