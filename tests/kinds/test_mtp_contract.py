@@ -290,3 +290,26 @@ def test_lossless_with_forced_rejections_deepseek(kind_env, r):
 @pytest.mark.parametrize("r", range(1, N + 1))
 def test_lossless_with_forced_rejections_mrv2(mrv2_zoo, zoo_target, r):
     _forced_engine_rounds(zoo_target, mrv2_zoo, r)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_compiled_window_drafts_and_writes_what_the_eager_one_does(layout):
+    """The runner compiles each module's window step in one piece (`mtp_window_module`: token
+    shift, module, head). Traced by dynamo (`aot_eager`: the trace without code generation, so
+    the CPU needs no compiler), three rounds draft the same tokens and leave the same KV in
+    every module's cache as the eager window."""
+    d = _drafter(layout)
+    seq = MTPSequence(d)
+    runs = []
+    for compile_it in (False, True):
+        prop = seq.proposer()
+        if compile_it:
+            prop.compile(backend="aot_eager", dynamic=False)
+        P, drafts = 9, []
+        prop.propose(prop.admit(seq.rows(0, P)), torch.tensor([0]), N)
+        for a, b in ((P, P + 1), (P + 1, P + 3), (P + 3, P + 4)):
+            drafts.append(prop.propose(seq.rows(a, b), torch.tensor([N]), N)[0])
+        runs.append((torch.cat(drafts), [k.clone() for k in prop.cache.k]))
+    assert torch.equal(runs[0][0], runs[1][0])
+    for eager, traced in zip(runs[0][1], runs[1][1]):
+        torch.testing.assert_close(traced, eager, atol=1e-6, rtol=0)
