@@ -38,23 +38,12 @@ from draftinfer.layers import Attention, SwiGLU
 from draftinfer.models.decoder import CachedAttention, NativeCausalLM
 
 
-class FusedQKVAttention(CachedAttention):
-    """`CachedAttention` projecting q, k and v with one GEMM over `qkv_weight`."""
+class _FusedQKV:
+    """q, k and v projected with one GEMM over `qkv_weight` (the attention classes below)."""
 
-    qkv_weight: torch.Tensor  # [(nh + 2 nkv) * d, H]
-    qkv_bias: torch.Tensor | None
-    linear = staticmethod(F.linear)  # `use_skinny_gemm` sets the kernel's
-
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, kv = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-        return self.linear(x, self.qkv_weight, self.qkv_bias).split([q, kv, kv], dim=-1)
-
-
-class FusedAttention(Attention):
-    """A drafter's `layers.Attention` projecting q, k and v with one GEMM over `qkv_weight`,
-    and the k/v of rows that ask no query (a block drafter's context) with one GEMM over its
-    k/v rows (a contiguous row slice)."""
-
+    n_heads: int
+    n_kv: int
+    head_dim: int
     qkv_weight: torch.Tensor  # [(nh + 2 nkv) * d, in_features]
     qkv_bias: torch.Tensor | None
     linear = staticmethod(F.linear)  # `use_skinny_gemm` sets the kernel's
@@ -62,6 +51,16 @@ class FusedAttention(Attention):
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, kv = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         return self.linear(x, self.qkv_weight, self.qkv_bias).split([q, kv, kv], dim=-1)
+
+
+class FusedQKVAttention(_FusedQKV, CachedAttention):
+    """`CachedAttention` projecting q, k and v with one GEMM over `qkv_weight`."""
+
+
+class FusedAttention(_FusedQKV, Attention):
+    """A drafter's `layers.Attention` projecting q, k and v with one GEMM over `qkv_weight`,
+    and the k/v of rows that ask no query (a block drafter's context) with one GEMM over its
+    k/v rows (a contiguous row slice)."""
 
     def project_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q, kv = self.n_heads * self.head_dim, self.n_kv * self.head_dim
