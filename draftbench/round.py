@@ -36,6 +36,8 @@ vocabulary 32000. Weights are random bf16 (time does not depend on training).
   upload and readback, host work) as t_round minus the two. The rest splits into
   `t_bookkeeping_ms` (the whole round's tensor work replayed as one graph, minus verify and
   propose) and `t_host_ms` (t_round minus that graph: time the device waits for the host).
+  `--profile N` adds the top device kernels of verify and propose (N graph replays under
+  torch.profiler, us per call), printed after the table.
 - `--fuse`: also time every configuration on the runner's CUDA default GEMMs
   (`draftinfer.run.serving_transforms`): target's and drafters' q/k/v and gate/up fused
   (`draftinfer.models.transforms.fuse_projections`, the same weights) and GEMMs of <= 16 rows
