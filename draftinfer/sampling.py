@@ -46,6 +46,7 @@ several emitted tokens against the target's, for every kind.
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -161,6 +162,7 @@ def _top_k_only(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
 ARGMAX_TWO_PASS = 8192
 
 
+@functools.cache
 def _argmax_chunk(V: int) -> int | None:
     """The chunk length of `argmax_ids`' first pass over `V` ids: the divisor of `V` giving
     the chunk count closest to 256 among 64..2048 chunks (None: one pass)."""

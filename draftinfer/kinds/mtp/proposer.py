@@ -189,6 +189,9 @@ class MTPProposer(Proposer):
             ext = torch.where(known[1], known[0], ext)
         feat = win.features.to(self.dtype)
         carry = feat
+        # Eager, each module goes through `_fwd` (what tests wrap); compiled, the window piece
+        # traces `cached_mtp_forward` itself.
+        fwd = self._fwd if self._module is mtp_window_module else cached_mtp_forward
         for j in range(N):
             mm = None if win.mm is None else win.mm.shifted(j)
             h_in = carry if (j > 0 and d.config.mtp_chain) else feat
@@ -207,8 +210,7 @@ class MTPProposer(Proposer):
                 attn_len,
                 mm,
                 j < steps,
-                # Eager: through `_fwd` (what tests wrap); compiled: traced in one piece.
-                **({} if self._module is not mtp_window_module else {"forward": self._fwd}),
+                fwd,
             )
             if j < steps:
                 qs = self._record(drafts, qs, j, logits, num_drafts > j, choose)
