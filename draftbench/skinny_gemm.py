@@ -73,15 +73,6 @@ def configs(m_cls) -> list[tuple[int, int, int, int]]:
                         for s in (2, 3, 4, 5, 6):
                             if (bn + 16) * bk * 2 * s <= 200 * 1024:
                                 out.append((bn, bk, w, s, variant))
-        # Split K: 2-4 programs per column block (more programs than SMs on the narrow
-        # shapes), partial sums reduced by the last program to finish.
-        for variant in (True, "tma"):
-            for bn in (64, 128):
-                for bk in (128, 256):
-                    for s in (3, 4, 5):
-                        for split in (2, 3, 4):
-                            if (bn + 16) * bk * 2 * s <= 200 * 1024:
-                                out.append((bn, bk, 4, s, variant, split))
     return out
 
 
@@ -146,7 +137,6 @@ def sweep(sg, device, classes=(1, "m16"), shapes=None) -> tuple[dict, list[dict]
                 us = cold_us(lambda x, w, cfg=cfg: sg._launch(x, w, None, cfg), x, ws)
                 log.append({"m_class": str(m_cls), "shape": name, "config": cfg, "us": us})
                 fam = {(): "plain", (True,): "swap", ("tma",): "tma"}[tuple(cfg[4:5])]
-                fam += "+split" if cfg[5:] else ""
                 if fam not in best or us < best[fam][1]:
                     best[fam] = (cfg, us)
             win = min(best.values(), key=lambda b: b[1])

@@ -16,10 +16,10 @@ columns and streams their weight rows over K once, in `BLOCK_K` tiles, for all `
   the weight's `BLOCK_N` (64 or 128) rows are the MMA's M side (Hopper's warpgroup MMA needs
   64) and the output is written transposed back; or swapped with the tiles brought in by
   the tensor memory accelerator (`"tma"`: host tensor descriptors, rows past M and columns
-  past K zero-filled by the copy, no masks). Any MMA variant may split K over `split`
-  programs per column block: each adds its partial sums into an fp32 workspace, and the last
-  to arrive (an acquire-release counter) writes y and leaves workspace and counter zero (no
-  extra kernel); it pays only on narrow weights (1024-2048 columns).
+  past K zero-filled by the copy, no masks). Split K (partial sums of several programs per
+  column block added in an fp32 workspace, the last to arrive writing y) was tried and
+  removed: on an H100 under Triton 3.6 its in-kernel epilogue returned wrong rows for some
+  row counts, and it paid only on the narrow weights (`docs/results.md`, session 10).
 
 The config (`BLOCK_N`, `BLOCK_K`, warps, stages) comes from `config(M, N, K)`, a table
 measured by `python -m draftbench.skinny_gemm --sweep` (one per M class and weight shape,
@@ -42,22 +42,20 @@ TRITON = triton_available()
 # Input rows one launch takes (a verify of K + 1 <= 16 slots at batch 1); above, cuBLAS.
 MAX_ROWS = 16
 # Output columns below which several rows stay on cuBLAS: the MMA path's 64-column programs
-# are too few there. At 1024 columns (a Llama k or v), 5 rows, K split in four: 6.5 us vs
-# cuBLAS's 8.2 on an H100 (unsplit 8.0-9.5).
+# are too few there. At 1024 columns (a Llama k or v), 5 rows: 7.9 us vs cuBLAS's 8.2 on an
+# H100.
 MIN_COLS_MMA = 1024
 DTYPES = (torch.bfloat16, torch.float16)
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages[, variant[, split]]); keys (M class, N, K), M class
-# 1 or "m16"; variant (several rows): False = MMA, True = swapped MMA, "tma" = swapped MMA with
-# tensor-memory-accelerator loads (swapped where the operands do not allow it, `tma_ok`);
-# split: programs per column block over parts of K (several rows).
+# (BLOCK_N, BLOCK_K, num_warps, num_stages[, variant]); keys (M class, N, K), M class 1 or
+# "m16"; variant (several rows): False = MMA, True = swapped MMA, "tma" = swapped MMA with
+# tensor-memory-accelerator loads (swapped where the operands do not allow it, `tma_ok`).
 # Measured on an H100 (`python -m draftbench.skinny_gemm --sweep`; one row 2026-11-26 session
 # 7, "m16" session 9): Llama-3.1-8B's fused q/k/v, o, gate/up, down and head; the unfused k/v;
 # EAGLE-3's fc and draft head; MTP's eh_proj. One row: one weight row a program, K in
 # 4096-wide tiles, 8 warps. Several rows: the swapped MMA (the weight tile as the MMA's 64- or
 # 128-row side, Hopper's warpgroup MMA) beat the unswapped one on every shape by 0.5-3%; its
-# copy-engine loads ("tma") another 1-3% on the 4096-column shapes, nothing elsewhere; split
-# K only on the 1024- and 2048-column shapes (8.0 -> 6.5 us, 9.3 -> 9.0), slower elsewhere.
+# copy-engine loads ("tma") another 1-3% on the 4096-column shapes, nothing elsewhere.
 DEFAULT = {1: (2, 2048, 8, 1), "m16": (64, 256, 4, 4, True)}
 TABLE: dict[tuple, tuple[int, int, int, int]] = {
     (1, 6144, 4096): (1, 4096, 8, 1),
@@ -75,8 +73,8 @@ TABLE: dict[tuple, tuple[int, int, int, int]] = {
     ("m16", 28672, 4096): (128, 128, 4, 4, True),
     ("m16", 4096, 14336): (64, 256, 4, 5, "tma"),
     ("m16", 128256, 4096): (64, 128, 4, 6, True),
-    ("m16", 1024, 4096): (64, 256, 4, 4, "tma", 4),
-    ("m16", 2048, 4096): (64, 128, 4, 4, True, 4),
+    ("m16", 1024, 4096): (64, 256, 4, 5, "tma"),
+    ("m16", 2048, 4096): (64, 256, 4, 5, "tma"),
     ("m16", 4096, 12288): (64, 256, 4, 5, "tma"),
     ("m16", 32000, 4096): (64, 128, 4, 6, True),
     ("m16", 4096, 8192): (64, 256, 4, 5, "tma"),
@@ -93,50 +91,13 @@ if TRITON:
         pass
 
     @triton.jit
-    def _finish(
-        acc,
-        rm,
-        rn,
-        M,
-        N,
-        b_ptr,
-        y_ptr,
-        sy_m,
-        ws_ptr,
-        cnt_ptr,
-        HAS_BIAS: tl.constexpr,
-        SPLIT: tl.constexpr,
-    ):
-        """Store `acc` `[BLOCK_M, BLOCK_N]` (fp32) as rows `rm`, columns `rn` of y. Split K
-        (`SPLIT` > 1 programs per column block): each adds its partial sums into the fp32
-        workspace (atomics), then counts itself in (acquire-release); the last to arrive
-        reads the sums back and zeroes them, stores y and zeroes the counter, so workspace
-        and counters stay zero between calls. No extra kernel (no memset, no reduction)."""
+    def _finish(acc, rm, rn, M, N, b_ptr, y_ptr, sy_m, HAS_BIAS: tl.constexpr):
+        """Store `acc` `[BLOCK_M, BLOCK_N]` (fp32, plus the bias) as rows `rm`, columns `rn`
+        of y."""
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         ok = (rm < M)[:, None] & (rn < N)[None, :]
-        if SPLIT > 1:
-            offs = rm[:, None] * N + rn[None, :]
-            tl.atomic_add(ws_ptr + offs, acc, mask=ok, sem="relaxed")
-            tl.debug_barrier()
-            arrived = tl.atomic_add(cnt_ptr + tl.program_id(0), 1, sem="acq_rel")
-            if arrived == SPLIT - 1:
-                # After the acquire, plain loads from L2 (where the atomics landed) see every
-                # program's sums (CUTLASS's serial split-K reads its workspace the same way).
-                acc = tl.load(ws_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg")
-                tl.store(ws_ptr + offs, tl.zeros_like(acc), mask=ok)
-                if HAS_BIAS:
-                    acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-                tl.store(
-                    y_ptr + rm[:, None] * sy_m + rn[None, :],
-                    acc.to(y_ptr.dtype.element_ty),
-                    mask=ok,
-                )
-                tl.atomic_xchg(cnt_ptr + tl.program_id(0), 0, sem="relaxed")
-        else:
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-            tl.store(
-                y_ptr + rm[:, None] * sy_m + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=ok
-            )
+        tl.store(y_ptr + rm[:, None] * sy_m + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _skinny_kernel(
@@ -150,9 +111,6 @@ if TRITON:
         sx_m,
         sw_n,
         sy_m,
-        ws_ptr,  # split K: fp32 [16, N] workspace, zero between calls
-        cnt_ptr,  # split K: int32 arrival counter per column block, zero between calls
-        K_SPLIT,  # split K: the K range of one program (a multiple of BLOCK_K)
         HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -160,7 +118,6 @@ if TRITON:
         EVEN: tl.constexpr,  # N % BLOCK_N == 0 and K % BLOCK_K == 0: no masks in the loop
         IEEE: tl.constexpr,
         SWAP: tl.constexpr,  # MMA path: y^T = W x^T (the weight tile as the MMA's M side)
-        SPLIT: tl.constexpr,  # MMA path: programs per column block, each over K_SPLIT of K
     ):
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk0 = tl.arange(0, BLOCK_K)
@@ -189,8 +146,7 @@ if TRITON:
                 acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             else:
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            k_lo = tl.program_id(1) * K_SPLIT
-            for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
+            for k0 in range(0, K, BLOCK_K):
                 rk = k0 + rk0
                 x_ptrs = x_ptr + rm[:, None] * sx_m + rk[None, :]
                 w_ptrs = w_ptr + rn[:, None] * sw_n + rk[None, :]
@@ -211,7 +167,7 @@ if TRITON:
                     acc = tl.dot(a_op, b_op, acc)
             if SWAP:
                 acc = tl.trans(acc)
-            _finish(acc, rm, rn, M, N, b_ptr, y_ptr, sy_m, ws_ptr, cnt_ptr, HAS_BIAS, SPLIT)
+            _finish(acc, rm, rn, M, N, b_ptr, y_ptr, sy_m, HAS_BIAS)
 
 
 if TRITON:
@@ -226,23 +182,18 @@ if TRITON:
         N,
         K,
         sy_m,
-        ws_ptr,
-        cnt_ptr,
-        K_SPLIT,
         HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         IEEE: tl.constexpr,
-        SPLIT: tl.constexpr,
     ):
         """The swapped MMA path with tensor-memory-accelerator loads (variant "tma"): bulk
         copies of the weight and x tiles into shared memory, out-of-range rows and columns
         zero-filled by the copy engine, so no masks in the loop."""
         off_n = tl.program_id(0) * BLOCK_N
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        k_lo = tl.program_id(1) * K_SPLIT
-        for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
+        for k0 in range(0, K, BLOCK_K):
             w = w_desc.load([off_n, k0])
             xt = x_desc.load([0, k0])
             if IEEE:
@@ -252,7 +203,7 @@ if TRITON:
         acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
         rn = off_n + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, BLOCK_M)
-        _finish(acc, rm, rn, M, N, b_ptr, y_ptr, sy_m, ws_ptr, cnt_ptr, HAS_BIAS, SPLIT)
+        _finish(acc, rm, rn, M, N, b_ptr, y_ptr, sy_m, HAS_BIAS)
 
 
 def skinny_gemm_ref(
@@ -315,40 +266,14 @@ def tma_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-# Split K's workspaces per (device, N): fp32 partial sums `[16, N]` and int32 arrival
-# counters, zero between calls (each call's last program zeroes what it used). Created
-# outside CUDA-graph capture only (a config that splits runs unsplit until one exists), and
-# shared by every call on the device: kernels of one device must not run concurrently.
-_WORKSPACES: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _workspace(device: torch.device, N: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    key = (str(device), N)
-    if key not in _WORKSPACES:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        _WORKSPACES[key] = (
-            torch.zeros(16, N, dtype=torch.float32, device=device),
-            torch.zeros(triton.cdiv(N, 16), dtype=torch.int32, device=device),
-        )
-    return _WORKSPACES[key]
-
-
 def _launch(x, weight, bias, cfg: tuple | None = None) -> torch.Tensor:
     M, K = x.shape
     N = weight.shape[0]
     block_n, block_k, warps, stages, *opt = cfg or config(M, N, K)
     variant = opt[0] if opt else False
-    split = opt[1] if len(opt) > 1 and M > 1 else 1
-    ws = _workspace(x.device, N) if split > 1 else None
-    if ws is None:
-        split = 1
-    k_split = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
-    split = triton.cdiv(K, k_split)  # no program without K left
-    ws_ptr, cnt_ptr = ws if split > 1 else (x, x)  # never read unsplit
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     bias_arg = bias if bias is not None else weight  # never read without HAS_BIAS
-    grid = (triton.cdiv(N, block_n), split)
+    grid = (triton.cdiv(N, block_n),)
     if M > 1 and variant == "tma" and tma_ok(x, weight):
         _skinny_tma_kernel[grid](
             TensorDescriptor.from_tensor(weight, [block_n, block_k]),
@@ -359,15 +284,11 @@ def _launch(x, weight, bias, cfg: tuple | None = None) -> torch.Tensor:
             N,
             K,
             y.stride(0),
-            ws_ptr,
-            cnt_ptr,
-            k_split,
             HAS_BIAS=bias is not None,
             BLOCK_M=16,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
             IEEE=x.dtype == torch.float32,
-            SPLIT=split,
             num_warps=warps,
             num_stages=stages,
         )
@@ -383,9 +304,6 @@ def _launch(x, weight, bias, cfg: tuple | None = None) -> torch.Tensor:
         x.stride(0),
         weight.stride(0),
         y.stride(0),
-        ws_ptr,
-        cnt_ptr,
-        k_split,
         HAS_BIAS=bias is not None,
         BLOCK_M=1 if M == 1 else 16,
         BLOCK_N=block_n,
@@ -393,7 +311,6 @@ def _launch(x, weight, bias, cfg: tuple | None = None) -> torch.Tensor:
         EVEN=N % block_n == 0 and K % block_k == 0,
         IEEE=x.dtype == torch.float32,
         SWAP=bool(variant) and M > 1,  # "tma" where the copy engine cannot: swapped
-        SPLIT=split,
         num_warps=warps,
         num_stages=stages,
     )
