@@ -43,8 +43,19 @@ from draftinfer.window import TokenEmbeds
 DraftChooser = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor | None]]
 
 
-def greedy_chooser(logits: torch.Tensor, step: int) -> tuple[torch.Tensor, None]:
-    return argmax_ids(logits), None
+class GreedyChooser:
+    """The greedy `DraftChooser`: the argmax of the draft logits, no q. `all` picks every
+    step of `[B, k, Dd]` logits in one pass (what `Proposer._record_all` calls for drafters
+    that have all k logits at once); a chooser without `all` is called step by step."""
+
+    def __call__(self, logits: torch.Tensor, step: int) -> tuple[torch.Tensor, None]:
+        return argmax_ids(logits), None
+
+    def all(self, logits: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return argmax_ids(logits), None
+
+
+greedy_chooser = GreedyChooser()
 
 
 def causal_attn(_layer, q, k, v):
@@ -164,6 +175,23 @@ class Proposer:
                 qs = torch.zeros(*drafts.shape, q.shape[-1], dtype=q.dtype, device=q.device)
             qs[:, step] = q * live[:, None]
         return qs
+
+    def _record_all(
+        self, drafts: torch.Tensor, logits: torch.Tensor, live: torch.Tensor, choose: DraftChooser
+    ) -> torch.Tensor | None:
+        """`_record` for every step of logits `[B, k, Dd]` (live `[B, k]`): one call where the
+        chooser picks all steps at once (`GreedyChooser.all`: one argmax over `[B, k, Dd]`
+        instead of k), else step by step. Returns q `[B, k, Dd]` or None."""
+        k = logits.shape[1]
+        pick_all = getattr(choose, "all", None)
+        if pick_all is None:
+            qs = None
+            for step in range(k):
+                qs = self._record(drafts, qs, step, logits[:, step], live[:, step], choose)
+            return qs
+        choice, q = pick_all(logits)
+        drafts[:, :k] = torch.where(live, self.vocab_ids[choice], 0)
+        return None if q is None else q * live[..., None]
 
     @staticmethod
     def reference_drafts(

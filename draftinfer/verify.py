@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from draftkernels.rejection_sampler import rejection_sample
 
+from draftinfer.proposer import greedy_chooser
 from draftinfer.sampling import (
     RoundKeys,
     argmax_ids,
@@ -67,7 +68,7 @@ class Verifier:
     def draft_chooser(self, t: dict[str, torch.Tensor], L: torch.Tensor):
         """How the proposer picks drafts; the draft of step `s` sits at position `L + s`."""
         if self.mode == "onehot":
-            return lambda logits, step: (argmax_ids(logits), None)
+            return greedy_chooser
         keys = RoundKeys(L)
 
         def choose(logits: torch.Tensor, step: int):

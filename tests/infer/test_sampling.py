@@ -264,3 +264,40 @@ def test_argmax_ids_is_torch_argmax_with_ties_and_nan(V):
         assert torch.equal(argmax_ids(t), t.argmax(-1))
     if V >= 32000 and V != 65537:
         assert _argmax_chunk(V) is not None  # the real vocabularies take two passes
+
+
+def test_record_all_picks_what_step_by_step_picks():
+    """`Proposer._record_all`: the greedy chooser's one argmax over `[B, k, Dd]` writes the
+    drafts `_record` writes step by step (drafts mapped to target ids, 0 past each request's
+    cap), and a chooser without `all` (sampling) goes step by step with its q."""
+    from types import SimpleNamespace
+
+    from draftinfer.proposer import Proposer, greedy_chooser
+
+    g = torch.Generator().manual_seed(0)
+    B, k, Dd = 3, 4, 50
+    logits = torch.randn(B, k, Dd, generator=g)
+    logits[0, 1, 7] = logits[0, 1, 9] = logits[0, 1].max() + 1  # a tie: the lower id
+    live = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0]], dtype=torch.bool)
+    ns = SimpleNamespace(vocab_ids=torch.randperm(1000, generator=g)[:Dd])
+    ns._record = lambda *a: Proposer._record(ns, *a)
+
+    def sampled(x, step):  # no `all`: a q per step
+        return x.argmin(-1), torch.softmax(x, -1)
+
+    for choose in (greedy_chooser, sampled):
+        want = torch.zeros(B, k, dtype=torch.long)
+        q_want = None
+        for step in range(k):
+            q_want = Proposer._record(
+                ns, want, q_want, step, logits[:, step], live[:, step], choose
+            )
+        got = torch.zeros(B, k, dtype=torch.long)
+        q_got = Proposer._record_all(ns, got, logits, live, choose)
+        assert torch.equal(got, want) and (got[~live] == 0).all()
+        assert (q_got is None) == (q_want is None) == (choose is greedy_chooser)
+        if q_got is not None:
+            assert_close(q_got, q_want)
+        else:
+            assert got[0, 1] == ns.vocab_ids[7]  # the tie went to the lower id
+    assert hasattr(greedy_chooser, "all") and not hasattr(sampled, "all")

@@ -201,6 +201,9 @@ class DFlashProposer(Proposer):
         c = self.cache
         normed = self._block(d, c.k, c.v, ids, rope, fp.rows, cache, anchor, block_end, attn_len)
         drafts = torch.zeros(B, k, dtype=torch.long, device=dev)
+        if d.candidate_selector is None:  # the slots' drafts are independent: all at once
+            live_slots = s[None, 1:] <= num_drafts[:, None]  # [B, k]
+            return drafts, self._record_all(drafts, d.logits(normed[:, 1:]), live_slots, choose)
         qs: list[torch.Tensor | None] = [None]
 
         def pick(step: int, logits: torch.Tensor) -> torch.Tensor:

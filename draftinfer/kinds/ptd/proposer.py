@@ -66,10 +66,7 @@ class ParallelProposer(Eagle3ChainProposer):
         normed, _ = self._run(out_ids, feat, rope, fp.rows, out_cache, attn_len)
         logits = d.logits(normed[ar[:, None], sample_idx.clamp(min=0)])  # [B, K, Dd]
         drafts = torch.zeros(B, k, dtype=torch.long, device=dev)
-        qs = None
-        for step in range(k):
-            qs = self._record(drafts, qs, step, logits[:, step], sample_idx[:, step] >= 0, choose)
-        return drafts, qs
+        return drafts, self._record_all(drafts, logits, sample_idx >= 0, choose)
 
     @staticmethod
     @torch.no_grad()
