@@ -49,7 +49,7 @@ class GreedyChooser:
     that have all k logits at once); a chooser without `all` is called step by step."""
 
     def __call__(self, logits: torch.Tensor, step: int) -> tuple[torch.Tensor, None]:
-        return argmax_ids(logits), None
+        return self.all(logits)
 
     def all(self, logits: torch.Tensor) -> tuple[torch.Tensor, None]:
         return argmax_ids(logits), None
