@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from draftinfer.kinds.mtp.proposer import cached_mtp_forward, mtp_window_module
 from draftinfer.proposer import FirstPass
 from draftinfer.registry import drafter_spec
 from drafttrain.registry import train_spec
@@ -313,3 +314,69 @@ def test_compiled_window_drafts_and_writes_what_the_eager_one_does(layout):
     assert torch.equal(runs[0][0], runs[1][0])
     for eager, traced in zip(runs[0][1], runs[1][1]):
         torch.testing.assert_close(traced, eager, atol=1e-6, rtol=0)
+
+
+def _rounds_state(seq: MTPSequence, prop, plan) -> tuple[list, list, list]:
+    """A prompt prefilled in two chunks, then rounds `(k, cap, accept)` (k drafts, at most
+    `cap` live, the first `accept` right), every first pass with an idle second row; attention
+    length given, as the engine gives it (no host sync). -> (the draft logits of every step,
+    the drafts and the per-request cache after every round)."""
+    seen, drafts, hist = [], [], []
+    P, split, L = 9, 4, prop.max_seq_len
+    prop.admit(seq.rows(0, split, idle=True), L)
+    prop.propose(seq.rows(split - 1, P, idle=True), torch.tensor([0, 0]), N, attn_len=L)
+    a, b = P, P + 1
+    for k, cap, accept in plan:
+        forced = seq.forced(b, accept)
+
+        def choose(logits, step, forced=forced):
+            seen.append(logits.clone())
+            return forced(logits, step)
+
+        fp = seq.rows(a, b, idle=True)
+        drafts.append(prop.propose(fp, torch.tensor([cap, 0]), k, choose, L)[0])
+        h = prop.hist
+        hist.append([x.clone() for x in (h.ids, h.features, h.cache_pos, h.rope_pos)])
+        hist[-1].append(prop.hist_ext.clone())
+        a, b = b, b + accept + 1
+    return seen, drafts, hist
+
+
+@pytest.mark.parametrize(
+    "whole", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["glue", "whole"]
+)
+def test_compiled_round_drafts_and_keeps_what_the_eager_one_does(whole):
+    """`compile()` runs the glue of a round as compiled pieces too: the window's inputs
+    (`mtp_window_inputs`: the history rows, the stale ones to re-run, the last live row, the
+    draft buffer) and the per-request cache update (`mtp_keep_history`, in place). With the
+    engine's options (dynamic shapes) and no graph break or silent eager fallback (fullgraph,
+    the recompile limit an error), traced by dynamo (`aot_eager`: no compiler needed), rounds
+    with all, none and some drafts accepted, a draft cap, module reuse (K = 2N) and an idle row
+    see the same draft logits, draft the same tokens and leave the same `hist` / `hist_ext` and
+    KV as the eager proposer. `glue`: the module pieces stay eager (tracing the drafter under
+    dynamic shapes costs seconds per module; the test above traces them); `whole`: all."""
+    d = _drafter("deepseek")
+    seq = MTPSequence(d)
+    plan = [(N, N, N), (N, N, 0), (N, 2, 2), (N, N, 1), (2 * N, 2 * N, 4), (N, N, 2)]
+    runs = []
+    # Static-shape traces of earlier tests count against the same code objects' limit.
+    torch._dynamo.reset()
+    for compile_it in (False, True):
+        prop = seq.proposer()
+        if compile_it:
+            prop.compile(backend="aot_eager", dynamic=True, fullgraph=True)
+            if not whole:
+                prop._module, prop._fwd = mtp_window_module, cached_mtp_forward
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            runs.append((*_rounds_state(seq, prop, plan), [*prop.cache.k, *prop.cache.v]))
+    (seen, drafts, hist, kv), (seen_c, drafts_c, hist_c, kv_c) = runs
+    assert len(seen) == len(seen_c) == sum(k for k, _, _ in plan)
+    for eager, traced in zip(seen, seen_c):
+        torch.testing.assert_close(traced, eager, atol=1e-6, rtol=0)
+    assert [x.tolist() for x in drafts] == [x.tolist() for x in drafts_c]
+    assert any(x[0, 2] == 0 for x in drafts)  # the capped round's last draft
+    for eager, traced in zip(hist, hist_c):
+        for x, y in zip(eager, traced):
+            assert torch.equal(x, y)
+    for x, y in zip(kv, kv_c):
+        torch.testing.assert_close(y, x, atol=1e-6, rtol=0)

@@ -59,14 +59,28 @@ class MTPSequence:
             prop._fwd = spy
         return prop
 
-    def rows(self, a: int, b: int) -> FirstPass:
-        """Rows a..b-1 as one request's first pass (cache row 0)."""
-        return FirstPass(
+    def rows(self, a: int, b: int, idle: bool = False) -> FirstPass:
+        """Rows a..b-1 as one request's first pass (cache row 0); `idle`: and cache row 1 with
+        no request (every slot padding), as an engine's batch carries a free row."""
+        fp = FirstPass(
             torch.tensor([0]),
             self.tok[a + 1 : b + 1][None],
             self.feat[a:b][None],
             torch.arange(a, b)[None],
             self.pos[..., a:b].unsqueeze(-2),
+        )
+        if not idle:
+            return fp
+
+        def pad(x: torch.Tensor, dim: int, fill: int = 0) -> torch.Tensor:
+            return torch.cat([x, torch.full_like(x, fill)], dim)
+
+        return FirstPass(
+            torch.tensor([0, 1]),
+            pad(fp.ids, 0),
+            pad(fp.features, 0),
+            pad(fp.cache_pos, 0, -1),
+            pad(fp.rope_pos, -2),
         )
 
     def forced(self, b: int, accept: int):

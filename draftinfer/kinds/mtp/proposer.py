@@ -71,12 +71,12 @@ def mtp_window_module(
     forward=cached_mtp_forward,
 ):
     """Module j over the window rows (point 1): row r consumes the token of window row r + j,
-    past the request's last live row `last [B]` the known tokens or drafts `ext [B, N]`; RoPE
-    at `module_positions(pos, j)`. `mm`: the window's multimodal rows shifted by j (only
-    window rows can consume a placeholder). -> (the carry of every row `[B, Tw, H]`, the
-    head's logits at each request's last live row `[B, V]` or None). One compiled piece: the
-    token shift, the module (`forward`) and the head (eager, a dozen small kernels per
-    module)."""
+    past the request's last live row `last [B]` the known tokens or drafts `ext [B, >= N]`
+    (columns past N are never read, so the round's draft buffer itself serves); RoPE at
+    `module_positions(pos, j)`. `mm`: the window's multimodal rows, unshifted (only window rows
+    can consume a placeholder). -> (the carry of every row `[B, Tw, H]`, the head's logits at
+    each request's last live row `[B, V]` or None). One compiled piece: the token shift, the
+    module (`forward`) and the head (eager, a dozen small kernels per module)."""
     N = drafter.config.n_predict
     B, Tw = win_ids.shape
     src = (torch.arange(Tw, device=win_ids.device)[None] + j).expand(B, Tw)
@@ -87,6 +87,7 @@ def mtp_window_module(
         ext.gather(1, (src - last[:, None] - 1).clamp(0, N - 1)),
     )
     if mm is not None:
+        mm = mm.shifted(j)
         mm = TokenEmbeds(mm.mask & in_win, mm.embeds)
     rope = drafter.config.module_positions(rope_pos, j)
     normed, pre = forward(
@@ -103,6 +104,125 @@ def last_live(cache_pos: torch.Tensor) -> torch.Tensor:
     but may start after padding."""
     idx = torch.arange(cache_pos.shape[1], device=cache_pos.device)
     return torch.where(cache_pos >= 0, idx, 0).max(1).values
+
+
+def stale_rows(
+    hist_ext: torch.Tensor,  # [R, N-1] the tokens the last windows consumed past their last row
+    rows: torch.Tensor,  # [B]
+    ids: torch.Tensor,  # [B, T] the first pass's committed tokens
+    cache_pos: torch.Tensor,  # [B, T]
+) -> torch.Tensor:
+    """Per request, how many of the `hist` rows are stale `[B]` (point 5): N-1 minus the
+    leading tokens the last window consumed past its last row that the new first pass
+    commits (a match means the KV built from it stands)."""
+    n = hist_ext.shape[1]  # N - 1
+    m = min(n, ids.shape[1])
+    if m == 0:  # N = 1: no history
+        return torch.zeros_like(rows)
+    ok = (hist_ext[rows, :m] == ids[:, :m]) & (cache_pos[:, :m] >= 0)  # [B, m]
+    # The leading matches: the first column that fails (m when none does). One reduction,
+    # where a cumprod would be a scan kernel and a sum.
+    good = torch.where(ok, m, torch.arange(m, device=ids.device)).amin(1)
+    return n - good
+
+
+def mtp_window_inputs(
+    h_ids: torch.Tensor,  # [R, N-1] the per-request cache (convention 10)
+    h_features: torch.Tensor,  # [R, N-1, F]
+    h_cache_pos: torch.Tensor,  # [R, N-1]
+    h_rope_pos: torch.Tensor,  # [R, N-1] / [3, R, N-1]
+    h_ext: torch.Tensor,  # [R, N-1]
+    h_mm: TokenEmbeds | None,  # [R, N-1] / [R, N-1, H]
+    rows: torch.Tensor,  # [B] the first pass
+    ids: torch.Tensor,  # [B, T]
+    features: torch.Tensor,  # [B, T, F]
+    cache_pos: torch.Tensor,  # [B, T]
+    rope_pos: torch.Tensor,  # [B, T] / [3, B, T]
+    num_drafts: torch.Tensor,  # [B]
+    width: int,  # max(K, N)
+):
+    """A round's window (point 5): the request's `hist` rows, then the first pass; W = N-1+T.
+    -> (ids `[B, W]`, features `[B, W, F]`, cache_pos `[B, W]` (every hist row: what
+    `hist` keeps next), run cache_pos `[B, W]` (only the stale hist rows; the others are
+    padding and write nothing), rope_pos `[B, W]` / `[3, B, W]`, multimodal mask `[B, W]`
+    and embeds `[B, W, H]` (None without `h_mm`), each request's last live row `[B]`, the
+    draft buffer (zeros `[B, width]`), live `[B, width]`: step s drafts (`num_drafts > s`)).
+    One compiled piece (the glue between the round's first pass and its modules)."""
+    B, T = ids.shape
+    dev = ids.device
+    n = h_ids.shape[1]  # N - 1
+    alive = (cache_pos >= 0).any(1, keepdim=True)  # rows with no request stay idle
+    mm_mask = mm_embeds = None
+    if h_mm is not None:  # the committed rows of a round are text
+        hm = h_mm.batch(rows)
+        mm_mask = torch.cat([hm.mask, hm.mask.new_zeros(B, T)], 1)
+        mm_embeds = torch.cat([hm.embeds, hm.embeds.new_zeros(B, T, hm.embeds.shape[-1])], 1)
+    hist_pos = torch.where(alive, h_cache_pos[rows], -1)  # [B, N-1]
+    win_ids = torch.cat([h_ids[rows], ids], 1)
+    win_features = torch.cat([h_features[rows].to(features.dtype), features], 1)
+    win_pos = torch.cat([hist_pos, cache_pos], 1)
+    win_rope = torch.cat([h_rope_pos[..., rows, :], rope_pos], -1)
+    # Re-prefill only the stale hist rows; the others are padding and write nothing.
+    t = torch.arange(n, device=dev)[None]
+    rerun = t >= (n - stale_rows(h_ext, rows, ids, cache_pos))[:, None]
+    run_pos = torch.cat([torch.where(rerun, hist_pos, -1), cache_pos], 1)
+    drafts = torch.zeros(B, width, dtype=torch.long, device=dev)
+    live = num_drafts[:, None] > torch.arange(width, device=dev)[None]
+    return (
+        win_ids,
+        win_features,
+        win_pos,
+        run_pos,
+        win_rope,
+        mm_mask,
+        mm_embeds,
+        last_live(run_pos),
+        drafts,
+        live,
+    )
+
+
+def mtp_keep_history(
+    h_ids: torch.Tensor,  # [R, N-1] written in place
+    h_features: torch.Tensor,  # [R, N-1, F]
+    h_cache_pos: torch.Tensor,  # [R, N-1]
+    h_rope_pos: torch.Tensor,  # [R, N-1] / [3, R, N-1]
+    h_ext: torch.Tensor,  # [R, N-1]
+    h_mm: TokenEmbeds | None,  # [R, N-1] / [R, N-1, H]
+    rows: torch.Tensor,  # [B] the window
+    ids: torch.Tensor,  # [B, W]
+    features: torch.Tensor,  # [B, W, F]
+    cache_pos: torch.Tensor,  # [B, W]
+    rope_pos: torch.Tensor,  # [B, W] / [3, B, W]
+    mm: TokenEmbeds | None,  # [B, W] / [B, W, H]
+    last: torch.Tensor,  # [B]
+    ext: torch.Tensor,  # [B, >= N-1] the tokens consumed past the last row
+) -> None:
+    """hist <- the window's last N-1 live rows (padding where the sequence is shorter),
+    hist_ext <- the tokens its modules consumed past its last row; in place, for N >= 2. One
+    compiled piece (the gathers and index_puts into the per-request cache)."""
+    n = h_ids.shape[1]  # N - 1
+    h_ext[rows] = ext[:, :n]
+    t = torch.arange(n, device=last.device)
+    idx = last[:, None] - (n - 1) + t[None]  # [B, N-1]
+    ok = idx >= 0
+    i = idx.clamp(min=0)
+    live = ok & (cache_pos.gather(1, i) >= 0)
+    h_ids[rows] = ids.gather(1, i)
+    F = features.shape[-1]
+    h_features[rows] = features.gather(1, i[..., None].expand(-1, -1, F)).to(h_features.dtype)
+    h_cache_pos[rows] = torch.where(live, cache_pos.gather(1, i), -1)
+    index = i.expand(*rope_pos.shape[:-2], *i.shape)
+    h_rope_pos[..., rows, :] = rope_pos.gather(-1, index)
+    if h_mm is not None:
+        if mm is None:
+            h_mm.mask[rows] = False
+        else:
+            H = mm.embeds.shape[-1]
+            h_mm.mask[rows] = mm.mask.gather(1, i) & live
+            h_mm.embeds[rows] = mm.embeds.gather(1, i[..., None].expand(-1, -1, H)).to(
+                h_mm.embeds.dtype
+            )
 
 
 class MTPProposer(Proposer):
@@ -133,10 +253,16 @@ class MTPProposer(Proposer):
         # The N-1 tokens the last window's modules consumed past its last row (point 5).
         self.hist_ext = torch.zeros(max_batch, max(N - 1, 0), dtype=torch.long, device=dev)
         self._fwd, self._module = cached_mtp_forward, mtp_window_module
+        self._inputs, self._keep = mtp_window_inputs, mtp_keep_history
 
     def compile(self, **kwargs) -> None:
+        """The round in compiled pieces: the window's inputs, each module's window step, the
+        per-request cache update (and the K > N reuse steps' module forward). Between them
+        only the chooser runs eagerly."""
         self._fwd = compiled(cached_mtp_forward, **kwargs)
         self._module = compiled(mtp_window_module, **kwargs)
+        self._inputs = compiled(mtp_window_inputs, **kwargs)
+        self._keep = compiled(mtp_keep_history, **kwargs)
 
     def _run(self, j, ids, h_in, rope, rows, cache_pos, attn_len, mm=None):
         c = self.cache
@@ -172,28 +298,25 @@ class MTPProposer(Proposer):
 
     # -- the window --------------------------------------------------------------------------
     def _window(
-        self, win: FirstPass, attn_len, steps: int, num_drafts, choose, drafts, qs, known=None
+        self, win: FirstPass, last, attn_len, steps: int, live, choose, drafts, qs, known=None
     ):
-        """Every module over the window rows; module j < steps records draft j+1 from its
-        last live row. `known`: (tokens, mask) `[B, N]` past the last row that are already
-        known (lookahead, point 4); they are consumed in place of drafts. Returns (qs,
-        per-request last-row carry of the last module, last, the tokens consumed past the
-        last row `[B, N]`)."""
+        """Every module over the window rows (`last [B]`: each request's last live row);
+        module j < steps records draft j+1 from its last live row into `drafts` (zeros
+        `[B, >= N]` on entry) where `live [B, >= steps]`. Past the last row, module j consumes
+        the drafts of steps < j (`drafts` itself: its columns >= j are still 0), or where
+        `known`: (tokens, mask) `[B, N]` says so, tokens already known (lookahead, point 4).
+        Returns (qs, the carry of the last module `[B, W, H]`, the tokens consumed past the
+        last row `[B, >= N]`)."""
         d, N, c = self.drafter, self.N, self.cache
-        B = win.ids.shape[0]
-        dev = win.ids.device
-        last = last_live(win.cache_pos)  # [B]
-        ar = torch.arange(B, device=dev)
-        ext = torch.zeros(B, N, dtype=torch.long, device=dev)  # t past the last row
-        if known is not None:
-            ext = torch.where(known[1], known[0], ext)
         feat = win.features.to(self.dtype)
         carry = feat
+        ext = drafts
         # Eager, each module goes through `_fwd` (what tests wrap); compiled, the window piece
         # traces `cached_mtp_forward` itself.
         fwd = self._fwd if self._module is mtp_window_module else cached_mtp_forward
         for j in range(N):
-            mm = None if win.mm is None else win.mm.shifted(j)
+            if known is not None:
+                ext = torch.where(known[1], known[0], drafts[:, :N])
             h_in = carry if (j > 0 and d.config.mtp_chain) else feat
             carry, logits = self._module(
                 d,
@@ -208,47 +331,38 @@ class MTPProposer(Proposer):
                 win.rows,
                 win.cache_pos,
                 attn_len,
-                mm,
+                win.mm,
                 j < steps,
                 fwd,
             )
             if j < steps:
-                qs = self._record(drafts, qs, j, logits, num_drafts > j, choose)
-                draft = drafts[:, j]
-                ext[:, j] = (
-                    draft if known is None else torch.where(known[1][:, j], ext[:, j], draft)
-                )
-        return qs, carry[ar, last], last, ext
+                qs = self._record(drafts, qs, j, logits, live[:, j], choose)
+        if known is not None:
+            ext = torch.where(known[1], known[0], drafts[:, :N])
+        return qs, carry, ext
 
     def _keep_history(self, win: FirstPass, last: torch.Tensor, ext: torch.Tensor) -> None:
-        """hist <- the window's last N-1 live rows (padding where the sequence is shorter),
-        hist_ext <- the tokens its modules consumed past its last row."""
+        """hist <- the window's last N-1 live rows, hist_ext <- `ext[:, :N-1]`
+        (`mtp_keep_history`)."""
         if self.N == 1:
             return
-        self.hist_ext[win.rows] = ext[:, : self.N - 1]
-        t = torch.arange(self.N - 1, device=last.device)
-        idx = last[:, None] - (self.N - 2) + t[None]  # [B, N-1]
-        ok = idx >= 0
-        i = idx.clamp(min=0)
-        live = ok & (win.cache_pos.gather(1, i) >= 0)
-        rows, h = win.rows, self.hist
-        h.ids[rows] = win.ids.gather(1, i)
-        F = win.features.shape[-1]
-        h.features[rows] = win.features.gather(1, i[..., None].expand(-1, -1, F)).to(
-            h.features.dtype
+        h = self.hist
+        self._keep(
+            h.ids,
+            h.features,
+            h.cache_pos,
+            h.rope_pos,
+            self.hist_ext,
+            h.mm,
+            win.rows,
+            win.ids,
+            win.features,
+            win.cache_pos,
+            win.rope_pos,
+            win.mm,
+            last,
+            ext,
         )
-        h.cache_pos[rows] = torch.where(live, win.cache_pos.gather(1, i), -1)
-        index = i.expand(*win.rope_pos.shape[:-2], *i.shape)
-        h.rope_pos[..., rows, :] = win.rope_pos.gather(-1, index)
-        if h.mm is not None:
-            if win.mm is None:
-                h.mm.mask[rows] = False
-            else:
-                H = win.mm.embeds.shape[-1]
-                h.mm.mask[rows] = win.mm.mask.gather(1, i) & live
-                h.mm.embeds[rows] = win.mm.embeds.gather(1, i[..., None].expand(-1, -1, H)).to(
-                    h.mm.embeds.dtype
-                )
 
     @torch.no_grad()
     def admit(
@@ -277,22 +391,12 @@ class MTPProposer(Proposer):
             tokens[:, : more.shape[1]] = more
             mask[:, : more.shape[1]] = (first_pass.cache_pos[:, -1:] >= 0).expand_as(more)
             drafts = torch.zeros(B, N, dtype=torch.long, device=dev)
-            zero = torch.zeros(B, dtype=torch.long, device=dev)
-            *_, last, ext = self._window(
-                win, attn_len, 0, zero, greedy_chooser, drafts, None, (tokens, mask)
+            last = last_live(win.cache_pos)
+            *_, ext = self._window(
+                win, last, attn_len, 0, None, greedy_chooser, drafts, None, (tokens, mask)
             )
             self._keep_history(win, last, ext)
         return first_pass.take(-1)
-
-    def stale_rows(self, first_pass: FirstPass) -> torch.Tensor:
-        """Per request, how many of the `hist` rows are stale `[B]` (point 5): N-1 minus the
-        leading tokens the last window consumed past its last row that the new first pass
-        commits (a match means the KV built from it stands)."""
-        N, fp = self.N, first_pass
-        m = min(N - 1, fp.width)
-        got = self.hist_ext[fp.rows, :m] == fp.ids[:, :m]
-        good = (got & (fp.cache_pos[:, :m] >= 0)).long().cumprod(1).sum(1)
-        return (N - 1) - good
 
     @torch.no_grad()
     def propose(
@@ -303,44 +407,35 @@ class MTPProposer(Proposer):
         choose: DraftChooser = greedy_chooser,
         attn_len: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        d, N, fp = self.drafter, self.N, first_pass
-        B = fp.ids.shape[0]
-        dev = fp.ids.device
-        h = self.hist
-        alive = (fp.cache_pos >= 0).any(1, keepdim=True)  # rows with no request stay idle
-        mm = None
-        if h.mm is not None:  # the committed rows of a round are text
-            T = fp.ids.shape[1]
-            hm = h.mm.batch(fp.rows)
-            mm = TokenEmbeds(
-                torch.cat([hm.mask, hm.mask.new_zeros(B, T)], 1),
-                torch.cat([hm.embeds, hm.embeds.new_zeros(B, T, hm.embeds.shape[-1])], 1),
-            )
-        hist_pos = torch.where(alive, h.cache_pos[fp.rows], -1)  # [B, N-1]
-        win = FirstPass(
+        d, N, fp, h = self.drafter, self.N, first_pass, self.hist
+        ids, feats, win_pos, run_pos, rope, mm_mask, mm_embeds, last, drafts, live = self._inputs(
+            h.ids,
+            h.features,
+            h.cache_pos,
+            h.rope_pos,
+            self.hist_ext,
+            h.mm,
             fp.rows,
-            torch.cat([h.ids[fp.rows], fp.ids], 1),
-            torch.cat([h.features[fp.rows].to(fp.features.dtype), fp.features], 1),
-            torch.cat([hist_pos, fp.cache_pos], 1),
-            torch.cat([h.rope_pos[..., fp.rows, :], fp.rope_pos], -1),
-            mm,
+            fp.ids,
+            fp.features,
+            fp.cache_pos,
+            fp.rope_pos,
+            num_drafts,
+            max(k, N),
         )
-        # Re-prefill only the stale hist rows; the others are padding and write nothing.
-        t = torch.arange(N - 1, device=dev)[None]
-        rerun = t >= (N - 1 - self.stale_rows(fp))[:, None]
-        run = replace(win, cache_pos=torch.cat([torch.where(rerun, hist_pos, -1), fp.cache_pos], 1))
-        drafts = torch.zeros(B, max(k, N), dtype=torch.long, device=dev)
-        qs, carry, last, ext = self._window(
-            run, attn_len, min(k, N), num_drafts, choose, drafts, None
-        )
+        mm = None if mm_mask is None else TokenEmbeds(mm_mask, mm_embeds)
+        win = FirstPass(fp.rows, ids, feats, win_pos, rope, mm)
+        run = replace(win, cache_pos=run_pos)
+        qs, carry, ext = self._window(run, last, attn_len, min(k, N), live, choose, drafts, None)
         self._keep_history(win, last, ext)
-        ar = torch.arange(B, device=dev)
-        base_cache, base_rope = win.cache_pos[ar, last], win.rope_pos[..., ar, last]
-        f_last = win.features[ar, last].to(self.dtype)
-        for s in range(N, k):  # module reuse, K > N (engines' step % N)
+        if k > N:  # module reuse (engines' step % N)
+            ar = torch.arange(fp.ids.shape[0], device=fp.ids.device)
+            carry = carry[ar, last]
+            base_cache, base_rope = win.cache_pos[ar, last], win.rope_pos[..., ar, last]
+            f_last = win.features[ar, last].to(self.dtype)
+        for s in range(N, k):
             j = s % N
-            live = (num_drafts > s)[:, None]
-            cache = torch.where(live, (base_cache + s // N)[:, None], -1)
+            cache = torch.where(live[:, s, None], (base_cache + s // N)[:, None], -1)
             h_in = carry if d.config.mtp_chain else f_last
             normed, pre = self._run(
                 j,
@@ -352,7 +447,7 @@ class MTPProposer(Proposer):
                 attn_len,
             )
             carry = d.carry(normed, pre)[:, 0]
-            qs = self._record(drafts, qs, s, d.logits(normed[:, 0]), num_drafts > s, choose)
+            qs = self._record(drafts, qs, s, d.logits(normed[:, 0]), live[:, s], choose)
         if qs is not None:
             qs = qs[:, :k]
         return drafts[:, :k], qs
