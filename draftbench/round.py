@@ -41,7 +41,9 @@ vocabulary 32000. Weights are random bf16 (time does not depend on training).
 - `--fuse`: also time every configuration on the runner's CUDA default GEMMs
   (`draftinfer.run.serving_transforms`): target's and drafters' q/k/v and gate/up fused
   (`draftinfer.models.transforms.fuse_projections`, the same weights) and GEMMs of <= 16 rows
-  of target and drafters by the skinny-GEMM kernel (`use_skinny_gemm`; `--no-skinny`: cuBLAS).
+  of target and drafters by the skinny-GEMM kernel (`use_skinny_gemm`; `--no-skinny`: cuBLAS),
+  SwiGLU's product as the gate/up GEMM's epilogue (`--swiglu on`, the runner's default; `off`
+  runs it after the GEMM, `both` times each way in one process).
 
 Before timing: a sync check (K=4, each kind, each batch, rounds under
 `torch.cuda.set_sync_debug_mode("error")`) and a losslessness check (speculative tokens equal
@@ -377,23 +379,26 @@ def bench_target(name: str, a, device, dtype, batches, ks, kinds) -> dict:
         for kind in kinds
     }
     res["build_s"] = round(time.perf_counter() - t0, 1)
+    swiglus = {"on": [True], "off": [False], "both": [False, True]}[a.swiglu]
     for fused in [True] if a.fuse_only else [False, True] if a.fuse else [False]:
-        if fused:
-            from draftinfer.models.transforms import fuse_projections, use_skinny_gemm
+        for i, swiglu in enumerate(swiglus if fused else [False]):
+            if fused:
+                from draftinfer.models.transforms import fuse_projections, use_skinny_gemm
 
-            for module in [target, *drafters.values()]:
-                fuse_projections(module)  # same weights, one GEMM for q/k/v and for gate/up
-                use_skinny_gemm(module, on=not a.no_skinny)
-            torch._dynamo.reset()  # recompile every function over the fused modules
-        for b in batches:
-            bench_batch(a, res, target, drafters, b, ks, device, fused, name)
+                for module in [target, *drafters.values()]:
+                    if i == 0:  # same weights, one GEMM for q/k/v and for gate/up
+                        fuse_projections(module)
+                    use_skinny_gemm(module, on=not a.no_skinny, swiglu=swiglu)
+                torch._dynamo.reset()  # recompile every function over the changed modules
+            for b in batches:
+                bench_batch(a, res, target, drafters, b, ks, device, fused and swiglu, name, fused)
     res["total_s"] = round(time.perf_counter() - t0, 1)
     return res
 
 
-def bench_batch(a, res, target, drafters, b, ks, device, fused, name) -> None:
+def bench_batch(a, res, target, drafters, b, ks, device, swiglu, name, fused) -> None:
     """The plain steps and every (kind, K, graphs) round at batch `b`, appended to `res`."""
-    tag = f"{b}{' fused' if fused else ''}"
+    tag = f"{b}{' fused' if fused else ''}{' swiglu' if swiglu else ''}"
     opts = INDUCTOR_OPTIONS[a.inductor]
     reqs = image_prompts(target, b, a.context)
     t1 = time.perf_counter()
@@ -471,6 +476,7 @@ def bench_batch(a, res, target, drafters, b, ks, device, fused, name) -> None:
                 "k": k,
                 "batch": b,
                 "fused": fused,
+                "swiglu": swiglu,
                 "round_graphs": graphs,
                 "pipeline": pipe,
                 "t_round_ms": round(t_round, 4),
@@ -511,7 +517,7 @@ def print_summary(res: dict, batches, kinds) -> None:
             f"batch {tag}: ours plain step {p['ms']:.3f} ms compiled, "
             f"{p.get('cuda_graph_ms', float('nan')):.3f} ms compiled + CUDA graph"
         )
-    cols = ["kind", "k", "batch", "fused", "round_graphs", "pipeline", "t_round_ms"]
+    cols = ["kind", "k", "batch", "fused", "swiglu", "round_graphs", "pipeline", "t_round_ms"]
     cols += ["ratio_vs_gptfast"]
     cols += ["ratio_vs_graph", "ratio"]
     extra = [
@@ -583,6 +589,13 @@ def main() -> int:
     ap.add_argument("--fuse-only", action="store_true", help="time only the fused target")
     ap.add_argument(
         "--no-skinny", action="store_true", help="fused target on cuBLAS, not the skinny GEMM"
+    )
+    ap.add_argument(
+        "--swiglu",
+        default="on",
+        choices=["on", "off", "both"],
+        help="fused target: SwiGLU's product as the gate/up skinny GEMM's epilogue "
+        "(`use_skinny_gemm(swiglu=...)`, the default); both = time each way, in this process",
     )
     ap.add_argument(
         "--inductor",

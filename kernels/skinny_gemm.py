@@ -46,6 +46,9 @@ MAX_ROWS = 16
 # H100.
 MIN_COLS_MMA = 1024
 DTYPES = (torch.bfloat16, torch.float16)
+# Shared memory the MMA path's pipeline stages may take with SwiGLU's two weight tiles a stage
+# (the H100 has 232,448 bytes a block).
+SWIGLU_SMEM = 196_608
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages[, variant]); keys (M class, N, K), M class 1 or
 # "m16"; variant (several rows): False = MMA, True = swapped MMA, "tma" = swapped MMA with
@@ -100,6 +103,38 @@ if TRITON:
         tl.store(y_ptr + rm[:, None] * sy_m + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
+    def _mma(w, xt, acc, SWAP: tl.constexpr, IEEE: tl.constexpr):
+        """acc + the product of a weight tile `[BLOCK_N, BLOCK_K]` and an x tile `[BLOCK_M,
+        BLOCK_K]`: `[BLOCK_N, BLOCK_M]` swapped (the weight as the MMA's M side), else
+        `[BLOCK_M, BLOCK_N]`."""
+        if SWAP:
+            a_op, b_op = w, tl.trans(xt)
+        else:
+            a_op, b_op = xt, tl.trans(w)
+        if IEEE:
+            return tl.dot(a_op, b_op, acc, input_precision="ieee")
+        return tl.dot(a_op, b_op, acc)
+
+    @triton.jit
+    def _finish2(
+        acc, accu, rm, rn, M, N, b_ptr, y_ptr, sy_m, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr
+    ):
+        """`_finish`, or under `SWIGLU` `silu(gate) * up` of the gate (`acc`) and up (`accu`)
+        outputs, each rounded to y's dtype first (the unfused GEMM's output) and the
+        product in fp32, rounded once (the fused elementwise kernel inductor makes)."""
+        if not SWIGLU:
+            _finish(acc, rm, rn, M, N, b_ptr, y_ptr, sy_m, HAS_BIAS)
+        else:
+            n_ok = rn < N
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+                accu += tl.load(b_ptr + N + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            g = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
+            u = accu.to(y_ptr.dtype.element_ty).to(tl.float32)
+            y = g * tl.sigmoid(g) * u
+            _finish(y, rm, rn, M, N, b_ptr, y_ptr, sy_m, False)
+
+    @triton.jit
     def _skinny_kernel(
         x_ptr,
         w_ptr,
@@ -118,34 +153,49 @@ if TRITON:
         EVEN: tl.constexpr,  # N % BLOCK_N == 0 and K % BLOCK_K == 0: no masks in the loop
         IEEE: tl.constexpr,
         SWAP: tl.constexpr,  # MMA path: y^T = W x^T (the weight tile as the MMA's M side)
+        SWIGLU: tl.constexpr = False,  # W is [2N, K] (gate rows, then up): y = silu(g) * u
     ):
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk0 = tl.arange(0, BLOCK_K)
         n_ok = rn < N
+        up = N * sw_n  # the up row of output column n is weight row N + n
         if BLOCK_M == 1:
             acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            acc2u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 rk = k0 + rk0
                 w_ptrs = w_ptr + rn[:, None] * sw_n + rk[None, :]
                 if EVEN:
                     w = tl.load(w_ptrs)
                     xv = tl.load(x_ptr + rk)
+                    if SWIGLU:
+                        wu = tl.load(w_ptrs + up)
                 else:
                     k_ok = rk < K
                     w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                     xv = tl.load(x_ptr + rk, mask=k_ok, other=0.0)
+                    if SWIGLU:
+                        wu = tl.load(w_ptrs + up, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 acc2 += w.to(tl.float32) * xv.to(tl.float32)[None, :]
-            y = tl.sum(acc2, 1)
-            if HAS_BIAS:
-                y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-            tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+                if SWIGLU:
+                    acc2u += wu.to(tl.float32) * xv.to(tl.float32)[None, :]
+            if SWIGLU:
+                yg, yu = tl.sum(acc2, 1)[None, :], tl.sum(acc2u, 1)[None, :]  # [1, BLOCK_N]
+                _finish2(yg, yu, tl.arange(0, 1), rn, 1, N, b_ptr, y_ptr, sy_m, HAS_BIAS, True)
+            else:
+                y = tl.sum(acc2, 1)
+                if HAS_BIAS:
+                    y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+                tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_ok)
         else:
             rm = tl.arange(0, BLOCK_M)
             m_ok = rm < M
             if SWAP:
                 acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                accu = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             else:
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                accu = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 rk = k0 + rk0
                 x_ptrs = x_ptr + rm[:, None] * sx_m + rk[None, :]
@@ -153,21 +203,21 @@ if TRITON:
                 if EVEN:
                     xt = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
                     w = tl.load(w_ptrs)
+                    if SWIGLU:
+                        wu = tl.load(w_ptrs + up)
                 else:
                     k_ok = rk < K
                     xt = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
                     w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                if SWAP:
-                    a_op, b_op = w, tl.trans(xt)
-                else:
-                    a_op, b_op = xt, tl.trans(w)
-                if IEEE:
-                    acc = tl.dot(a_op, b_op, acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(a_op, b_op, acc)
+                    if SWIGLU:
+                        wu = tl.load(w_ptrs + up, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                acc = _mma(w, xt, acc, SWAP, IEEE)
+                if SWIGLU:
+                    accu = _mma(wu, xt, accu, SWAP, IEEE)
             if SWAP:
                 acc = tl.trans(acc)
-            _finish(acc, rm, rn, M, N, b_ptr, y_ptr, sy_m, HAS_BIAS)
+                accu = tl.trans(accu)
+            _finish2(acc, accu, rm, rn, M, N, b_ptr, y_ptr, sy_m, HAS_BIAS, SWIGLU)
 
 
 if TRITON:
@@ -214,6 +264,15 @@ def skinny_gemm_ref(
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
+
+
+def skinny_swiglu_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """Pure-torch reference of `skinny_swiglu`: the fused gate/up GEMM rounded to x's dtype,
+    then `silu(gate) * up` in fp32, rounded once."""
+    gate, up = skinny_gemm_ref(x, weight, bias).float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(x.dtype)
 
 
 def m_class(M: int) -> int | str:
@@ -266,15 +325,21 @@ def tma_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def _launch(x, weight, bias, cfg: tuple | None = None) -> torch.Tensor:
+def _launch(x, weight, bias, cfg: tuple | None = None, swiglu: bool = False) -> torch.Tensor:
+    """The kernel: `x @ weight.T + bias`, or under `swiglu` (weight `[2N, K]`, gate rows then
+    up rows) `silu(gate) * up` `[M, N]`."""
     M, K = x.shape
-    N = weight.shape[0]
-    block_n, block_k, warps, stages, *opt = cfg or config(M, N, K)
+    N = weight.shape[0] // 2 if swiglu else weight.shape[0]
+    block_n, block_k, warps, stages, *opt = cfg or config(M, weight.shape[0], K)
     variant = opt[0] if opt else False
+    if swiglu and M > 1:  # two weight tiles (gate, up) a stage: the same shared memory
+        block_n = max(64, block_n // 2) if variant else max(16, block_n // 2)
+        per_stage = (2 * block_n + 16) * block_k * x.element_size()
+        stages = max(1, min(stages, SWIGLU_SMEM // per_stage))
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     bias_arg = bias if bias is not None else weight  # never read without HAS_BIAS
     grid = (triton.cdiv(N, block_n),)
-    if M > 1 and variant == "tma" and tma_ok(x, weight):
+    if M > 1 and variant == "tma" and not swiglu and tma_ok(x, weight):
         _skinny_tma_kernel[grid](
             TensorDescriptor.from_tensor(weight, [block_n, block_k]),
             TensorDescriptor.from_tensor(x, [16, block_k]),
@@ -311,6 +376,7 @@ def _launch(x, weight, bias, cfg: tuple | None = None) -> torch.Tensor:
         EVEN=N % block_n == 0 and K % block_k == 0,
         IEEE=x.dtype == torch.float32,
         SWAP=bool(variant) and M > 1,  # "tma" where the copy engine cannot: swapped
+        SWIGLU=swiglu,
         num_warps=warps,
         num_stages=stages,
     )
@@ -348,3 +414,34 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     y = skinny_gemm(x.reshape(-1, x.shape[-1]), weight, bias)
     return y.view(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op("draftkernels::skinny_swiglu", mutates_args=())
+def skinny_swiglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """SwiGLU's product from a fused gate/up weight `[2N, K]` (gate rows, then up rows) in one
+    launch: each program streams the gate and the up rows of its output columns, so the
+    `silu(gate) * up` pass is the epilogue (`skinny_swiglu_ref`) -> `[M, N]`. The kernel where
+    `supports` says so, else the reference."""
+    _check(x, weight, bias)
+    if weight.shape[0] % 2:
+        raise ValueError(f"a fused gate/up weight has an even row count, got {weight.shape[0]}")
+    if not supports(x, weight):
+        return skinny_swiglu_ref(x, weight, bias)
+    return _launch(x, weight, bias, swiglu=True)
+
+
+@skinny_swiglu.register_fake
+def _(x, weight, bias):
+    return x.new_empty(x.shape[0], weight.shape[0] // 2)
+
+
+def swiglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`silu(gate) * up` of `F.linear(x, weight, bias)` split in halves: one kernel for 2..16
+    rows on CUDA (`fits`); the GEMM (`linear`) then the product elsewhere, at one row too (the
+    one-row path streaming two rows a program took a Llama-3.1-8B step from 5.63 to 5.98 ms on
+    an H100, `docs/results.md`), the same bits as SwiGLU's modules off the kernel."""
+    if not (x.is_cuda and TRITON and fits(x, weight)) or x.numel() == x.shape[-1]:
+        gate, up = linear(x, weight, bias).chunk(2, dim=-1)
+        return F.silu(gate) * up
+    y = skinny_swiglu(x.reshape(-1, x.shape[-1]), weight, bias)
+    return y.view(*x.shape[:-1], weight.shape[0] // 2)

@@ -22,7 +22,9 @@ rule 3, like `torch.compile`): they change how a decode step runs, never what it
 - `use_skinny_gemm`: every `nn.Linear` of a module (a target or a drafter) and the fused
   projections run `draftkernels.skinny_gemm.linear`: the weight-streaming Triton kernel for
   inputs of at most 16 rows in bf16/fp16 on CUDA (decode, verify, drafting), `F.linear` for
-  anything else (prefill, fp32, the CPU), so CPU numerics do not change. Same weights, same
+  anything else (prefill, fp32, the CPU), so CPU numerics do not change. A fused gate/up
+  runs `skinny_gemm.swiglu`: SwiGLU's `silu(gate) * up` as the same kernel's epilogue (each
+  program streams the gate and the up rows of its columns), one launch fewer a layer. Same weights, same
   parameter names; `on=False` undoes it. Serving only: the kernel has no backward.
 """
 
@@ -68,16 +70,28 @@ class FusedAttention(_FusedQKV, Attention):
         return self.linear(x, self.qkv_weight[q:], b).split([kv, kv], dim=-1)
 
 
+def gate_up_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """`silu(gate) * up` of one GEMM over a fused gate/up weight, as `SwiGLU` computes it."""
+    gate, up = F.linear(x, weight, bias).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _skinny_gate_up_product(x, weight, bias):
+    """`gate_up_product` with the GEMM through the skinny kernel and the product after it."""
+    gate, up = skinny.linear(x, weight, bias).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class FusedSwiGLU(SwiGLU):
     """`SwiGLU` with gate and up projected by one GEMM over `gate_up_weight`."""
 
     gate_up_weight: torch.Tensor  # [2 * I, H]: gate rows, then up rows
     gate_up_bias: torch.Tensor | None
-    linear = staticmethod(F.linear)  # `use_skinny_gemm` sets the kernel's
+    # `use_skinny_gemm` sets the kernel's (`silu(gate) * up` as the GEMM's epilogue)
+    product = staticmethod(gate_up_product)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.product(x, self.gate_up_weight, self.gate_up_bias))
 
 
 class SkinnyLinear(nn.Linear):
@@ -134,11 +148,16 @@ def use_attention(model: NativeCausalLM, backend: str | AttentionFn) -> None:
         layer.self_attn.attention = backend
 
 
-def use_skinny_gemm(module: nn.Module, on: bool = True) -> None:
+def use_skinny_gemm(module: nn.Module, on: bool = True, swiglu: bool = True) -> None:
     """Run every `nn.Linear` of `module` and its fused projections through the skinny-GEMM
-    kernel's `linear` (`on`), or back through `F.linear` (module docstring)."""
+    kernel's `linear` (`on`), or back through `F.linear` (module docstring); `swiglu`: a fused
+    gate/up's product as the kernel's epilogue (`skinny_gemm.swiglu`), else after it."""
     for m in module.modules():
         if type(m) in (nn.Linear, SkinnyLinear):
             m.__class__ = SkinnyLinear if on else nn.Linear
-        elif isinstance(m, (FusedQKVAttention, FusedAttention, FusedSwiGLU)):
+        elif isinstance(m, (FusedQKVAttention, FusedAttention)):
             m.linear = skinny.linear if on else F.linear
+        elif isinstance(m, FusedSwiGLU):
+            m.product = (
+                (skinny.swiglu if swiglu else _skinny_gate_up_product) if on else gate_up_product
+            )

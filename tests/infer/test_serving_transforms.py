@@ -24,6 +24,7 @@ from draftinfer.models.transforms import (
     FusedSwiGLU,
     SkinnyLinear,
     fuse_projections,
+    gate_up_product,
     use_attention,
     use_skinny_gemm,
 )
@@ -205,13 +206,14 @@ def test_skinny_gemm_swaps_every_linear_and_back(tiny_llama3_dir):
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(type(m) is SkinnyLinear for m in linears)
     assert all(layer.self_attn.linear is skinny.linear for layer in model.model.layers)
-    assert all(layer.mlp.linear is skinny.linear for layer in model.model.layers)
+    assert all(layer.mlp.product is skinny.swiglu for layer in model.model.layers)
     assert list(model.state_dict()) == names
     for x, y in zip(_prefill_and_decode(model), want):
         assert torch.equal(x, y)
     use_skinny_gemm(model, on=False)
     assert all(type(m) is torch.nn.Linear for m in linears)
-    assert all(layer.mlp.linear is F.linear for layer in model.model.layers)
+    assert all(layer.mlp.product is gate_up_product for layer in model.model.layers)
+    assert all(layer.self_attn.linear is F.linear for layer in model.model.layers)
 
 
 @pytest.mark.gpu
@@ -228,7 +230,9 @@ def test_skinny_gemm_serves_the_same_logits_on_cuda(monkeypatch):
     monkeypatch.setattr(skinny, "MIN_COLS_MMA", 0)  # this tiny model's GEMMs are narrow
     calls = []
     launch = skinny._launch
-    monkeypatch.setattr(skinny, "_launch", lambda *a: calls.append(a[0].shape) or launch(*a))
+    monkeypatch.setattr(
+        skinny, "_launch", lambda *a, **k: calls.append(a[0].shape) or launch(*a, **k)
+    )
     use_skinny_gemm(model)
     got = _prefill_and_decode(model)
     assert calls and all(shape[0] <= skinny.MAX_ROWS for shape in calls)

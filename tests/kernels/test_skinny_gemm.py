@@ -85,6 +85,51 @@ def test_every_row_count_with_and_without_bias(variant):
             )
 
 
+def swiglu_oracle(x, w, b):
+    """SwiGLU's product of `F.linear` in fp32 on the CPU (gate rows, then up rows)."""
+    gate, up = oracle(x, w, b).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+SWIGLU_CASES = [
+    # M, N (= 2 I), K, bias, config of the fused gate/up weight
+    (1, 128, 256, False, (8, 64, 4, 1)),  # one row, tiles divide
+    (1, 74, 300, True, (8, 64, 4, 1)),  # one row, ragged I and K, bias
+    (4, 256, 256, True, (128, 64, 4, 2, True)),  # swapped MMA (64 columns a program)
+    (5, 140, 200, False, (64, 64, 4, 3, True)),  # swapped, ragged
+    (3, 260, 96, True, (64, 32, 4, 2, "tma")),  # "tma" config: the swapped pointer path
+    (16, 96, 96, False, (32, 32, 4, 2)),  # unswapped MMA, 16 rows
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "case",
+    SWIGLU_CASES,
+    ids=lambda c: "x".join(map(str, c[:4])) + "".join(f"-{v}" for v in c[4][4:]),
+)
+def test_swiglu_epilogue_matches_the_unfused_product(case, dtype, poison_empty):  # noqa: F811
+    """`silu(gate) * up` as the GEMM's epilogue: kernel == reference == F.linear then the
+    product in fp32 (`swiglu_oracle`), each path and variant."""
+    M, N, K, bias, cfg = case
+    x, w, b = make(M, N, K, dtype, bias)
+    want = swiglu_oracle(x, w, b)
+    got = sg._launch(x, w, b, cfg, swiglu=True)
+    assert got.dtype == dtype and got.shape == (M, N // 2)
+    torch.testing.assert_close(sg.skinny_swiglu_ref(x, w, b).float().cpu(), want, **tol(dtype))
+    torch.testing.assert_close(got.float().cpu(), want, **tol(dtype))
+    torch.testing.assert_close(sg.skinny_swiglu(x, w, b).float().cpu(), want, **tol(dtype))
+
+
+def test_swiglu_off_the_kernel_is_the_modules_maths():
+    """On the CPU `swiglu` is F.linear, the halves, `F.silu(gate) * up`: the same bits."""
+    x, w, b = make(5, 40, 64, torch.float32, bias=True)
+    gate, up = F.linear(x.cpu(), w.cpu(), b.cpu()).chunk(2, dim=-1)
+    assert torch.equal(sg.swiglu(x.cpu(), w.cpu(), b.cpu()), F.silu(gate) * up)
+    with pytest.raises(ValueError, match="even row count"):
+        sg.skinny_swiglu(x, w[:-1], None)
+
+
 def test_tma_variant_falls_back_where_the_copy_engine_cannot():
     """An x row stride that is not a multiple of 16 bytes (a column slice): the "tma" config
     runs the swapped path instead, with the same result."""
@@ -167,3 +212,24 @@ def test_real_shapes_compiled_and_graph_captured(M):
             graph.replay()
             torch.cuda.synchronize()
             torch.testing.assert_close(out[0].float().cpu(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("M", [1, 4, 5, 8, 16])
+def test_swiglu_at_llama_shape_compiled_and_graph_captured(M):
+    """Llama-3.1-8B's fused gate/up `[28672, 4096]` with the SwiGLU epilogue under
+    `torch.compile(fullgraph=True)`, replayed from a CUDA graph, == the fp32 product."""
+    torch._dynamo.reset()
+    fn = torch.compile(sg.swiglu, fullgraph=True)
+    x, w, b = make(M, 28672, 4096, torch.bfloat16, seed=M)
+    want = swiglu_oracle(x, w, b)
+    fn(x.view(1, M, -1), w)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(x.view(1, M, -1), w)
+    for _ in range(2):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out[0].float().cpu(), want, atol=2e-2, rtol=2e-2)
