@@ -21,6 +21,10 @@ columns and streams their weight rows over K once, in `BLOCK_K` tiles, for all `
   removed: on an H100 under Triton 3.6 its in-kernel epilogue returned wrong rows for some
   row counts, and it paid only on the narrow weights (`docs/results.md`, session 10).
 
+`swiglu(x, gate_up_weight [2N, K])` -> `silu(gate) * up` `[M, N]`: at 2..16 rows the same
+kernel with each program streaming the gate and the up rows of its output columns and the
+product as its epilogue (one launch fewer a SwiGLU MLP); at one row the GEMM, then the product.
+
 The config (`BLOCK_N`, `BLOCK_K`, warps, stages) comes from `config(M, N, K)`, a table
 measured by `python -m draftbench.skinny_gemm --sweep` (one per M class and weight shape,
 a default elsewhere); no autotuning at run time, so a CUDA graph captures one fixed kernel.
