@@ -298,18 +298,22 @@ def test_compiled_window_drafts_and_writes_what_the_eager_one_does(layout):
     """The runner compiles each module's window step in one piece (`mtp_window_module`: token
     shift, module, head). Traced by dynamo (`aot_eager`: the trace without code generation, so
     the CPU needs no compiler), three rounds draft the same tokens and leave the same KV in
-    every module's cache as the eager window."""
+    every module's cache as the eager window. Compiled as the engine compiles it
+    (`dynamic=True`), from a fresh dynamo: hitting the recompile limit (a silent eager
+    fallback) fails the test."""
     d = _drafter(layout)
     seq = MTPSequence(d)
     runs = []
+    torch._dynamo.reset()
     for compile_it in (False, True):
         prop = seq.proposer()
         if compile_it:
-            prop.compile(backend="aot_eager", dynamic=False)
+            prop.compile(backend="aot_eager", dynamic=True)
         P, drafts = 9, []
-        prop.propose(prop.admit(seq.rows(0, P)), torch.tensor([0]), N)
-        for a, b in ((P, P + 1), (P + 1, P + 3), (P + 3, P + 4)):
-            drafts.append(prop.propose(seq.rows(a, b), torch.tensor([N]), N)[0])
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            prop.propose(prop.admit(seq.rows(0, P)), torch.tensor([0]), N)
+            for a, b in ((P, P + 1), (P + 1, P + 3), (P + 3, P + 4)):
+                drafts.append(prop.propose(seq.rows(a, b), torch.tensor([N]), N)[0])
         runs.append((torch.cat(drafts), [k.clone() for k in prop.cache.k]))
     assert torch.equal(runs[0][0], runs[1][0])
     for eager, traced in zip(runs[0][1], runs[1][1]):

@@ -341,19 +341,19 @@ class MTPProposer(Proposer):
             ext = torch.where(known[1], known[0], drafts[:, :N])
         return qs, carry, ext
 
+    def _hist_args(self) -> tuple:
+        """The per-request cache as the compiled pieces take it: ids, features, cache index,
+        RoPE position, the tokens consumed past the last row, multimodal rows (or None)."""
+        h = self.hist
+        return h.ids, h.features, h.cache_pos, h.rope_pos, self.hist_ext, h.mm
+
     def _keep_history(self, win: FirstPass, last: torch.Tensor, ext: torch.Tensor) -> None:
         """hist <- the window's last N-1 live rows, hist_ext <- `ext[:, :N-1]`
         (`mtp_keep_history`)."""
         if self.N == 1:
             return
-        h = self.hist
         self._keep(
-            h.ids,
-            h.features,
-            h.cache_pos,
-            h.rope_pos,
-            self.hist_ext,
-            h.mm,
+            *self._hist_args(),
             win.rows,
             win.ids,
             win.features,
@@ -407,14 +407,9 @@ class MTPProposer(Proposer):
         choose: DraftChooser = greedy_chooser,
         attn_len: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        d, N, fp, h = self.drafter, self.N, first_pass, self.hist
+        d, N, fp = self.drafter, self.N, first_pass
         ids, feats, win_pos, run_pos, rope, mm_mask, mm_embeds, last, drafts, live = self._inputs(
-            h.ids,
-            h.features,
-            h.cache_pos,
-            h.rope_pos,
-            self.hist_ext,
-            h.mm,
+            *self._hist_args(),
             fp.rows,
             fp.ids,
             fp.features,
