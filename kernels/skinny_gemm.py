@@ -439,12 +439,16 @@ def _(x, weight, bias):
     return x.new_empty(x.shape[0], weight.shape[0] // 2)
 
 
-def swiglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def swiglu(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, epilogue: bool = True
+) -> torch.Tensor:
     """`silu(gate) * up` of `F.linear(x, weight, bias)` split in halves: one kernel for 2..16
-    rows on CUDA (`fits`); the GEMM (`linear`) then the product elsewhere, at one row too (the
-    one-row path streaming two rows a program took a Llama-3.1-8B step from 5.63 to 5.98 ms on
-    an H100, `docs/results.md`), the same bits as SwiGLU's modules off the kernel."""
-    if not (x.is_cuda and TRITON and fits(x, weight)) or x.numel() == x.shape[-1]:
+    rows on CUDA (`fits`, `epilogue`); the GEMM (`linear`) then the product elsewhere, at one
+    row too (the one-row path streaming two rows a program took a Llama-3.1-8B step from 5.63
+    to 5.98 ms on an H100, `docs/results.md`), the same bits as SwiGLU's modules off the
+    kernel."""
+    one_row = x.numel() == x.shape[-1]
+    if not (epilogue and x.is_cuda and TRITON and fits(x, weight)) or one_row:
         gate, up = linear(x, weight, bias).chunk(2, dim=-1)
         return F.silu(gate) * up
     y = skinny_swiglu(x.reshape(-1, x.shape[-1]), weight, bias)

@@ -30,6 +30,8 @@ rule 3, like `torch.compile`): they change how a decode step runs, never what it
 
 from __future__ import annotations
 
+from functools import partial
+
 import draftkernels.skinny_gemm as skinny
 import torch
 import torch.nn.functional as F
@@ -73,12 +75,6 @@ class FusedAttention(_FusedQKV, Attention):
 def gate_up_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     """`silu(gate) * up` of one GEMM over a fused gate/up weight, as `SwiGLU` computes it."""
     gate, up = F.linear(x, weight, bias).chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def _skinny_gate_up_product(x, weight, bias):
-    """`gate_up_product` with the GEMM through the skinny kernel and the product after it."""
-    gate, up = skinny.linear(x, weight, bias).chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
@@ -158,6 +154,5 @@ def use_skinny_gemm(module: nn.Module, on: bool = True, swiglu: bool = True) -> 
         elif isinstance(m, (FusedQKVAttention, FusedAttention)):
             m.linear = skinny.linear if on else F.linear
         elif isinstance(m, FusedSwiGLU):
-            m.product = (
-                (skinny.swiglu if swiglu else _skinny_gate_up_product) if on else gate_up_product
-            )
+            epilogue = skinny.swiglu if swiglu else partial(skinny.swiglu, epilogue=False)
+            m.product = epilogue if on else gate_up_product
