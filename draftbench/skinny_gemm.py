@@ -10,7 +10,8 @@ Each time is one call with a cold L2: the graph cycles through copies of the wei
 256 MB in all; a decode step reads every weight once), replayed from a CUDA graph, median of seven
 means of ten replays, microseconds; `GB/s` is the weight bytes over the kernel's time.
 The `step` rows add up one decode step's GEMMs (32 layers of qkv, o, gate_up, down, and the
-head). `--sweep` times every config of `CONFIGS` per (M class, shape) and prints the fastest
+head). Without `--shapes`, the fused gate/up at each row count above one also runs with
+SwiGLU's product as its epilogue against the GEMM then the product (`swiglu` in the JSON). `--sweep` times every config of `CONFIGS` per (M class, shape) and prints the fastest
 as a `TABLE` literal for `kernels/skinny_gemm.py`. Needs CUDA; exits 0 with a message without.
 """
 
@@ -110,6 +111,28 @@ def cold_us(fn, x, ws) -> float:
         end.synchronize()
         chunks.append(start.elapsed_time(end) / 10)
     return sorted(chunks)[3] * 1e3 / len(ws)
+
+
+def swiglu_rows(sg, device, rows_m) -> list[dict]:
+    """Llama-3.1-8B's fused gate/up with SwiGLU's product as the kernel's epilogue
+    (`sg.swiglu`) against the kernel's GEMM then the product (`epilogue=False`: eager
+    `silu` and `mul` here, one fused inductor kernel in a compiled step), cold L2, us."""
+    N, K = SHAPES["gate_up"]
+    ws = weights(N, K, device)
+    out = []
+    for M in rows_m:
+        x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
+        want = sg.skinny_swiglu_ref(x, ws[0], None).float()
+        err = (sg.swiglu(x, ws[0]).float() - want).abs().max().item()
+        row = {
+            "M": M,
+            "max_rel_err": err / max(1.0, want.abs().max().item()),
+            "epilogue_us": cold_us(lambda x, w: sg.swiglu(x, w), x, ws),
+            "gemm_then_product_us": cold_us(lambda x, w: sg.swiglu(x, w, epilogue=False), x, ws),
+        }
+        out.append(row)
+        print(json.dumps({"swiglu": "gate_up", **row}), flush=True)
+    return out
 
 
 def sweep(sg, device, classes=(1, "m16"), shapes=None) -> tuple[dict, list[dict]]:
@@ -212,6 +235,7 @@ def main() -> int:
                 )
                 print(json.dumps(rows[-1]), flush=True)
             del ws
+    swiglu = swiglu_rows(sg, dev, [M for M in rows_m if M > 1]) if not a.shapes else []
     for M in rows_m if all(name in {r["shape"] for r in rows} for name in STEP) else []:
         sel = [r for r in rows if r["M"] == M and r["shape"] in STEP]
         tot = {
@@ -238,7 +262,15 @@ def main() -> int:
         table = {f"{k[0]}|{k[1]}|{k[2]}": v for k, v in swept.items()}
         a.out.write_text(
             json.dumps(
-                {**info, "max_rel_err": worst, "table": table, "rows": rows, "sweep": log}, indent=1
+                {
+                    **info,
+                    "max_rel_err": worst,
+                    "table": table,
+                    "rows": rows,
+                    "swiglu": swiglu,
+                    "sweep": log,
+                },
+                indent=1,
             )
             + "\n"
         )
