@@ -38,6 +38,30 @@ class RowPart(NamedTuple):
     valid: torch.Tensor  # [N] bool: scored rows
 
 
+def _dpace_weights_of(
+    parts: list[RowPart],
+    logp_top1: list[torch.Tensor],  # [N] per part: the draft's log-probability of the top-1
+    num_anchors: int,
+    num_positions: int,
+    alpha: float,
+) -> list[torch.Tensor]:
+    """D-PACE weight `[N]` fp32 per part (0 on invalid rows), from every part's detached
+    probability of the target's top-1."""
+    dev = logp_top1[0].device
+    prob = torch.zeros(num_anchors * num_positions, dtype=torch.float32, device=dev)
+    seen = torch.zeros(num_anchors * num_positions, dtype=torch.bool, device=dev)
+    cells = []
+    for p, lp in zip(parts, logp_top1):
+        cell = torch.where(p.valid, p.anchor * num_positions + p.position, 0)
+        prob.index_put_((cell[p.valid],), lp.detach().exp()[p.valid])
+        seen.index_put_((cell[p.valid],), torch.ones_like(cell[p.valid], dtype=torch.bool))
+        cells.append(cell)
+    w = dpace_weights(
+        prob.view(num_anchors, num_positions), seen.view(num_anchors, num_positions), alpha
+    ).flatten()
+    return [torch.where(p.valid, w[c], 0.0) for p, c in zip(parts, cells)]
+
+
 @torch.no_grad()
 def dpace_row_weights(
     parts: list[RowPart],
@@ -50,22 +74,35 @@ def dpace_row_weights(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(D-PACE weight `[N]` fp32 per part, 0 on invalid rows; the plain soft cross-entropy
     `[N]` fp32 per part, for the logged per-position loss)."""
-    dev = probs.device
-    prob = torch.zeros(num_anchors * num_positions, dtype=torch.float32, device=dev)
-    seen = torch.zeros(num_anchors * num_positions, dtype=torch.bool, device=dev)
-    ces, cells = [], []
-    for p in parts:
-        r = linear_soft_ce_rows(p.hidden.detach(), weight.detach(), probs, p.rows, top1)
-        cell = p.anchor * num_positions + p.position
-        cell = torch.where(p.valid, cell, 0)
-        prob.index_put_((cell[p.valid],), r.logp_top1.exp()[p.valid])
-        seen.index_put_((cell[p.valid],), torch.ones_like(cell[p.valid], dtype=torch.bool))
-        ces.append(r.ce)
-        cells.append(cell)
-    w = dpace_weights(
-        prob.view(num_anchors, num_positions), seen.view(num_anchors, num_positions), alpha
-    ).flatten()
-    return [torch.where(p.valid, w[c], 0.0) for p, c in zip(parts, cells)], ces
+    rs = [
+        linear_soft_ce_rows(p.hidden.detach(), weight.detach(), probs, p.rows, top1) for p in parts
+    ]
+    w = _dpace_weights_of(parts, [r.logp_top1 for r in rs], num_anchors, num_positions, alpha)
+    return w, [r.ce for r in rs]
+
+
+def _score_dpace_frozen_head(
+    out: DraftLoss,
+    parts: list[RowPart],
+    weight: torch.Tensor,
+    probs: torch.Tensor,
+    top1: torch.Tensor,
+    loss: RowLoss,
+    num_anchors: int,
+) -> None:
+    """`score_positions` with D-PACE and a frozen head in one pass over the head: each
+    part's per-row loss with its unscaled input gradient (`linear_soft_ce_rows`: one head
+    GEMM and one `dz @ W` per chunk), the weights from those rows' probabilities, then the
+    weighted sums; backward scales the kept row gradients by the weights. The two-pass form
+    (`dpace_row_weights`, then `linear_soft_ce` with the weights) computes the head's logits
+    twice; it stays for a trained head, whose weight gradient needs the weights inside the
+    pass."""
+    rs = [linear_soft_ce_rows(p.hidden, weight, probs, p.rows, top1, loss=loss) for p in parts]
+    ws = _dpace_weights_of(parts, [r.logp_top1 for r in rs], num_anchors, len(parts), 0.5)
+    for k, (p, r, w) in enumerate(zip(parts, rs, ws)):
+        loss_sum = torch.where(p.valid, r.ce * w, 0.0).sum()
+        shown = torch.where(p.valid, r.ce.detach(), 0.0).sum()
+        out.add_sums(k, loss_sum, (r.hit & p.valid).sum(), p.valid.sum(), 1.0, reported=shown)
 
 
 def score_positions(
@@ -81,6 +118,9 @@ def score_positions(
     """Position k's loss sum, hits and count from `linear_soft_ce` with `loss` into `out`;
     with a D-PACE loss the rows carry D-PACE weights, every position weighs 1 and `loss_k`
     logs the plain soft cross-entropy."""
+    if loss.weights_dpace and not weight.requires_grad:
+        _score_dpace_frozen_head(out, parts, weight, probs, top1, loss, num_anchors)
+        return
     row_w, plain = None, None
     if loss.weights_dpace:
         row_w, plain = dpace_row_weights(parts, weight, probs, top1, num_anchors, len(parts))

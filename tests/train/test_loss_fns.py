@@ -112,6 +112,54 @@ def test_dpace_weights_by_hand():
         assert grads[k][0].tolist() == pytest.approx(want, abs=1e-5)
 
 
+def test_dpace_with_a_frozen_head_is_one_pass_over_the_head(monkeypatch):
+    """A frozen head (what `trainer.freeze=[lm_head]` and MTP's shared head train): D-PACE's
+    weights come from the same chunked pass that makes the rows' gradients, so each position
+    computes its logits once, where a trained head needs a weights pass first. Same total,
+    metrics and hidden gradients as the two-pass form (run here with the head trainable)."""
+    import torch.nn.functional as F
+
+    from drafttrain import fused_ce
+
+    g = torch.Generator().manual_seed(5)
+    N, H, V, K = 23, 8, 19, 3
+    probs = torch.softmax(2 * torch.randn(N + K, V, generator=g), -1)
+    top1 = probs.argmax(-1)
+    w = torch.randn(V, H, generator=g)
+    hs = [torch.randn(N, H, generator=g) for _ in range(K)]
+    anchor = torch.arange(N)
+    valid = [torch.rand(N, generator=g) > 0.2 for _ in range(K)]
+    calls = {"linear": 0}
+    linear = F.linear
+
+    def counted(*a, **kw):
+        calls["linear"] += 1
+        return linear(*a, **kw)
+
+    monkeypatch.setattr(F, "linear", counted)
+    monkeypatch.setattr(fused_ce, "PLAIN_ELEMENTS", 0)  # the chunked path, one chunk a part
+    results = []
+    for trained in (False, True):
+        leaves = [h.clone().requires_grad_() for h in hs]
+        parts = [
+            RowPart(h, anchor + 1 + k, anchor, torch.full((N,), k), v)
+            for k, (h, v) in enumerate(zip(leaves, valid))
+        ]
+        head = w.clone().requires_grad_(trained)
+        calls["linear"] = 0
+        out = DraftLoss(torch.device("cpu"))
+        score_positions(out, parts, head, probs, top1, LOSSES["dpace"], [9.0] * K, N)
+        heads_computed = calls["linear"]
+        total, metrics = out.result(torch.ones(1, N))
+        results.append((total, metric_values(metrics), torch.autograd.grad(total, leaves)))
+        assert heads_computed == (2 * K if trained else K)
+    (t1, m1, g1), (t2, m2, g2) = results
+    torch.testing.assert_close(t1, t2, rtol=1e-6, atol=1e-6)
+    assert m1 == pytest.approx(m2, rel=1e-6)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 # ---- the fused path against the plain formula, every loss ---------------------------------
 def _case(N=37, H=16, V=29, M=41, G=3, seed=0):
     g = torch.Generator().manual_seed(seed)
