@@ -196,6 +196,7 @@ class Ours:
         from drafttrain.loss_fns import row_loss
         from drafttrain.optim import build_optimizer
         from drafttrain.registry import train_spec
+        from drafttrain.ttt import pick_backend
         from drafttrain.wrap import apply_training_wrappers
 
         torch.manual_seed(seed)
@@ -227,7 +228,9 @@ class Ours:
         self.drafter = d.train()
         self.params = [p for p in d.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, tc)
-        self.backend = "flex" if device.type == "cuda" else "eager"
+        # The trainer's choice (`drafter.attention_backend`, auto: flex on CUDA, eager on the
+        # CPU); `--backends` times others in the same call.
+        self.backend = pick_backend(cfg.drafter.attention_backend, device)
         self.autocast = device.type == "cuda" and tc.mixed_precision in ("auto", "bf16")
         self.target_dtype = dt
         self.trainable = sum(p.numel() for p in self.params)
@@ -577,7 +580,7 @@ def markdown(rows: list[dict]) -> str:
         return fmt.format(r[key])
 
     ours = {
-        (r["kind"], r["k"], r["seq_len"], r["impl"]): r
+        (r["kind"], r["k"], r["seq_len"], r["impl"], r.get("backend") or ""): r
         for r in rows
         if not r["impl"].startswith("peer")
     }
@@ -607,7 +610,8 @@ def markdown(rows: list[dict]) -> str:
             slots = f"{o['anchors']} blocks x {o['block_size']}"
         peer_name = {"ptd": "peagle"}.get(key[0], key[0])
         lines.append(
-            f"| {key[0]}{VARIANT_LABELS.get(key[3], '')} | {key[1]} | {key[2]} "
+            f"| {key[0]}{VARIANT_LABELS.get(key[3], '')}{f' [{key[4]}]' if key[4] else ''} "
+            f"| {key[1]} | {key[2]} "
             f"| {cell(o, 'tokens_per_s', '{:.0f}')} "
             f"| {cell(p, 'tokens_per_s', '{:.0f}')} ({peer_name}) | {speed} "
             f"| {cell(o, 'peak_gib', '{:.1f}')} | {cell(p, 'peak_gib', '{:.1f}')} | {mem} "
@@ -649,6 +653,11 @@ def main() -> None:
         metavar="DIR",
         help="after each of our rows, profile one more step: phase times and the top CUDA "
         "kernels to DIR/profile_<impl>_<kind><k>_<seq>.txt",
+    )
+    ap.add_argument(
+        "--backends",
+        help="time each of our rows once per attention backend, comma list (e.g. flex,flash,"
+        "cudnn: drafter.attention_backend, drafttrain/ttt.py); default: the preset's",
     )
     ap.add_argument(
         "--override",
@@ -703,8 +712,12 @@ def main() -> None:
     todo = plan(seqs, kinds, peer_ok, ac_variant, fh_variant)
     if args.impls:
         todo = [r for r in todo if r[0] in args.impls.split(",")]
-    for impl, kind, k, seq in todo:
+    backends = args.backends.split(",") if args.backends else [None]
+    todo = [(*r, b) for r in todo for b in ([None] if r[0].startswith("peer") else backends)]
+    for impl, kind, k, seq, backend in todo:
         base = {"impl": impl, "kind": kind, "k": k, "seq_len": seq}
+        if backend:
+            base["backend"] = backend
         key = kind if K_FIELD[kind] else (kind, k)  # one drafter (and compilation) per key
         if impl == "ours+fh" and key in ours_by_kind and not ours_by_kind[key].head_trainable:
             continue  # the kind never trains its head (dflash: the target's): no such row
@@ -731,6 +744,10 @@ def main() -> None:
             if key not in ours_by_kind:
                 ours_by_kind[key] = Ours(kind, configs[kind], shapes, device, args.seed, k)
             ours = ours_by_kind[key]
+            if backend:
+                from drafttrain.ttt import pick_backend
+
+                ours.backend = pick_backend(backend, device)
             tc = configs[kind].trainer
             base["settings"] = {
                 "param_dtype": tc.param_dtype,
@@ -772,7 +789,8 @@ def main() -> None:
                     cleanup=partial(ours.optimizer.zero_grad, set_to_none=True),
                 )
                 if args.profile and not row.get("error"):
-                    name = f"profile_{impl.replace('+', '_')}_{kind}{k}_{seq}.txt"
+                    tag = f"_{backend}" if backend else ""
+                    name = f"profile_{impl.replace('+', '_')}_{kind}{k}_{seq}{tag}.txt"
                     text = guarded(
                         partial(profile_ours, ours, k, seq, args.seed + seq),
                         {},
@@ -786,7 +804,16 @@ def main() -> None:
         rows.append(row)
         brief = {
             key: row.get(key)
-            for key in ("impl", "kind", "k", "seq_len", "tokens_per_s", "peak_gib", "oom")
+            for key in (
+                "impl",
+                "backend",
+                "kind",
+                "k",
+                "seq_len",
+                "tokens_per_s",
+                "peak_gib",
+                "oom",
+            )
         }
         extra = {f: row.get(f) for f in ("slots", "anchors", "block_rows") if f in row}
         print(json.dumps({**brief, **extra, "error": row.get("error")}))

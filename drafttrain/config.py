@@ -50,7 +50,9 @@ class DrafterTrainConfig:
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None
     head_dim: int | None = None
-    # "auto": flex attention on CUDA, eager (explicit mask) on CPU. Or "eager" / "flex".
+    # "auto": eager (explicit mask) on CPU; on CUDA "cudnn" on Hopper, else "flex". Or
+    # "eager" / "flex" / "flash" / "cudnn" (EAGLE-3's TTT: the causal block by that dense
+    # kernel, drafttrain/ttt.py; ptd's and dflash's masks run flex for both).
     attention_backend: str = "auto"
 
 

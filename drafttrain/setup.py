@@ -116,7 +116,7 @@ def check_drafter_job(cfg: TrainConfig, feature_cache: bool) -> tuple[TrainSpec,
     """Everything about a drafter job that a config and the target's `config.json` decide:
     the kind's spec and the target's family, or a one-line error."""
     spec = train_spec(getattr(cfg.drafter, "kind", None) or "")
-    pick_backend(cfg.drafter.attention_backend, torch.device("cpu"))  # the name, validated
+    pick_backend(cfg.drafter.attention_backend)  # the name, validated
     dtype_of(cfg.trainer.param_dtype, "param_dtype")
     dtype_of(cfg.trainer.optimizer_dtype, "optimizer_dtype")
     resolve_target_path(cfg.target.name_or_path)

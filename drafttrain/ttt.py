@@ -21,12 +21,25 @@ Backends:
   and diagonal scores share the kernel's softmax (the approach of speculators' trainer).
   Fast on CUDA (compiled); has no backward on CPU (torch raises), which is why `auto` picks
   eager there. Tests prove both give the same values and gradients.
+- `flash` / `cudnn`: the causal block by torch's flash (FlashAttention-2; on the CPU its CPU
+  flash kernel) or cuDNN attention kernel, which also returns the rows' log-sum-exp, and the
+  diagonal scores merged in by that log-sum-exp (`ttt_attention_lse`). Backward runs the
+  kernel's own backward with the *merged* output and log-sum-exp, which gives the causal
+  block's exact share of the gradients (the same identity ring attention uses: the kernel
+  recomputes its probabilities as `exp(s - lse)` and `D = rowsum(dO * O)` from what it is
+  given), and the diagonal's gradients from the merge kernel (`draftkernels.ttt_merge`, one
+  Triton program per row and kv head; its torch reference elsewhere). The causal block is
+  the dense causal attention these kernels are tuned for, where flex's block-sparse kernel is
+  slower: `auto` picks `cudnn` on Hopper (measured fastest, docs/results.md).
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
+from draftkernels.ttt_merge import ttt_merge, ttt_merge_backward
 
 from draftinfer.errors import ConfigError
 from draftinfer.layers import expand_kv
@@ -170,14 +183,152 @@ def ttt_attention_flex(
     return out[:, :, :T].transpose(1, 2)  # [B, T, nh, D]
 
 
-BACKENDS = {"eager": ttt_attention_eager, "flex": ttt_attention_flex}
+# ---- the causal block by a dense attention kernel, the diagonal merged by log-sum-exp ---------
+_aten = torch.ops.aten
 
 
-def pick_backend(name: str, device: torch.device) -> str:
+def _flash_fwd(q, k, v, scale):
+    """q `[B, nh, T, D]`, k/v `[B, nkv, T, D]` -> (out `[B, nh, T, D]`, lse `[B, nh, T]` fp32,
+    what backward needs). The kernels take grouped kv heads as they are."""
+    if q.device.type == "cpu":
+        out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, True, scale=scale
+        )
+        return out, lse, ()
+    out, lse, cq, ck, mq, mk, seed, offset, _ = _aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, True, False, scale=scale
+    )
+    return out, lse, (cq, ck, mq, mk, seed, offset)
+
+
+def _flash_bwd(dout, q, k, v, out, lse, saved, scale):
+    if q.device.type == "cpu":
+        return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, True, scale=scale
+        )
+    cq, ck, mq, mk, seed, offset = saved
+    return _aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse, cq, ck, mq, mk, 0.0, True, seed, offset, scale=scale
+    )
+
+
+def _cudnn_fwd(q, k, v, scale):
+    out, lse, cq, ck, mq, mk, seed, offset, _ = _aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, True, False, scale=scale
+    )
+    return out, lse, (cq, ck, mq, mk, seed, offset)
+
+
+def _cudnn_bwd(dout, q, k, v, out, lse, saved, scale):
+    cq, ck, mq, mk, seed, offset = saved
+    return _aten._scaled_dot_product_cudnn_attention_backward(
+        dout, q, k, v, out, lse, seed, offset, None, cq, ck, mq, mk, 0.0, True, scale=scale
+    )
+
+
+CAUSAL_KERNELS = {"flash": (_flash_fwd, _flash_bwd), "cudnn": (_cudnn_fwd, _cudnn_bwd)}
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """`[B, T, ...]` -> `[B * T, ...]` (the merge kernel's row layout)."""
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+class _TTTAttentionLSE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, kernel, q, k0, v0, ks, vs):
+        fwd, _ = CAUSAL_KERNELS[kernel]
+        scale = q.shape[-1] ** -0.5
+        out_c, lse_c, saved = fwd(q.transpose(1, 2), k0.transpose(1, 2), v0.transpose(1, 2), scale)
+        lse_shape = lse_c.shape
+        out_c = out_c.transpose(1, 2)  # [B, T, nh, D]
+        lse_c = lse_c.reshape(lse_c.shape[:3]).transpose(1, 2)  # [B, T, nh]
+        if ks is None:
+            out, lse = out_c, lse_c
+        else:  # draftkernels.ttt_merge: one program per row and kv head
+            B, T = q.shape[:2]
+            out, lse = ttt_merge(_rows(q), _rows(out_c), _rows(lse_c), _rows(ks), _rows(vs), scale)
+            out, lse = out.view(q.shape), lse.view(B, T, -1)
+        ctx.kernel, ctx.scale, ctx.saved, ctx.lse_shape = kernel, scale, saved, lse_shape
+        ctx.save_for_backward(q, k0, v0, ks, vs, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k0, v0, ks, vs, out, lse = ctx.saved_tensors
+        _, bwd = CAUSAL_KERNELS[ctx.kernel]
+        # The kernel's backward with the merged output and log-sum-exp: the causal block's
+        # exact share of dq and its dk, dv (module docstring).
+        lse_k = lse.transpose(1, 2).contiguous().view(ctx.lse_shape)
+        dq, dk0, dv0 = bwd(
+            dout.transpose(1, 2),
+            q.transpose(1, 2),
+            k0.transpose(1, 2),
+            v0.transpose(1, 2),
+            out.transpose(1, 2),
+            lse_k,
+            ctx.saved,
+            ctx.scale,
+        )
+        dq, dk0, dv0 = (t.transpose(1, 2) for t in (dq, dk0, dv0))
+        dks = dvs = None
+        if ks is not None:
+            dq, dks, dvs = ttt_merge_backward(
+                *(_rows(t) for t in (dout, out, q, lse, ks, vs, dq)), ctx.scale
+            )
+            dq, dks, dvs = dq.view(q.shape), dks.view(ks.shape), dvs.view(vs.shape)
+        return None, dq, dk0, dv0, dks, dvs
+
+
+def ttt_attention_lse(
+    q: torch.Tensor,
+    k0: torch.Tensor,
+    v0: torch.Tensor,
+    extra: list[tuple[torch.Tensor, torch.Tensor]],
+    kernel: str = "flash",
+) -> torch.Tensor:
+    """Same contract as `ttt_attention_eager`: the causal block by `kernel`'s dense causal
+    attention (`CAUSAL_KERNELS`), the diagonal scores merged by log-sum-exp (module
+    docstring)."""
+    ks = torch.stack([k for k, _ in extra], dim=3) if extra else None  # [B, T, nkv, S, D]
+    vs = torch.stack([v for _, v in extra], dim=3) if extra else None
+    return _TTTAttentionLSE.apply(kernel, q, k0, v0, ks, vs)
+
+
+BACKENDS = {
+    "eager": ttt_attention_eager,
+    "flex": ttt_attention_flex,
+    "flash": partial(ttt_attention_lse, kernel="flash"),
+    "cudnn": partial(ttt_attention_lse, kernel="cudnn"),
+}
+CUDA_ONLY = {"cudnn"}
+
+
+def _cudnn_attention_measured(device: torch.device) -> bool:
+    """Where `auto` picks `cudnn`: Hopper (sm90+) with cuDNN, where it was measured fastest
+    (docs/results.md: the EAGLE-3 step at seq 8192 on an H200, flex 29,273 / flash 30,130 /
+    cudnn 31,679 tokens/s head frozen). Elsewhere flex, the backend measured before it."""
+    hopper = torch.cuda.get_device_capability(device) >= (9, 0)
+    return hopper and torch.backends.cudnn.is_available()
+
+
+def pick_backend(name: str, device: torch.device | None = None) -> str:
+    """`drafter.attention_backend` for `device` (`auto`: eager on the CPU; on CUDA cudnn on
+    Hopper, flex elsewhere), or a one-line `ConfigError`; without a device only the name is
+    checked. Kinds whose training attention is not TTT's
+    (ptd's rollouts, dflash's blocks) run flex for any backend but `eager`."""
+    if name != "auto" and name not in BACKENDS:
+        raise ConfigError(
+            f"drafter.attention_backend must be auto or one of {', '.join(BACKENDS)}; got {name!r}"
+        )
+    if device is None:
+        return name
     if name == "auto":
-        return "flex" if device.type == "cuda" else "eager"
-    if name not in BACKENDS:
-        raise ConfigError(f"drafter.attention_backend must be auto, eager or flex; got {name!r}")
+        if device.type != "cuda":
+            return "eager"
+        return "cudnn" if _cudnn_attention_measured(device) else "flex"
+    if name in CUDA_ONLY and device.type != "cuda":
+        raise ConfigError(f"drafter.attention_backend={name} needs a CUDA device")
     return name
 
 

@@ -178,6 +178,38 @@ def test_flex_ttt_attention_matches_eager_on_cuda():
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("kernel", ["flash", "cudnn"])
+def test_dense_kernel_ttt_attention_matches_eager_on_cuda(kernel):
+    """The flash / cudnn TTT backends in bf16 (the training dtype; their merge and diagonal
+    gradients compiled) against the explicit softmax in fp32 on the same rounded inputs:
+    values and every input's gradient, at a GQA shape with head_dim 128 and a length that is
+    not a multiple of any tile."""
+    from drafttrain.ttt import ttt_attention_eager, ttt_attention_lse
+
+    torch.manual_seed(0)
+    B, T, nh, nkv, D = 1, 1000, 8, 2, 128
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(B, T, nh, D, **bf)
+    k0, v0 = torch.randn(B, T, nkv, D, **bf), torch.randn(B, T, nkv, D, **bf)
+    extra = [(torch.randn_like(k0), torch.randn_like(v0)) for _ in range(3)]
+    leaves = [q, k0, v0] + [t for kv in extra for t in kv]
+    ref = [t.detach().float().requires_grad_() for t in leaves]
+    for t in leaves:
+        t.requires_grad_()
+    got = ttt_attention_lse(q, k0, v0, extra, kernel=kernel)
+    want = ttt_attention_eager(ref[0], ref[1], ref[2], list(zip(ref[3::2], ref[4::2])))
+
+    def rel(a, b):  # relative error in norm: bf16 rounding is ~4e-3
+        return ((a.float() - b).norm() / b.norm()).item()
+
+    assert rel(got, want) < 1e-2
+    up = torch.randn_like(want)
+    g_got = torch.autograd.grad((got.float() * up).sum(), leaves)
+    g_want = torch.autograd.grad((want * up).sum(), ref)
+    errs = [rel(a, b) for a, b in zip(g_got, g_want)]
+    assert max(errs) < 2e-2, errs
+
+
 # Per-preset sizes of the tiny GPU training run (a block drafter has no draft vocabulary).
 GPU_TRAIN_OVERRIDES = {
     "eagle3": ["drafter.draft_vocab_size=96"],

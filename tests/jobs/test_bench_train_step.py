@@ -51,3 +51,20 @@ def test_plan_puts_the_dflash_peer_beside_ours():
         ("peer", "dflash", 15, 3072),
         ("peer+adamw", "dflash", 15, 3072),
     ]
+
+
+def test_backends_time_each_of_our_rows_once_per_backend(tmp_path, monkeypatch):
+    out = tmp_path / "bench.json"
+    argv = ["train_step", "--device", "cpu", "--tiny", "--seqs", "48", "--kinds", "eagle3:3"]
+    argv += ["--no-peer", "--no-ac-variant", "--no-fh-variant", "--backends", "eager,flash"]
+    argv += ["--steps", "1", "--warmup", "0", "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    train_step.main()
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["impl"], r["backend"], r["settings"]["backend"]) for r in rows] == [
+        ("ours", "eager", "eager"),
+        ("ours", "flash", "flash"),
+    ]
+    assert all(r.get("error") is None and r["tokens_per_s"] > 0 for r in rows)
+    table = train_step.markdown(rows)
+    assert "| eagle3 [eager] | 3 | 48 |" in table and "| eagle3 [flash] | 3 | 48 |" in table

@@ -1,6 +1,6 @@
 """TTT parity: the unrolled training forward equals a naive loop that runs the drafter one
-step at a time with a growing KV cache (what the runner does), and the flex backend equals
-the eager one."""
+step at a time with a growing KV cache (what the runner does), and the flex and flash
+backends equal the eager one (values and gradients)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import torch
 
 from draftinfer.kinds.eagle3 import Eagle3Drafter
 from draftinfer.layers import expand_kv
+from drafttrain.errors import ConfigError
 from drafttrain.kinds.eagle3 import Eagle3Objective, Eagle3TrainConfig
-from drafttrain.ttt import ttt_attention_eager, ttt_attention_flex
+from drafttrain.ttt import pick_backend, ttt_attention_eager, ttt_attention_flex, ttt_attention_lse
 from tests.support.eagle3_small import small_drafter
 
 
@@ -84,6 +85,66 @@ def test_flex_equals_eager(n_extra):
         rtol=1e-5,
         atol=1e-5,
     )
+
+
+@pytest.mark.parametrize("n_extra", [0, 1, 3])
+@pytest.mark.parametrize("nkv", [2, 4])
+def test_flash_equals_eager_values_and_gradients(n_extra, nkv):
+    """The causal block by the flash kernel (the CPU one here), the diagonal merged by
+    log-sum-exp, and backward through the kernel's backward with the merged output and
+    log-sum-exp: every input's gradient equals the explicit softmax's. A merge or a backward
+    that dropped the diagonal's share of the normalizer would leave the values right only at
+    step 0 and the gradients wrong at every later step."""
+    torch.manual_seed(10 + n_extra)
+    B, T, nh, D = 2, 23, 4, 8
+    q = torch.randn(B, T, nh, D)
+    k0, v0 = torch.randn(B, T, nkv, D), torch.randn(B, T, nkv, D)
+    extra = [(torch.randn(B, T, nkv, D), torch.randn(B, T, nkv, D)) for _ in range(n_extra)]
+    leaves = [q, k0, v0] + [t for kv in extra for t in kv]
+    for t in leaves:
+        t.requires_grad_()
+    got = ttt_attention_lse(q, k0, v0, extra)
+    want = ttt_attention_eager(q, k0, v0, extra)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    up = torch.randn_like(want)
+    grads = torch.autograd.grad((got * up).sum(), leaves)
+    for a, b in zip(grads, torch.autograd.grad((want * up).sum(), leaves)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    if n_extra:  # the diagonal keys matter: their gradients are not zero
+        assert all(g.abs().sum() > 0 for g in grads[3:])
+
+
+def test_the_objective_trains_the_same_with_flash_and_eager():
+    """The whole TTT unroll (4 steps, GQA drafter): the same logits and parameter gradients
+    with the flash backend as with the eager one."""
+    torch.manual_seed(3)
+    ids, aux = torch.randint(0, 97, (2, 11)), torch.randn(2, 11, 96)
+    pos = torch.arange(11).expand(2, 11)
+    d = small_drafter().train()
+    results = []
+    for backend in ("eager", "flash"):
+        d.zero_grad(set_to_none=True)
+        obj = Eagle3Objective(d, Eagle3TrainConfig(ttt_steps=4), backend)
+        logits = obj.unroll(ids, aux, pos, 4)
+        sum(lg.square().mean() for lg in logits).backward()
+        grads = {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}
+        results.append(([lg.detach() for lg in logits], grads))
+    (l_e, g_e), (l_f, g_f) = results
+    for a, b in zip(l_f, l_e):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert g_e.keys() == g_f.keys() and g_e
+    for n in g_e:
+        torch.testing.assert_close(g_f[n], g_e[n], rtol=1e-4, atol=1e-5, msg=n)
+
+
+def test_backend_names():
+    assert pick_backend("auto", torch.device("cpu")) == "eager"
+    assert pick_backend("flash", torch.device("cpu")) == "flash"
+    assert pick_backend("cudnn") == "cudnn"  # the name alone: valid
+    with pytest.raises(ConfigError, match="needs a CUDA device"):
+        pick_backend("cudnn", torch.device("cpu"))
+    with pytest.raises(ConfigError, match="auto or one of eager, flex, flash, cudnn"):
+        pick_backend("fast")
 
 
 def test_eager_backward_runs_on_cpu():

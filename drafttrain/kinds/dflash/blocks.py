@@ -41,7 +41,7 @@ def make_block_attention(
 ):
     """attn_fn(layer, q, k, v) over `[context | block]` keys for the block queries."""
     keys = layer_keys(config)
-    if backend == "flex":
+    if backend != "eager":  # flash / cudnn name TTT's kernels; blocks run flex for both
         return _flex_attention(ctx_kv, q_index, q_anchor, k_index, k_anchor, keys)
     masks = {
         key: nonempty(

@@ -93,7 +93,7 @@ def ptd_block_mask(anchor: torch.Tensor, depth: torch.Tensor, q_blocks_per_chunk
 
 def make_attention(anchor: torch.Tensor, depth: torch.Tensor, backend: str):
     """attn_fn(layer, q, k, v) over the combined rows+slots sequence."""
-    if backend == "flex":
+    if backend != "eager":  # flash / cudnn: TTT's dense causal kernels; ptd's mask is flex's
         from drafttrain.ttt import flex_fn
 
         block = ptd_block_mask(anchor, depth)
