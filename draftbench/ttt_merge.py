@@ -6,7 +6,7 @@ references vs `torch.compile(reference)`, forward and backward, correctness firs
 Shapes: an EAGLE-3 drafter at Llama-3.1-8B size (32 query / 8 kv heads, head_dim 128) on one
 sequence of 8192 tokens (`--tokens`), TTT steps 1..6 extra keys (`S`), bf16. Times are medians
 of CUDA events in microseconds, with the bytes each pass must move and the bandwidth that
-gives. Needs CUDA; exits 0 with a message without it.
+gives, and the kernel alone at 1, 2, 4 and 8 warps per program (`ttt_merge.NUM_WARPS`). Needs CUDA; exits 0 with a message without it.
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ from pathlib import Path
 
 import torch
 
-from draftbench.timing import print_table, time_three
+from draftbench.timing import median_ms, print_table, time_three
 
 NH, NKV, D = 32, 8, 128
+WARPS = (1, 2, 4, 8)
 
 
 def make(N: int, S: int, device="cuda", dtype=torch.bfloat16) -> dict:
@@ -87,7 +88,12 @@ def main() -> int:
             t, _ = time_three(kernel, ref, comp, inputs, w)
             t["compiled_matches_ref"] = bool(t["compiled_matches_ref"])
             gbps = moved[name] / (t["kernel_us"] * 1e3)
-            rows.append({"pass": name, "S": S, **t, "kernel_GBps": gbps})
+            warps = {}
+            for w in WARPS:  # the kernel alone at each warp count (the module's is kept)
+                tm.NUM_WARPS, kept = w, tm.NUM_WARPS
+                warps[f"w{w}_us"] = median_ms(lambda k=kernel, i=inputs: k(**i)) * 1e3
+                tm.NUM_WARPS = kept
+            rows.append({"pass": name, "S": S, **t, "kernel_GBps": gbps, **warps})
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         meta = {"device": torch.cuda.get_device_name(), "tokens": N, "torch": torch.__version__}
@@ -104,7 +110,8 @@ def main() -> int:
             ("x_ref", 6),
             ("x_compiled", 10),
             ("kernel_GBps", 12),
-        ],
+        ]
+        + [(f"w{w}_us", 8) for w in WARPS],
     )
     return 0
 

@@ -194,6 +194,10 @@ def _check_shapes(q, ks, vs, lse, name: str) -> tuple[int, int, int, int, int]:
     return N, nh, D, nkv, S
 
 
+# Warps per program (`python -m draftbench.ttt_merge` times each choice at the 8B shape).
+NUM_WARPS = 4
+
+
 def _blocks(nh: int, nkv: int, S: int, D: int) -> dict:
     g = nh // nkv
     return dict(
@@ -201,6 +205,7 @@ def _blocks(nh: int, nkv: int, S: int, D: int) -> dict:
         BLOCK_G=triton.next_power_of_2(g),
         BLOCK_S=triton.next_power_of_2(S),
         BLOCK_D=triton.next_power_of_2(D),
+        num_warps=NUM_WARPS,
     )
 
 

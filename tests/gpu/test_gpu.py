@@ -219,8 +219,10 @@ GPU_TRAIN_OVERRIDES = {
 
 
 @pytest.mark.parametrize("preset", list(GPU_TRAIN_OVERRIDES))
-def test_training_steps_on_cuda_with_flex_and_bf16(train_env, tmp_path, preset):
-    """The GPU training path: bf16 target, bf16 autocast, flex attention (auto backend)."""
+def test_training_steps_on_cuda_with_the_auto_backend_and_bf16(train_env, tmp_path, preset):
+    """The GPU training path: bf16 target, bf16 autocast, the auto attention backend (cudnn's
+    causal block and the merge kernel for EAGLE-3's TTT on Hopper, flex elsewhere; ptd's and
+    dflash's masks always flex)."""
     from drafttrain.loggers import read_metrics
     from drafttrain.train import train
     from tests.support.presets import compose_preset
