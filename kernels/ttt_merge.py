@@ -194,8 +194,9 @@ def _check_shapes(q, ks, vs, lse, name: str) -> tuple[int, int, int, int, int]:
     return N, nh, D, nkv, S
 
 
-# Warps per program (`python -m draftbench.ttt_merge` times each choice at the 8B shape).
-NUM_WARPS = 4
+# Warps per program: one (`python -m draftbench.ttt_merge` at the 8B shape on an H200: 1 warp
+# 74-297 us a call over S = 1..6, 4 warps 149-747, 8 warps 236-946; a program's work is a few KB).
+NUM_WARPS = 1
 
 
 def _blocks(nh: int, nkv: int, S: int, D: int) -> dict:
