@@ -280,6 +280,13 @@ class _TTTAttentionLSE(torch.autograd.Function):
         return None, dq, dk0, dv0, dks, dvs
 
 
+def dense_kernel_fits(q: torch.Tensor) -> bool:
+    """Whether CUDA's flash / cuDNN attention takes queries like `q` `[B, T, nh, D]`: fp16 or
+    bf16 (both kernels refuse fp32), a head size that is a multiple of 8 up to 128."""
+    d = q.shape[-1]
+    return q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 128
+
+
 def ttt_attention_lse(
     q: torch.Tensor,
     k0: torch.Tensor,
@@ -289,7 +296,10 @@ def ttt_attention_lse(
 ) -> torch.Tensor:
     """Same contract as `ttt_attention_eager`: the causal block by `kernel`'s dense causal
     attention (`CAUSAL_KERNELS`), the diagonal scores merged by log-sum-exp (module
-    docstring)."""
+    docstring). On CUDA, inputs the dense kernels do not take (`dense_kernel_fits`: fp32
+    training without autocast, an unusual head size) run `ttt_attention_flex`."""
+    if q.is_cuda and not dense_kernel_fits(q):
+        return ttt_attention_flex(q, k0, v0, extra)
     ks = torch.stack([k for k, _ in extra], dim=3) if extra else None  # [B, T, nkv, S, D]
     vs = torch.stack([v for _, v in extra], dim=3) if extra else None
     return _TTTAttentionLSE.apply(kernel, q, k0, v0, ks, vs)

@@ -210,6 +210,21 @@ def test_dense_kernel_ttt_attention_matches_eager_on_cuda(kernel):
     assert max(errs) < 2e-2, errs
 
 
+def test_dense_kernel_backends_fall_back_to_flex_for_fp32_on_cuda():
+    """fp32 queries (training without autocast) are not the dense kernels' to take: the
+    cudnn / flash backends run flex for them, same values as the explicit softmax."""
+    from drafttrain.ttt import dense_kernel_fits, ttt_attention_eager, ttt_attention_lse
+
+    torch.manual_seed(1)
+    q = torch.randn(1, 200, 8, 64, device="cuda")
+    k0, v0 = torch.randn(1, 200, 2, 64, device="cuda"), torch.randn(1, 200, 2, 64, device="cuda")
+    extra = [(torch.randn_like(k0), torch.randn_like(v0))]
+    assert not dense_kernel_fits(q) and dense_kernel_fits(q.bfloat16())
+    for kernel in ("cudnn", "flash"):
+        got = ttt_attention_lse(q, k0, v0, extra, kernel=kernel)
+        torch.testing.assert_close(got, ttt_attention_eager(q, k0, v0, extra), rtol=2e-4, atol=2e-4)
+
+
 # Per-preset sizes of the tiny GPU training run (a block drafter has no draft vocabulary).
 GPU_TRAIN_OVERRIDES = {
     "eagle3": ["drafter.draft_vocab_size=96"],

@@ -11,7 +11,13 @@ from draftinfer.kinds.eagle3 import Eagle3Drafter
 from draftinfer.layers import expand_kv
 from drafttrain.errors import ConfigError
 from drafttrain.kinds.eagle3 import Eagle3Objective, Eagle3TrainConfig
-from drafttrain.ttt import pick_backend, ttt_attention_eager, ttt_attention_flex, ttt_attention_lse
+from drafttrain.ttt import (
+    dense_kernel_fits,
+    pick_backend,
+    ttt_attention_eager,
+    ttt_attention_flex,
+    ttt_attention_lse,
+)
 from tests.support.eagle3_small import small_drafter
 
 
@@ -135,6 +141,16 @@ def test_the_objective_trains_the_same_with_flash_and_eager():
     assert g_e.keys() == g_f.keys() and g_e
     for n in g_e:
         torch.testing.assert_close(g_f[n], g_e[n], rtol=1e-4, atol=1e-5, msg=n)
+
+
+def test_what_the_dense_kernels_take():
+    """CUDA's flash / cuDNN kernels take fp16 / bf16 heads of up to 128 (multiples of 8); the
+    backends run flex for anything else on CUDA (fp32 training without autocast)."""
+    q = torch.empty(1, 4, 8, 128)
+    assert not dense_kernel_fits(q)
+    assert dense_kernel_fits(q.bfloat16()) and dense_kernel_fits(q.half())
+    assert not dense_kernel_fits(torch.empty(1, 4, 8, 256, dtype=torch.bfloat16))
+    assert not dense_kernel_fits(torch.empty(1, 4, 8, 36, dtype=torch.bfloat16))
 
 
 def test_backend_names():
