@@ -157,24 +157,16 @@ def test_b4_graph_replay_equals_eager(zoo_run, kind, dtype):
 
 def test_flex_ttt_attention_matches_eager_on_cuda():
     from drafttrain.ttt import ttt_attention_eager, ttt_attention_flex
+    from tests.support.ttt_cases import grads_of, ttt_inputs
 
     torch.manual_seed(0)
-    B, T, nh, nkv, D = 2, 300, 8, 2, 64
-    q = torch.randn(B, T, nh, D, device="cuda")
-    k0, v0 = torch.randn(B, T, nkv, D, device="cuda"), torch.randn(B, T, nkv, D, device="cuda")
-    extra = [(torch.randn_like(k0), torch.randn_like(v0)) for _ in range(3)]
-    leaves = [q, k0, v0] + [t for kv in extra for t in kv]
-    for t in leaves:
-        t.requires_grad_()
+    q, k0, v0, extra, leaves = ttt_inputs(2, 300, 8, 2, 64, 3, device="cuda")
     got = ttt_attention_flex(q, k0, v0, extra)
     want = ttt_attention_eager(q, k0, v0, extra)
     torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
-    # Backward too: flex's and the compiled step merge's against the explicit softmax.
+    # Backward too: flex's against the explicit softmax.
     up = torch.randn_like(want)
-    for a, b in zip(
-        torch.autograd.grad((got * up).sum(), leaves),
-        torch.autograd.grad((want * up).sum(), leaves),
-    ):
+    for a, b in zip(grads_of(got, leaves, up), grads_of(want, leaves, up)):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
 
 
@@ -185,17 +177,11 @@ def test_dense_kernel_ttt_attention_matches_eager_on_cuda(kernel):
     values and every input's gradient, at a GQA shape with head_dim 128 and a length that is
     not a multiple of any tile."""
     from drafttrain.ttt import ttt_attention_eager, ttt_attention_lse
+    from tests.support.ttt_cases import grads_of, ttt_inputs
 
     torch.manual_seed(0)
-    B, T, nh, nkv, D = 1, 1000, 8, 2, 128
-    bf = dict(device="cuda", dtype=torch.bfloat16)
-    q = torch.randn(B, T, nh, D, **bf)
-    k0, v0 = torch.randn(B, T, nkv, D, **bf), torch.randn(B, T, nkv, D, **bf)
-    extra = [(torch.randn_like(k0), torch.randn_like(v0)) for _ in range(3)]
-    leaves = [q, k0, v0] + [t for kv in extra for t in kv]
+    q, k0, v0, extra, leaves = ttt_inputs(1, 1000, 8, 2, 128, 3, "cuda", torch.bfloat16)
     ref = [t.detach().float().requires_grad_() for t in leaves]
-    for t in leaves:
-        t.requires_grad_()
     got = ttt_attention_lse(q, k0, v0, extra, kernel=kernel)
     want = ttt_attention_eager(ref[0], ref[1], ref[2], list(zip(ref[3::2], ref[4::2])))
 
@@ -204,9 +190,7 @@ def test_dense_kernel_ttt_attention_matches_eager_on_cuda(kernel):
 
     assert rel(got, want) < 1e-2
     up = torch.randn_like(want)
-    g_got = torch.autograd.grad((got.float() * up).sum(), leaves)
-    g_want = torch.autograd.grad((want * up).sum(), ref)
-    errs = [rel(a, b) for a, b in zip(g_got, g_want)]
+    errs = [rel(a, b) for a, b in zip(grads_of(got, leaves, up), grads_of(want, ref, up))]
     assert max(errs) < 2e-2, errs
 
 

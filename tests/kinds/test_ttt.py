@@ -19,6 +19,7 @@ from drafttrain.ttt import (
     ttt_attention_lse,
 )
 from tests.support.eagle3_small import small_drafter
+from tests.support.ttt_cases import grads_of, ttt_inputs
 
 
 class KVCacheAttention:
@@ -102,19 +103,13 @@ def test_flash_equals_eager_values_and_gradients(n_extra, nkv):
     that dropped the diagonal's share of the normalizer would leave the values right only at
     step 0 and the gradients wrong at every later step."""
     torch.manual_seed(10 + n_extra)
-    B, T, nh, D = 2, 23, 4, 8
-    q = torch.randn(B, T, nh, D)
-    k0, v0 = torch.randn(B, T, nkv, D), torch.randn(B, T, nkv, D)
-    extra = [(torch.randn(B, T, nkv, D), torch.randn(B, T, nkv, D)) for _ in range(n_extra)]
-    leaves = [q, k0, v0] + [t for kv in extra for t in kv]
-    for t in leaves:
-        t.requires_grad_()
+    q, k0, v0, extra, leaves = ttt_inputs(2, 23, 4, nkv, 8, n_extra)
     got = ttt_attention_lse(q, k0, v0, extra)
     want = ttt_attention_eager(q, k0, v0, extra)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     up = torch.randn_like(want)
-    grads = torch.autograd.grad((got * up).sum(), leaves)
-    for a, b in zip(grads, torch.autograd.grad((want * up).sum(), leaves)):
+    grads = grads_of(got, leaves, up)
+    for a, b in zip(grads, grads_of(want, leaves, up)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     if n_extra:  # the diagonal keys matter: their gradients are not zero
         assert all(g.abs().sum() > 0 for g in grads[3:])
