@@ -41,6 +41,9 @@ from drafttrain.target import load_target_config, load_tokenizer, resolve_target
 from drafttrain.ttt import pick_backend
 
 
+_CPU = torch.device("cpu")
+
+
 def job_device(name: str = "auto") -> torch.device:
     """`auto`: the GPU when there is one, else the CPU; or a torch device name."""
     if name == "auto":
@@ -116,7 +119,8 @@ def check_drafter_job(cfg: TrainConfig, feature_cache: bool) -> tuple[TrainSpec,
     """Everything about a drafter job that a config and the target's `config.json` decide:
     the kind's spec and the target's family, or a one-line error."""
     spec = train_spec(getattr(cfg.drafter, "kind", None) or "")
-    pick_backend(cfg.drafter.attention_backend)  # the name, validated
+    # The name, and on a machine without CUDA a backend that needs it.
+    pick_backend(cfg.drafter.attention_backend, None if torch.cuda.is_available() else _CPU)
     dtype_of(cfg.trainer.param_dtype, "param_dtype")
     dtype_of(cfg.trainer.optimizer_dtype, "optimizer_dtype")
     resolve_target_path(cfg.target.name_or_path)

@@ -67,7 +67,11 @@ def _train_cases(env, tmp):
             "mask_token_id 99999 is outside the target vocabulary",
         ),
         "parallel K below 1": (["drafter=ptd", "drafter.parallel_k=0"], "parallel_k must be >= 1"),
-    }
+    } | (
+        {}
+        if torch.cuda.is_available()
+        else {"cudnn without CUDA": (["drafter.attention_backend=cudnn"], "needs a CUDA device")}
+    )
 
 
 TRAIN_CASES = sorted(_train_cases({"target": "", "data": ""}, Path("/")))
