@@ -40,7 +40,6 @@ from drafttrain.registry import InitContext, TrainSpec, train_spec
 from drafttrain.target import load_target_config, load_tokenizer, resolve_target_path
 from drafttrain.ttt import pick_backend
 
-
 _CPU = torch.device("cpu")
 
 
