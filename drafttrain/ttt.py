@@ -325,8 +325,8 @@ def _cudnn_attention_measured(device: torch.device) -> bool:
 def pick_backend(name: str, device: torch.device | None = None) -> str:
     """`drafter.attention_backend` for `device` (`auto`: eager on the CPU; on CUDA cudnn on
     Hopper, flex elsewhere), or a one-line `ConfigError`; without a device only the name is
-    checked. Kinds whose training attention is not TTT's
-    (ptd's rollouts, dflash's blocks) run flex for any backend but `eager`."""
+    checked. Kinds whose training attention is not TTT's (ptd's rollouts, dflash's blocks)
+    run flex for any backend but `eager`."""
     if name != "auto" and name not in BACKENDS:
         raise ConfigError(
             f"drafter.attention_backend must be auto or one of {', '.join(BACKENDS)}; got {name!r}"
