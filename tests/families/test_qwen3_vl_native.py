@@ -11,6 +11,7 @@ HF decoder layer receives (S4: `hidden_states[j]` plus `deepstack[j-1]` at visua
 from __future__ import annotations
 
 import functools
+import inspect
 
 import pytest
 import torch
@@ -109,9 +110,11 @@ def hf_greedy_logits(path, b: int, steps: int) -> list[torch.Tensor]:
     hf.model.rope_deltas = None  # HF caches it on the model: a fresh request starts clean
     out = hf(**hf_inputs(b), use_cache=True)
     logits = [out.logits[0, -1]]
+    # transformers 5.24 renamed the forward's `past_key_values` to `cache` (the old name warns).
+    cache_kw = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
     for _ in range(steps):
         tok = logits[-1].argmax()[None, None]
-        out = hf(input_ids=tok, past_key_values=out.past_key_values, use_cache=True)
+        out = hf(input_ids=tok, **{cache_kw: out.past_key_values}, use_cache=True)
         logits.append(out.logits[0, -1])
     return logits
 
