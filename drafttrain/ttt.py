@@ -35,6 +35,7 @@ Backends:
 
 from __future__ import annotations
 
+import warnings
 from functools import partial
 
 import torch
@@ -297,12 +298,30 @@ def ttt_attention_lse(
     """Same contract as `ttt_attention_eager`: the causal block by `kernel`'s dense causal
     attention (`CAUSAL_KERNELS`), the diagonal scores merged by log-sum-exp (module
     docstring). On CUDA, inputs the dense kernels do not take (`dense_kernel_fits`: fp32
-    training without autocast, an unusual head size) run `ttt_attention_flex`."""
-    if q.is_cuda and not dense_kernel_fits(q):
+    training without autocast, an unusual head size) run `ttt_attention_flex`, as does every
+    call after the kernel raised once (reported once)."""
+    flex_ok = q.device.type in FLEX_DEVICES
+    if flex_ok and (not dense_kernel_fits(q) or kernel in _REFUSED):
         return ttt_attention_flex(q, k0, v0, extra)
     ks = torch.stack([k for k, _ in extra], dim=3) if extra else None  # [B, T, nkv, S, D]
     vs = torch.stack([v for _, v in extra], dim=3) if extra else None
-    return _TTTAttentionLSE.apply(kernel, q, k0, v0, ks, vs)
+    try:
+        return _TTTAttentionLSE.apply(kernel, q, k0, v0, ks, vs)
+    except RuntimeError as e:
+        if not flex_ok or isinstance(e, torch.OutOfMemoryError):
+            raise
+        # A torch / cuDNN build whose kernel refuses these inputs must not stop training.
+        warnings.warn(
+            f"TTT attention: the {kernel} kernel failed ({e}); flex from now on", stacklevel=2
+        )
+        _REFUSED.add(kernel)
+        return ttt_attention_flex(q, k0, v0, extra)
+
+
+# Dense kernels that raised on this machine (`ttt_attention_lse` runs flex instead), and the
+# devices where flex can stand in for them (it has no backward on the CPU).
+_REFUSED: set[str] = set()
+FLEX_DEVICES = {"cuda"}
 
 
 BACKENDS = {

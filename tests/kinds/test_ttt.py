@@ -148,6 +148,31 @@ def test_what_the_dense_kernels_take():
     assert not dense_kernel_fits(torch.empty(1, 4, 8, 36, dtype=torch.bfloat16))
 
 
+def test_a_dense_kernel_that_raises_gives_way_to_flex_once(monkeypatch):
+    """A torch / cuDNN build whose kernel refuses the inputs: the first call warns and runs
+    flex, later calls run flex without trying the kernel again. (On the CPU, which has no flex
+    backward, the stand-ins here: the eager backend for flex, the CPU treated as a flex device.)"""
+    from drafttrain import ttt
+
+    calls = []
+
+    def refusing(*args):
+        calls.append(1)
+        raise RuntimeError("no kernel for these inputs")
+
+    monkeypatch.setitem(ttt.CAUSAL_KERNELS, "flash", (refusing, ttt.CAUSAL_KERNELS["flash"][1]))
+    monkeypatch.setattr(ttt, "FLEX_DEVICES", {"cpu"})
+    monkeypatch.setattr(ttt, "ttt_attention_flex", ttt_attention_eager)
+    monkeypatch.setattr(ttt, "_REFUSED", set())
+    monkeypatch.setattr(ttt, "dense_kernel_fits", lambda q: True)
+    q, k0, v0, extra, _ = ttt_inputs(1, 9, 4, 2, 8, 2)
+    with pytest.warns(UserWarning, match="flash kernel failed .* flex from now on"):
+        got = ttt_attention_lse(q, k0, v0, extra)
+    torch.testing.assert_close(got, ttt_attention_eager(q, k0, v0, extra))
+    ttt_attention_lse(q, k0, v0, extra)
+    assert len(calls) == 1  # not tried again
+
+
 def test_backend_names():
     assert pick_backend("auto", torch.device("cpu")) == "eager"
     assert pick_backend("flash", torch.device("cpu")) == "flash"
