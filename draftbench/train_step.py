@@ -50,7 +50,9 @@ Per row: tokens/s (median over timed steps of seq_len / step time), step ms, pea
 optimizer state count). An out-of-memory or a failure is a row, not a crash. The peer resets
 torch.compile's caches on entry and exit, so its first EAGLE-3 row runs before ours and the
 rest after ours. `--budget-s` bounds the wall time: rows that would start later are reported
-as skipped. Results go to `--out` (JSON) and a markdown table is printed last. `--profile DIR`
+as skipped. `--backends flex,flash,cudnn` runs each of our rows once per TTT attention backend
+(`drafter.attention_backend`, `drafttrain/ttt.py`; default: the preset's, `auto`). Results go
+to `--out` (JSON) and a markdown table is printed last. `--profile DIR`
 adds, after each of our rows, one step timed phase by phase and one under `torch.profiler`
 (CUDA kernel time by family and the top kernels) to `DIR/profile_*.txt`.
 """
