@@ -200,6 +200,12 @@ ATTENTION: dict[str, AttentionFn] = {
 DEFAULT_ATTENTION = "split_kv"
 
 
+def default_attention(q, k, v, k_cache, v_cache, rows, write_pos, mask, attn_len) -> torch.Tensor:
+    """`cached_attention`'s signature through the `DEFAULT_ATTENTION` backend (looked up per
+    call): the one place targets' layers, `bind_cache` and the block drafter name it."""
+    return ATTENTION[DEFAULT_ATTENTION](q, k, v, k_cache, v_cache, rows, write_pos, mask, attn_len)
+
+
 def bind_cache(k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], slots: Slots):
     """An `attn_fn(layer, q, k, v)` over per-layer caches `[max_batch, max_len + 1, nkv, D]`
     for one forward over `slots`: the write index and the mask are built once and shared by
@@ -213,7 +219,7 @@ def bind_cache(k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], slots: 
         g = q.shape[2] // k.shape[2]
         if g not in masks:
             masks[g] = visibility_mask(slots.cache_pos, attn_len, g)
-        return ATTENTION[DEFAULT_ATTENTION](
+        return default_attention(
             q, k, v, k_cache[layer], v_cache[layer], slots.rows, write_pos, masks[g], attn_len
         )
 

@@ -23,8 +23,7 @@ from torch import nn
 
 from draftinfer.errors import ConfigError
 from draftinfer.kv_cache import (
-    ATTENTION,
-    DEFAULT_ATTENTION,
+    default_attention,
     resolve_attn_len,
     visibility_mask,
     write_index,
@@ -76,7 +75,7 @@ class CachedAttention(nn.Module):
 
     # How this forward's K/V are written to the cache and attended; an instance may hold
     # another backend of `kv_cache.ATTENTION` (`transforms.use_attention`).
-    attention = staticmethod(ATTENTION[DEFAULT_ATTENTION])
+    attention = staticmethod(default_attention)
 
     def __init__(self, cfg: NativeConfig):
         super().__init__()

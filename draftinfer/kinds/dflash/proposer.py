@@ -36,9 +36,8 @@ from draftinfer.compiled import compiled
 from draftinfer.kinds.dflash.attention import CONTEXT, STALE, nonempty, visible
 from draftinfer.kinds.dflash.module import selector_logits
 from draftinfer.kv_cache import (
-    ATTENTION,
-    DEFAULT_ATTENTION,
     KVCache,
+    default_attention,
     resolve_attn_len,
     write_cache,
     write_index,
@@ -107,7 +106,7 @@ def dflash_block_forward(
     wpos = write_index(cache_pos, k_cache[0].shape[1] - 1)
 
     def attn_fn(layer: int, q, k, v):
-        return ATTENTION[DEFAULT_ATTENTION](
+        return default_attention(
             q, k, v, k_cache[layer], v_cache[layer], rows, wpos, masks[layer], attn_len
         )
 
