@@ -4,12 +4,14 @@ default SDPA backend, cuDNN on an H100), the torch reference and `torch.compile(
 correctness first.
 
     python -m draftbench.decode_attention --out docs/results/h100_bench_decode_attention.json
+    python -m draftbench.decode_attention --plans 128:0,128:512 --lengths 1024   # split plans
 
 Llama-3.1-8B attention shapes (32 query heads, 8 KV heads, head_dim 128, bf16): batch 1 and
 8; T = 1 (a decode step), 4 (eagle3's verify at K = 3) and 8 (a dflash block); 512 to 8192
 cached keys. Each time is one call replayed from a CUDA graph of 20 (how the captured round
 runs it; no launch overhead), median of `triton.testing.do_bench`, in microseconds. Needs
-CUDA; exits 0 with a message without it.
+CUDA; exits 0 with a message without it. `--plans P:C,...` also times the kernel under each
+split plan (`TARGET_PROGRAMS` = P, `MIN_CHUNK` = C) on the same inputs, side by side.
 """
 
 from __future__ import annotations
@@ -61,14 +63,50 @@ def sdpa_over_cache(q, k_cache, v_cache, rows, mask, attn_len):
     return o.view(B, nkv, T, g, d).permute(0, 2, 1, 3, 4).reshape(B, T, nh, d)
 
 
+def plans_us(da, plans: list[tuple[int, int]], x: dict, want: torch.Tensor) -> dict:
+    """The kernel's time under each split plan `(TARGET_PROGRAMS, MIN_CHUNK)` (us, same
+    inputs, each checked against `want` first; the module's plan restored after), keyed
+    `plan_<programs>_<min chunk>_us`."""
+    keep = da.TARGET_PROGRAMS, da.MIN_CHUNK
+    out = {}
+    try:
+        for programs, min_chunk in plans:
+            da.TARGET_PROGRAMS, da.MIN_CHUNK = programs, min_chunk
+            ns = da.split_plan(x["q"].shape[0] * x["k_cache"].shape[2], x["attn_len"])[1]
+            err = (da.decode_attention(**x).float() - want).abs().max().item()
+            if err > 2e-2:
+                raise AssertionError(f"plan {programs}:{min_chunk} off by {err}")
+            us = graph_ms(lambda: da.decode_attention(**x)) * 1e3
+            out[f"plan_{programs}_{min_chunk}_us"] = us
+            out[f"plan_{programs}_{min_chunk}_splits"] = ns
+    finally:
+        da.TARGET_PROGRAMS, da.MIN_CHUNK = keep
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    ap.add_argument("--ts", default=",".join(map(str, TS)), help="query slots per row")
+    ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="cached keys")
+    ap.add_argument(
+        "--plans",
+        default="",
+        help="also time the kernel under these split plans, TARGET_PROGRAMS:MIN_CHUNK "
+        "comma-separated (e.g. 128:0,128:512,128:4096)",
+    )
+    ap.add_argument(
+        "--kernel-only", action="store_true", help="skip SDPA and the references (quick)"
+    )
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_decode_attention: CUDA is not available; nothing to benchmark.")
         return 0
     from draftkernels import decode_attention as da
+
+    plans = [tuple(map(int, p.split(":"))) for p in a.plans.split(",") if p]
+    ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
 
     compiled_ref = torch.compile(da.decode_attention_ref)
     variants = {
@@ -77,10 +115,12 @@ def main() -> int:
         "ref_us": da.decode_attention_ref,
         "compiled_us": compiled_ref,
     }
+    if a.kernel_only:
+        variants = {"kernel_us": da.decode_attention}
     rows, worst = [], 0.0
-    for B in BATCHES:
-        for T in TS:
-            for L in LENGTHS:
+    for B in ints(a.batches):
+        for T in ints(a.ts):
+            for L in ints(a.lengths):
                 x = make(B, T, L, "cuda")
                 want = da.decode_attention_ref(**x).float()
                 err = max((f(**x).float() - want).abs().max().item() for f in variants.values())
@@ -95,8 +135,9 @@ def main() -> int:
                         "T": T,
                         "L": L,
                         **t,
-                        "x_sdpa": t["sdpa_us"] / t["kernel_us"],
-                        "x_compiled": t["compiled_us"] / t["kernel_us"],
+                        "x_sdpa": t.get("sdpa_us", float("nan")) / t["kernel_us"],
+                        "x_compiled": t.get("compiled_us", float("nan")) / t["kernel_us"],
+                        **plans_us(da, plans, x, want),
                     }
                 )
                 print(json.dumps(rows[-1]), flush=True)
@@ -105,20 +146,19 @@ def main() -> int:
         info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, **SHAPE}
         a.out.write_text(json.dumps({**info, "max_abs_err": worst, "rows": rows}, indent=1) + "\n")
     print(f"correctness: every variant within {worst:.4f} of the fp32 reference (bf16 outputs)")
-    print_table(
-        rows,
-        [
-            ("batch", 5),
-            ("T", 2),
-            ("L", 5),
-            ("kernel_us", 10),
-            ("sdpa_us", 9),
-            ("ref_us", 9),
-            ("compiled_us", 11),
-            ("x_sdpa", 7),
-            ("x_compiled", 10),
-        ],
-    )
+    cols = [
+        ("batch", 5),
+        ("T", 2),
+        ("L", 5),
+        ("kernel_us", 10),
+        ("sdpa_us", 9),
+        ("ref_us", 9),
+        ("compiled_us", 11),
+        ("x_sdpa", 7),
+        ("x_compiled", 10),
+        *[(f"plan_{p}_{c}_us", 14) for p, c in plans],
+    ]
+    print_table(rows, [c for c in cols if rows and c[0] in rows[0]])
     return 0
 
 

@@ -14,8 +14,11 @@ useful rows: on an H100 cuDNN's flash forward took 24 us per layer at L = 512, w
 decoding): pass 1 runs program `(b * nkv + h, split s)` over keys `[s * CHUNK, (s + 1) *
 CHUNK)` for all `T * g` query rows of that KV head at once (one `tl.dot` per tile, the GQA
 group folded into the rows, no K/V copy per query head), keeping the running max `m`, sum `l`
-and unnormalised output in a workspace; pass 2 merges the splits per row. The cache is read
-in place through `rows` (no gather of the row's prefix, at any batch).
+and unnormalised output in a workspace; pass 2 merges the splits per row. Where the plan has
+one split (at most 64 keys, or at least `TARGET_PROGRAMS` query groups: batch 16 and up at
+eight KV heads) pass 1 normalises and writes the output itself and pass 2 is not launched
+(on an H100, 0.9-4 us less a call there, `docs/results.md`). The cache is read in place
+through `rows` (no gather of the row's prefix, at any batch).
 
 Softmax in base 2 with the scale folded into the scores, fp32 statistics and accumulator, `p`
 cast to V's dtype for the second product (as flash attention does). A split whose keys are
@@ -45,6 +48,11 @@ BLOCK_N = 64
 # (pass 2 merges one row's splits in one vector load).
 TARGET_PROGRAMS = 128
 MAX_SPLITS = 32
+# Keys a split covers at least: fewer splits at short lengths (one split skips pass 2). 0: no
+# floor. `python -m draftbench.decode_attention --plans` sweeps it; on an H100 a floor of 256
+# to 1024 keys cost 3-20 us at batch 1 and 1024 keys and saved about 1 us only at batch 8 and
+# 256 keys (session 13), so the plan is the programs target alone.
+MIN_CHUNK = 0
 
 if triton_available():
     import triton
@@ -82,6 +90,11 @@ if triton_available():
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         IEEE: tl.constexpr,
+        o_ptr=None,  # DIRECT: the output [B, T, nh, D]
+        so_b=0,
+        so_t=0,
+        so_h=0,
+        DIRECT: tl.constexpr = False,  # one split: normalise and write o (no pass 2)
     ):
         pid = tl.program_id(0)
         s = tl.program_id(1)
@@ -132,10 +145,19 @@ if triton_available():
                 pv = tl.dot(p.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
-        ws = (pid * NS + s) * BLOCK_M + mi
-        tl.store(m_ptr + ws, m_i)
-        tl.store(l_ptr + ws, l_i)
-        tl.store(acc_ptr + ws[:, None] * D + d[None, :], acc)
+        if DIRECT:
+            # Every row sees cache index 0, so l_i > 0 for every real row.
+            out = acc / tl.where(rows_ok, l_i, 1.0)[:, None]
+            tl.store(
+                o_ptr + b * so_b + t[:, None] * so_t + head[:, None] * so_h + d[None, :],
+                out.to(o_ptr.dtype.element_ty),
+                mask=rows_ok[:, None],
+            )
+        else:
+            ws = (pid * NS + s) * BLOCK_M + mi
+            tl.store(m_ptr + ws, m_i)
+            tl.store(l_ptr + ws, l_i)
+            tl.store(acc_ptr + ws[:, None] * D + d[None, :], acc)
 
     @triton.jit
     def _combine_kernel(
@@ -215,9 +237,10 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 def split_plan(programs: int, attn_len: int) -> tuple[int, int]:
     """(CHUNK, number of splits) for `programs = B * nkv` query groups over `attn_len` keys:
-    about `TARGET_PROGRAMS` programs in all, at most `MAX_SPLITS` per query group, each over a
-    whole number of `BLOCK_N` tiles."""
+    about `TARGET_PROGRAMS` programs in all, at most `MAX_SPLITS` per query group and at least
+    `MIN_CHUNK` keys a split, each over a whole number of `BLOCK_N` tiles."""
     want = min(MAX_SPLITS, max(1, TARGET_PROGRAMS // max(programs, 1)))
+    want = min(want, max(1, attn_len // max(MIN_CHUNK, 1)))
     tiles = triton_cdiv(attn_len, BLOCK_N)
     chunk = triton_cdiv(tiles, min(want, tiles)) * BLOCK_N
     return chunk, triton_cdiv(attn_len, chunk)
@@ -235,9 +258,11 @@ def _launch(q, k_cache, v_cache, rows, mask, attn_len: int) -> torch.Tensor:
     block_m = max(16, triton.next_power_of_2(M))
     chunk, ns = split_plan(B * nkv, attn_len)
     dev = q.device
-    m_ws = torch.empty(B * nkv * ns * block_m, dtype=torch.float32, device=dev)
+    direct = ns == 1
+    n_ws = 1 if direct else B * nkv * ns * block_m
+    m_ws = torch.empty(n_ws, dtype=torch.float32, device=dev)
     l_ws = torch.empty_like(m_ws)
-    acc_ws = torch.empty(B * nkv * ns * block_m * d, dtype=torch.float32, device=dev)
+    acc_ws = torch.empty(n_ws * (1 if direct else d), dtype=torch.float32, device=dev)
     o = torch.empty_like(q)
     mask = mask if mask.stride(-1) == 1 else mask.contiguous()
     _split_kernel[(B * nkv, ns)](
@@ -271,7 +296,14 @@ def _launch(q, k_cache, v_cache, rows, mask, attn_len: int) -> torch.Tensor:
         BLOCK_M=block_m,
         BLOCK_N=BLOCK_N,
         IEEE=q.dtype == torch.float32,
+        o_ptr=o,
+        so_b=o.stride(0),
+        so_t=o.stride(1),
+        so_h=o.stride(2),
+        DIRECT=direct,
     )
+    if direct:
+        return o
     _combine_kernel[(B * nkv, M)](
         m_ws,
         l_ws,

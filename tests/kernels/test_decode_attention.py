@@ -78,13 +78,27 @@ def test_one_split_equals_many(monkeypatch):
     torch.testing.assert_close(one.float(), many.float(), atol=TOL, rtol=TOL)
 
 
+def test_min_chunk_takes_fewer_splits_with_the_same_result(monkeypatch, poison_empty):  # noqa: F811
+    """At least `MIN_CHUNK` keys a split: 390 keys in 3 splits of 128 (from 7), then one
+    split writing the output itself (no pass 2), every output element written."""
+    args = case(2, 3, 8, 2, 64, 400, 390, seed=4)
+    many = run_all(*args)[2]
+    for min_chunk, splits in ((128, 3), (512, 1)):
+        monkeypatch.setattr(da, "MIN_CHUNK", min_chunk)
+        assert da.split_plan(4, 390)[1] == splits
+        torch.testing.assert_close(run_all(*args)[2].float(), many.float(), atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("min_chunk", [0, 256, 1024])
 @pytest.mark.parametrize("programs", [1, 2, 8, 64, 128, 1000])
 @pytest.mark.parametrize("attn_len", [1, 63, 64, 65, 600, 8192])
-def test_split_plan_covers_the_keys_once(programs, attn_len):
+def test_split_plan_covers_the_keys_once(programs, attn_len, min_chunk, monkeypatch):
+    monkeypatch.setattr(da, "MIN_CHUNK", min_chunk)
     chunk, ns = da.split_plan(programs, attn_len)
     assert chunk % da.BLOCK_N == 0 and ns >= 1
     assert (ns - 1) * chunk < attn_len <= ns * chunk  # no empty split, every key in one
     assert programs * ns <= max(programs, da.TARGET_PROGRAMS) and ns <= da.MAX_SPLITS
+    assert ns == 1 or chunk >= min_chunk
 
 
 def test_too_many_rows_fall_back_to_the_reference():
