@@ -90,11 +90,11 @@ if triton_available():
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         IEEE: tl.constexpr,
-        o_ptr=None,  # DIRECT: the output [B, T, nh, D]
-        so_b=0,
-        so_t=0,
-        so_h=0,
-        DIRECT: tl.constexpr = False,  # one split: normalise and write o (no pass 2)
+        o_ptr,  # the output [B, T, nh, D] (written here only under DIRECT)
+        so_b,
+        so_t,
+        so_h,
+        DIRECT: tl.constexpr,  # one split: normalise and write o (no pass 2, no workspace)
     ):
         pid = tl.program_id(0)
         s = tl.program_id(1)
@@ -259,11 +259,13 @@ def _launch(q, k_cache, v_cache, rows, mask, attn_len: int) -> torch.Tensor:
     chunk, ns = split_plan(B * nkv, attn_len)
     dev = q.device
     direct = ns == 1
-    n_ws = 1 if direct else B * nkv * ns * block_m
-    m_ws = torch.empty(n_ws, dtype=torch.float32, device=dev)
-    l_ws = torch.empty_like(m_ws)
-    acc_ws = torch.empty(n_ws * (1 if direct else d), dtype=torch.float32, device=dev)
     o = torch.empty_like(q)
+    if direct:  # pass 1 writes o itself: no workspace (the pointers go unread)
+        m_ws = l_ws = acc_ws = o
+    else:
+        m_ws = torch.empty(B * nkv * ns * block_m, dtype=torch.float32, device=dev)
+        l_ws = torch.empty_like(m_ws)
+        acc_ws = torch.empty(B * nkv * ns * block_m * d, dtype=torch.float32, device=dev)
     mask = mask if mask.stride(-1) == 1 else mask.contiguous()
     _split_kernel[(B * nkv, ns)](
         q,
