@@ -18,7 +18,8 @@ and unnormalised output in a workspace; pass 2 merges the splits per row. Where 
 one split (at most 64 keys, or at least `TARGET_PROGRAMS` query groups: batch 16 and up at
 eight KV heads) pass 1 normalises and writes the output itself and pass 2 is not launched
 (on an H100, 0.9-4 us less a call there, `docs/results.md`). The cache is read in place
-through `rows` (no gather of the row's prefix, at any batch).
+through `rows` (no gather of the row's prefix, at any batch). Under programmatic dependent
+launch (`runtime.pdl`, off by default) both passes wait for the kernels before them first.
 
 Softmax in base 2 with the scale folded into the scores, fp32 statistics and accumulator, `p`
 cast to V's dtype for the second product (as flash attention does). A split whose keys are
@@ -38,7 +39,7 @@ from __future__ import annotations
 import math
 
 import torch
-from draftkernels.runtime import triton_available, use_triton
+from draftkernels.runtime import pdl, triton_available, use_triton
 
 TRITON = triton_available()
 # Query rows (T * g) one program holds: decode (g), verify of K + 1 <= 16 slots at g = 4.
@@ -57,6 +58,7 @@ MIN_CHUNK = 0
 if triton_available():
     import triton
     import triton.language as tl
+    from draftkernels.runtime import pdl_enter
 
     @triton.jit
     def _split_kernel(
@@ -95,7 +97,9 @@ if triton_available():
         so_t,
         so_h,
         DIRECT: tl.constexpr,  # one split: normalise and write o (no pass 2, no workspace)
+        PDL: tl.constexpr = False,  # programmatic dependent launch (`runtime.pdl_enter`)
     ):
+        pdl_enter(PDL)
         pid = tl.program_id(0)
         s = tl.program_id(1)
         b = pid // NKV
@@ -174,7 +178,9 @@ if triton_available():
         D: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_S: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
+        pdl_enter(PDL)
         pid = tl.program_id(0)
         r = tl.program_id(1)  # query row t * G + (head % G)
         b = pid // NKV
@@ -259,6 +265,7 @@ def _launch(q, k_cache, v_cache, rows, mask, attn_len: int) -> torch.Tensor:
     chunk, ns = split_plan(B * nkv, attn_len)
     dev = q.device
     direct = ns == 1
+    use_pdl = pdl(dev)
     o = torch.empty_like(q)
     if direct:  # pass 1 writes o itself: no workspace (the pointers go unread)
         m_ws = l_ws = acc_ws = o
@@ -303,6 +310,8 @@ def _launch(q, k_cache, v_cache, rows, mask, attn_len: int) -> torch.Tensor:
         so_t=o.stride(1),
         so_h=o.stride(2),
         DIRECT=direct,
+        PDL=use_pdl,
+        launch_pdl=use_pdl,
     )
     if direct:
         return o
@@ -320,6 +329,8 @@ def _launch(q, k_cache, v_cache, rows, mask, attn_len: int) -> torch.Tensor:
         D=d,
         BLOCK_M=block_m,
         BLOCK_S=triton.next_power_of_2(ns),
+        PDL=use_pdl,
+        launch_pdl=use_pdl,
     )
     return o
 

@@ -29,6 +29,10 @@ The config (`BLOCK_N`, `BLOCK_K`, warps, stages) comes from `config(M, N, K)`, a
 measured by `python -m draftbench.skinny_gemm --sweep` (one per M class and weight shape,
 a default elsewhere); no autotuning at run time, so a CUDA graph captures one fixed kernel.
 
+Launched with programmatic dependent launch (`runtime.pdl`, off by default) a program waits
+for the kernels before it (`runtime.pdl_enter`) before it reads x or writes y; the one-row
+path reads its first weight tile before that wait (no kernel writes the weights).
+
 `skinny_gemm_ref` is the pure-torch reference with the same signature (fp32 maths, test
 oracle, CPU path). `skinny_gemm` is registered as the custom op `draftkernels::skinny_gemm`,
 so `torch.compile` keeps it as one opaque call (inside CUDA graphs too). `fits(x, weight)`
@@ -40,7 +44,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from draftkernels.runtime import triton_available, use_triton
+from draftkernels.runtime import pdl, triton_available, use_triton
 
 TRITON = triton_available()
 # Input rows one launch takes (a verify of K + 1 <= 16 slots at batch 1); above, cuBLAS.
@@ -91,6 +95,7 @@ TensorDescriptor = None
 if TRITON:
     import triton
     import triton.language as tl
+    from draftkernels.runtime import pdl_enter
 
     try:  # host-side tensor descriptors (the "tma" variant); Triton >= 3.4
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -158,6 +163,7 @@ if TRITON:
         IEEE: tl.constexpr,
         SWAP: tl.constexpr,  # MMA path: y^T = W x^T (the weight tile as the MMA's M side)
         SWIGLU: tl.constexpr = False,  # W is [2N, K] (gate rows, then up): y = silu(g) * u
+        PDL: tl.constexpr = False,  # programmatic dependent launch (`runtime.pdl_enter`)
     ):
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk0 = tl.arange(0, BLOCK_K)
@@ -166,7 +172,22 @@ if TRITON:
         if BLOCK_M == 1:
             acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
             acc2u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
+            if PDL:
+                # The weights are no earlier kernel's output: the first weight tile is read
+                # before waiting for the kernels before this one, x after; the loop then
+                # starts at the second tile.
+                w_ptrs = w_ptr + rn[:, None] * sw_n + rk0[None, :]
+                if EVEN:
+                    w = tl.load(w_ptrs)
+                else:
+                    w = tl.load(w_ptrs, mask=n_ok[:, None] & (rk0 < K)[None, :], other=0.0)
+                pdl_enter(PDL)
+                if EVEN:
+                    xv = tl.load(x_ptr + rk0)
+                else:
+                    xv = tl.load(x_ptr + rk0, mask=rk0 < K, other=0.0)
+                acc2 += w.to(tl.float32) * xv.to(tl.float32)[None, :]
+            for k0 in range(BLOCK_K if PDL else 0, K, BLOCK_K):
                 rk = k0 + rk0
                 w_ptrs = w_ptr + rn[:, None] * sw_n + rk[None, :]
                 if EVEN:
@@ -192,6 +213,7 @@ if TRITON:
                     y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
                 tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_ok)
         else:
+            pdl_enter(PDL)
             rm = tl.arange(0, BLOCK_M)
             m_ok = rm < M
             if SWAP:
@@ -241,10 +263,12 @@ if TRITON:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         IEEE: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
         """The swapped MMA path with tensor-memory-accelerator loads (variant "tma"): bulk
         copies of the weight and x tiles into shared memory, out-of-range rows and columns
         zero-filled by the copy engine, so no masks in the loop."""
+        pdl_enter(PDL)
         off_n = tl.program_id(0) * BLOCK_N
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -343,6 +367,9 @@ def _launch(x, weight, bias, cfg: tuple | None = None, swiglu: bool = False) -> 
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     bias_arg = bias if bias is not None else weight  # never read without HAS_BIAS
     grid = (triton.cdiv(N, block_n),)
+    # The one-row path reads its weights ahead under PDL; its SwiGLU form (two weight rows a
+    # program, not the runner's path) does not.
+    use_pdl = pdl(x.device) and not (swiglu and M == 1)
     if M > 1 and variant == "tma" and not swiglu and tma_ok(x, weight):
         _skinny_tma_kernel[grid](
             TensorDescriptor.from_tensor(weight, [block_n, block_k]),
@@ -358,8 +385,10 @@ def _launch(x, weight, bias, cfg: tuple | None = None, swiglu: bool = False) -> 
             BLOCK_N=block_n,
             BLOCK_K=block_k,
             IEEE=x.dtype == torch.float32,
+            PDL=use_pdl,
             num_warps=warps,
             num_stages=stages,
+            launch_pdl=use_pdl,
         )
         return y
     _skinny_kernel[grid](
@@ -381,8 +410,10 @@ def _launch(x, weight, bias, cfg: tuple | None = None, swiglu: bool = False) -> 
         IEEE=x.dtype == torch.float32,
         SWAP=bool(variant) and M > 1,  # "tma" where the copy engine cannot: swapped
         SWIGLU=swiglu,
+        PDL=use_pdl,
         num_warps=warps,
         num_stages=stages,
+        launch_pdl=use_pdl,
     )
     return y
 

@@ -145,3 +145,35 @@ def test_compiled_and_graph_captured_backend_equals_eager():
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out.float(), want.float(), atol=TOL, rtol=TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9),
+    reason="needs a Hopper (or later) GPU",
+)
+@pytest.mark.parametrize("shape", [(1, 8, 32, 8, 128, 1024, 600), (1, 1, 32, 8, 128, 1024, 40)])
+def test_pdl_launch_gives_the_same_bits(shape, monkeypatch):
+    """Launched with programmatic dependent launch (`runtime.PDL`) both passes (and the one
+    split that writes the output itself) return the bits they return without; replayed from
+    a CUDA graph right after the cache write, they read the written cache."""
+    from draftkernels.runtime import PDL
+
+    q, k, v, kc, vc, rows, wpos, mask, L = case(*shape, seed=3)
+    kc2, vc2 = kc.clone(), vc.clone()
+    write_cache(k, v, kc2, vc2, rows, wpos)
+    monkeypatch.setitem(PDL, "on", False)
+    want = da.decode_attention(q, kc2, vc2, rows, mask, L)
+    monkeypatch.setitem(PDL, "on", True)
+    assert torch.equal(da.decode_attention(q, kc2, vc2, rows, mask, L), want)
+    kc3, vc3 = kc.clone(), vc.clone()
+    da.decode_attention(q, kc3, vc3, rows, mask, L)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        write_cache(k, v, kc3, vc3, rows, wpos)
+        out = da.decode_attention(q, kc3, vc3, rows, mask, L)
+    kc3.copy_(kc)
+    vc3.copy_(vc)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)

@@ -100,3 +100,18 @@ print(json.dumps({
     for location in got["kernels"] or []:  # only a real hub-kernels install may answer
         assert location is None or site.resolve() not in Path(location).resolve().parents
     assert got["transformers_sees_kernels"] == got["hub_kernels_installed"]
+
+
+def test_pdl_environment_switch_turns_both_on_at_import():
+    """`DRAFTKERNELS_PDL=1` (docs/inference.md) turns programmatic dependent launch on for our
+    kernels and inductor's at import; unset, both stay off."""
+    code = """
+        import torch._inductor.config as c
+        import draftkernels.runtime as r
+        print(r.PDL["on"], c.triton.enable_pdl)
+    """
+    assert _run(code, REPO, {"DRAFTKERNELS_PDL": "1"}) == "True True"
+    assert (
+        _run(code, REPO, {"DRAFTKERNELS_PDL": "0", "TORCHINDUCTOR_ENABLE_PDL": "0"})
+        == "False False"
+    )

@@ -233,3 +233,63 @@ def test_swiglu_at_llama_shape_compiled_and_graph_captured(M):
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out[0].float().cpu(), want, atol=2e-2, rtol=2e-2)
+
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+def test_enable_pdl_turns_ours_and_inductors_on_together(monkeypatch):
+    """`enable_pdl` sets this package's switch and inductor's together (ours alone, between
+    inductor kernels launched the usual way, measured slower), and back off; a CPU or
+    interpreted launch never uses it."""
+    import torch._inductor.config as inductor_config
+    from draftkernels import runtime
+
+    monkeypatch.setitem(runtime.PDL, "on", False)
+    monkeypatch.setattr(inductor_config.triton, "enable_pdl", False)
+    runtime.enable_pdl()
+    assert runtime.PDL["on"] and inductor_config.triton.enable_pdl
+    assert not runtime.pdl(torch.device("cpu"))
+    runtime.enable_pdl(False)
+    assert not runtime.PDL["on"] and not inductor_config.triton.enable_pdl
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper (or later) GPU")
+@pytest.mark.parametrize("M", [1, 4, 8])
+def test_pdl_launch_gives_the_same_bits_in_a_chain(M, monkeypatch):
+    """Launched with programmatic dependent launch (`runtime.PDL`; the one-row path reads its
+    first weight tile before the wait) the kernel returns the bits it returns without, on
+    Llama-3.1-8B's shapes and SwiGLU's epilogue; and a chain of four GEMMs, each reading the
+    one before it, replayed from a CUDA graph on new inputs, gives the chain's bits without
+    PDL (a read before the previous kernel's write would see the last replay's values)."""
+    from draftkernels.runtime import PDL
+
+    shapes = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096))
+    for N, K in shapes:
+        x, w, _ = make(M, N, K, torch.bfloat16, seed=N)
+        monkeypatch.setitem(PDL, "on", False)
+        want = [sg._launch(x, w, None)] + ([sg._launch(x, w, None, swiglu=True)] if M > 1 else [])
+        monkeypatch.setitem(PDL, "on", True)
+        got = [sg._launch(x, w, None)] + ([sg._launch(x, w, None, swiglu=True)] if M > 1 else [])
+        for a, b in zip(want, got):
+            assert torch.equal(a, b), (N, K, M)
+    ws = [make(1, 4096, 4096, torch.bfloat16, seed=s)[1] for s in range(4)]
+
+    def chain(x):
+        for w in ws:
+            x = sg.skinny_gemm(x, w, None)  # one kernel after the other (weights 1/sqrt(K))
+        return x
+
+    x = torch.randn(M, 4096, device=DEVICE, dtype=torch.bfloat16)
+    chain(x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(x)
+    for s in range(3):
+        x.copy_(torch.randn(M, 4096, generator=torch.Generator().manual_seed(s)).to(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        monkeypatch.setitem(PDL, "on", False)
+        assert torch.equal(out, chain(x)), s
+        monkeypatch.setitem(PDL, "on", True)
