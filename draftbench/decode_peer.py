@@ -26,7 +26,10 @@ length).
     fusion     `qkv`, `gateup` (`draftinfer.models.transforms.fuse_projections`);
     GEMMs      `skinny` (`transforms.use_skinny_gemm`: the skinny-GEMM kernel, the runner's
                CUDA default; without it cuBLAS, or inductor's reductions under CDT);
-    compile    `nocdt` (this variant compiled without coordinate-descent tuning).
+    compile    `nocdt` (this variant compiled without coordinate-descent tuning);
+    launch     `pdl` (programmatic dependent launch: inductor's kernels, `triton.enable_pdl`,
+               and ours, `draftkernels.runtime.PDL`), `pdlk` (ours only), `pdli` (inductor's
+               only).
 - Inductor settings (`--inductor gpt-fast`, the default) are gpt-fast generate.py's, for both
   models: `coordinate_descent_tuning` (which also turns batch-1 GEMVs into Triton reductions),
   `triton.unique_kernel_names`, `fx_graph_cache`, the AOT autograd cache.
@@ -60,7 +63,7 @@ GPT_FAST_INDUCTOR = {  # gpt-fast generate.py, set at import there
     "fx_graph_cache": True,
 }
 ATTENTIONS = ("gather", "sdpa", "maths", "splitkv")
-FEATURES = ("qkv", "gateup", "skinny", "nocdt")
+FEATURES = ("qkv", "gateup", "skinny", "nocdt", "pdl", "pdlk", "pdli")
 
 
 # ---- the two models -------------------------------------------------------------------
@@ -149,6 +152,8 @@ def parse_variant(spec: str) -> dict:
         "gateup": "gateup" in parts,
         "skinny": "skinny" in parts,
         "cdt": "nocdt" not in parts,
+        "pdl_kernels": "pdl" in parts or "pdlk" in parts,
+        "pdl_inductor": "pdl" in parts or "pdli" in parts,
     }
 
 
@@ -318,6 +323,8 @@ def run_ours(model, v: dict, a, device, tok0, rows, attn_len, ref_logits, warm: 
     from draftinfer.compiled import target_forward
 
     patch = {} if v["cdt"] else {"coordinate_descent_tuning": False}
+    if v["pdl_inductor"]:
+        patch["triton.enable_pdl"] = True
     graphs = device.type == "cuda"
     if a.compile:
         for layer in model.model.layers:  # CUDA graphs need static cache addresses
@@ -337,6 +344,9 @@ def run_ours(model, v: dict, a, device, tok0, rows, attn_len, ref_logits, warm: 
     tok = tok0[:, None].long()
     out: dict = {"variant": v["name"]}
     ctx = torch._inductor.config.patch(patch) if patch else contextlib.nullcontext()
+    from draftkernels.runtime import PDL
+
+    pdl_was, PDL["on"] = PDL["on"], v["pdl_kernels"]  # the launches a CUDA graph records
     with ctx:
         t0 = time.perf_counter()
         logits = call(tok, pos).clone()
@@ -346,6 +356,7 @@ def run_ours(model, v: dict, a, device, tok0, rows, attn_len, ref_logits, warm: 
             call(tok, pos + i)
         sync(device)
         out["warmup_s"] = round(time.perf_counter() - t0, 2)
+    PDL["on"] = pdl_was
     out.update(check(logits, ref_logits))
     out.update(compile_stats())
     tok = logits[:, -1].argmax(-1, keepdim=True)

@@ -61,6 +61,7 @@ import time
 from pathlib import Path
 
 import torch
+from draftkernels.runtime import enable_pdl
 
 from draftbench.shapes import (
     DRAFT_VOCAB,
@@ -260,7 +261,13 @@ def breakdown_ms(dec, target, k: int, context: int, profile: int = 0) -> dict:
 
 
 # `--inductor`: settings our compiled round (and plain step) runs with.
-INDUCTOR_OPTIONS = {"default": None, "cdt": {"coordinate_descent_tuning": True}}
+# `pdl`: programmatic dependent launch for inductor's kernels and ours (`draftkernels.runtime`).
+INDUCTOR_OPTIONS = {
+    "default": None,
+    "cdt": {"coordinate_descent_tuning": True},
+    "pdl": {"triton.enable_pdl": True},
+}
+KERNEL_PDL = {"pdl"}
 
 
 def prompts(batch: int, context: int, vocab: int) -> list[list[int]]:
@@ -390,16 +397,26 @@ def bench_target(name: str, a, device, dtype, batches, ks, kinds) -> dict:
                         fuse_projections(module)
                     use_skinny_gemm(module, on=not a.no_skinny, swiglu=swiglu)
                 torch._dynamo.reset()  # recompile every function over the changed modules
-            for b in batches:
-                bench_batch(a, res, target, drafters, b, ks, device, fused and swiglu, name, fused)
+            sw = fused and swiglu
+            for j, setting in enumerate(a.inductor.split(",")):
+                if j:
+                    torch._dynamo.reset()
+                enable_pdl(setting in KERNEL_PDL)  # for what is compiled and captured next
+                for b in batches:
+                    bench_batch(a, res, target, drafters, b, ks, device, sw, name, fused, setting)
+                enable_pdl(False)
     res["total_s"] = round(time.perf_counter() - t0, 1)
     return res
 
 
-def bench_batch(a, res, target, drafters, b, ks, device, swiglu, name, fused) -> None:
-    """The plain steps and every (kind, K, graphs) round at batch `b`, appended to `res`."""
+def bench_batch(
+    a, res, target, drafters, b, ks, device, swiglu, name, fused, setting="default"
+) -> None:
+    """The plain steps and every (kind, K, graphs) round at batch `b` under the inductor
+    `setting`, appended to `res`."""
     tag = f"{b}{' fused' if fused else ''}{' swiglu' if swiglu else ''}"
-    opts = INDUCTOR_OPTIONS[a.inductor]
+    tag += "" if setting == "default" else f" {setting}"
+    opts = INDUCTOR_OPTIONS[setting]
     reqs = image_prompts(target, b, a.context)
     t1 = time.perf_counter()
     graph_ms, ms = float("nan"), float("nan")
@@ -479,6 +496,7 @@ def bench_batch(a, res, target, drafters, b, ks, device, swiglu, name, fused) ->
                 "swiglu": swiglu,
                 "round_graphs": graphs,
                 "pipeline": pipe,
+                "inductor": setting,
                 "t_round_ms": round(t_round, 4),
                 "t_gptfast_ms": gf_ms,
                 "ratio_vs_gptfast": round(t_round / gf_ms, 3),
@@ -517,7 +535,10 @@ def print_summary(res: dict, batches, kinds) -> None:
             f"batch {tag}: ours plain step {p['ms']:.3f} ms compiled, "
             f"{p.get('cuda_graph_ms', float('nan')):.3f} ms compiled + CUDA graph"
         )
-    cols = ["kind", "k", "batch", "fused", "swiglu", "round_graphs", "pipeline", "t_round_ms"]
+    cols = ["kind", "k", "batch", "fused", "swiglu", "round_graphs", "pipeline"]
+    if any(r.get("inductor", "default") != "default" for r in res["rows"]):
+        cols.append("inductor")
+    cols += ["t_round_ms"]
     cols += ["ratio_vs_gptfast"]
     cols += ["ratio_vs_graph", "ratio"]
     extra = [
@@ -600,8 +621,9 @@ def main() -> int:
     ap.add_argument(
         "--inductor",
         default="default",
-        choices=sorted(INDUCTOR_OPTIONS),
-        help="inductor settings of our compiled round and plain step (cdt: coordinate descent)",
+        help="inductor settings of our compiled round and plain step, comma-separated, each "
+        f"timed in this process ({', '.join(INDUCTOR_OPTIONS)}; cdt: coordinate descent, "
+        "pdl: programmatic dependent launch)",
     )
     ap.add_argument(
         "--graph-only",
@@ -610,6 +632,9 @@ def main() -> int:
     )
     ap.add_argument("--out", default="")
     a = ap.parse_args()
+    bad = [x for x in a.inductor.split(",") if x not in INDUCTOR_OPTIONS]
+    if bad:
+        ap.error(f"--inductor: unknown setting {bad[0]!r} (known: {', '.join(INDUCTOR_OPTIONS)})")
     if a.device == "cuda" and not torch.cuda.is_available():
         print("bench_round: CUDA is not available; nothing timed (use --device cpu --tiny)")
         return 0
