@@ -8,8 +8,9 @@ Shapes: the target is Llama-3.1-8B (32 layers, hidden 4096, 32/8 heads, ffn 1433
 vocabulary 32000. Weights are random bf16 (time does not depend on training).
 
 - t_plain: one compiled plain decode step (`torch.compile(target_forward, dynamic=False)`),
-  the median over a run of steps at advancing positions (CUDA-event timed per step), in the
-  same process.
+  the median over a run of steps at advancing positions (CUDA-event timed per step, the host
+  queueing the next step without a sync between them, as in generation), in the same
+  process.
 - t_round(kind, K, batch): `SpecDecoder.generate` over `--context`-token prompts; each round
   ends in the engine's one readback, so the wall time between consecutive readbacks is the
   round (the engine records it); the median after warm-up. The engine launches each round
@@ -161,7 +162,11 @@ def plain_step_ms(
             opts = {"mode": mode}
         step = compiled(target_forward, dynamic=False, **opts)
     top2 = last.topk(2, dim=-1).values
-    times, toks, margins = [], [tok], [(top2[:, 0] - top2[:, 1]).tolist()]
+    toks, gaps = [tok], [top2[:, 0] - top2[:, 1]]
+    events, times = [], []
+    # No host sync between steps (as in generation, and as `decode_peer` times gpt-fast): the
+    # host queues step s + 1 while the device runs step s, so CUDA events around a step time
+    # the device, not the host's launch of a graph replay after a sync.
     for s in range(steps):
         cache = torch.full((batch, 1), context + s, device=device)
         rope = target.rope_positions(cache, rows)  # M-RoPE: cache + mrope_delta, 3 axes
@@ -173,15 +178,18 @@ def plain_step_ms(
         logits = logits.clone()  # a graph replay overwrites its output buffer
         if device.type == "cuda":
             end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
+            events.append((start, end))
         else:
             times.append((time.perf_counter() - t0) * 1e3)
         top2 = logits[:, 0].float().topk(2, dim=-1).values
-        margins.append((top2[:, 0] - top2[:, 1]).tolist())
+        gaps.append(top2[:, 0] - top2[:, 1])
         tok = logits[:, 0].argmax(-1)
         toks.append(tok)
+    if events:
+        torch.cuda.synchronize()
+        times = [start.elapsed_time(end) for start, end in events]
     table = torch.stack(toks, 1).tolist()
+    margins = torch.stack(gaps).tolist()  # [step][row]
     return statistics.median(times[3:]), [table, margins]
 
 
