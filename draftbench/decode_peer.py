@@ -316,6 +316,19 @@ def reset_compile_state() -> None:
     metrics.reset()
 
 
+@contextlib.contextmanager
+def our_pdl(on: bool):
+    """`draftkernels.runtime.PDL` (our kernels' programmatic dependent launch) set to `on`
+    inside, restored after."""
+    from draftkernels.runtime import PDL
+
+    was, PDL["on"] = PDL["on"], on
+    try:
+        yield
+    finally:
+        PDL["on"] = was
+
+
 # ---- the two steps ----------------------------------------------------------------------
 @torch.no_grad()
 def run_ours(model, v: dict, a, device, tok0, rows, attn_len, ref_logits, warm: int) -> dict:
@@ -344,10 +357,7 @@ def run_ours(model, v: dict, a, device, tok0, rows, attn_len, ref_logits, warm: 
     tok = tok0[:, None].long()
     out: dict = {"variant": v["name"]}
     ctx = torch._inductor.config.patch(patch) if patch else contextlib.nullcontext()
-    from draftkernels.runtime import PDL
-
-    pdl_was, PDL["on"] = PDL["on"], v["pdl_kernels"]  # the launches a CUDA graph records
-    with ctx:
+    with ctx, our_pdl(v["pdl_kernels"]):  # for the launches the CUDA graph records
         t0 = time.perf_counter()
         logits = call(tok, pos).clone()
         sync(device)
@@ -356,7 +366,6 @@ def run_ours(model, v: dict, a, device, tok0, rows, attn_len, ref_logits, warm: 
             call(tok, pos + i)
         sync(device)
         out["warmup_s"] = round(time.perf_counter() - t0, 2)
-    PDL["on"] = pdl_was
     out.update(check(logits, ref_logits))
     out.update(compile_stats())
     tok = logits[:, -1].argmax(-1, keepdim=True)
