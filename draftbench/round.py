@@ -269,11 +269,12 @@ def breakdown_ms(dec, target, k: int, context: int, profile: int = 0) -> dict:
 
 
 # `--inductor`: settings our compiled round (and plain step) runs with.
-# `pdl`: programmatic dependent launch for inductor's kernels and ours (`draftkernels.runtime`).
+# `pdl`: programmatic dependent launch for inductor's kernels and ours, both set by the one
+# switch `draftkernels.runtime.enable_pdl` (so no per-compile options of its own).
 INDUCTOR_OPTIONS = {
     "default": None,
     "cdt": {"coordinate_descent_tuning": True},
-    "pdl": {"triton.enable_pdl": True},
+    "pdl": None,
 }
 KERNEL_PDL = {"pdl"}
 
