@@ -25,6 +25,17 @@ columns and streams their weight rows over K once, in `BLOCK_K` tiles, for all `
 kernel with each program streaming the gate and the up rows of its output columns and the
 product as its epilogue (one launch fewer a SwiGLU MLP); at one row the GEMM, then the product.
 
+`skinny_rms_gemm(x, eps, weight, bias)`: `F.linear` of x's rows RMS-normalised (no norm
+weight: the caller folds it into `weight`), in one launch: each program sums the squares of
+the x tiles its loop reads anyway and scales its outputs by each row's `1 / rms` at the end
+(`skinny_rms_swiglu` the same with SwiGLU's epilogue). `skinny_gemm_add(x, weight, bias,
+residual)`: `residual + F.linear(x, weight, bias)`, the add as the epilogue (the same bits as
+the GEMM then the add). `rms_linear`, `rms_swiglu` and `linear_add` take them at 2..16 rows
+on CUDA (a decoder layer's two norm kernels fewer, `draftinfer.models.transforms`); at one row
+the norm's extra reduction in every program costs more than it saves, and they run unfused.
+Scaling the operand by the norm's weight inside the loop (the tile's trip through registers
+before the MMA) cost more than the norm kernel: hence the fold.
+
 The config (`BLOCK_N`, `BLOCK_K`, warps, stages) comes from `config(M, N, K)`, a table
 measured by `python -m draftbench.skinny_gemm --sweep` (one per M class and weight shape,
 a default elsewhere); no autotuning at run time, so a CUDA graph captures one fixed kernel.
@@ -33,7 +44,8 @@ Launched with programmatic dependent launch (`runtime.pdl`, off by default) a pr
 for the kernels before it (`runtime.pdl_enter`) before it reads x or writes y; the one-row
 path reads its first weight tile before that wait (no kernel writes the weights).
 
-`skinny_gemm_ref` is the pure-torch reference with the same signature (fp32 maths, test
+`skinny_gemm_ref` (and `skinny_swiglu_ref`, `skinny_rms_gemm_ref`, `skinny_rms_swiglu_ref`,
+`skinny_gemm_add_ref`) is the pure-torch reference with the same signature (fp32 maths, test
 oracle, CPU path). `skinny_gemm` is registered as the custom op `draftkernels::skinny_gemm`,
 so `torch.compile` keeps it as one opaque call (inside CUDA graphs too). `fits(x, weight)`
 checks only shapes and dtypes (a compiled caller picks it without a graph break); `linear`
@@ -103,12 +115,29 @@ if TRITON:
         pass
 
     @triton.jit
-    def _finish(acc, rm, rn, M, N, b_ptr, y_ptr, sy_m, HAS_BIAS: tl.constexpr):
+    def _finish(
+        acc,
+        rm,
+        rn,
+        M,
+        N,
+        b_ptr,
+        y_ptr,
+        sy_m,
+        HAS_BIAS: tl.constexpr,
+        r_ptr=None,
+        sr_m=0,
+        RESID: tl.constexpr = False,
+    ):
         """Store `acc` `[BLOCK_M, BLOCK_N]` (fp32, plus the bias) as rows `rm`, columns `rn`
-        of y."""
+        of y; under `RESID` plus the residual's rows (the GEMM's output rounded to y's dtype
+        first, the sum in fp32 rounded once: the unfused `residual + linear(x)`)."""
+        ok = (rm < M)[:, None] & (rn < N)[None, :]
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        ok = (rm < M)[:, None] & (rn < N)[None, :]
+        if RESID:
+            res = tl.load(r_ptr + rm[:, None] * sr_m + rn[None, :], mask=ok, other=0.0)
+            acc = acc.to(y_ptr.dtype.element_ty).to(tl.float32) + res.to(tl.float32)
         tl.store(y_ptr + rm[:, None] * sy_m + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
@@ -126,13 +155,26 @@ if TRITON:
 
     @triton.jit
     def _finish2(
-        acc, accu, rm, rn, M, N, b_ptr, y_ptr, sy_m, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr
+        acc,
+        accu,
+        rm,
+        rn,
+        M,
+        N,
+        b_ptr,
+        y_ptr,
+        sy_m,
+        HAS_BIAS: tl.constexpr,
+        SWIGLU: tl.constexpr,
+        r_ptr,
+        sr_m,
+        RESID: tl.constexpr,
     ):
         """`_finish`, or under `SWIGLU` `silu(gate) * up` of the gate (`acc`) and up (`accu`)
         outputs, each rounded to y's dtype first (the unfused GEMM's output) and the
         product in fp32, rounded once (the fused elementwise kernel inductor makes)."""
         if not SWIGLU:
-            _finish(acc, rm, rn, M, N, b_ptr, y_ptr, sy_m, HAS_BIAS)
+            _finish(acc, rm, rn, M, N, b_ptr, y_ptr, sy_m, HAS_BIAS, r_ptr, sr_m, RESID)
         else:
             n_ok = rn < N
             if HAS_BIAS:
@@ -155,6 +197,9 @@ if TRITON:
         sx_m,
         sw_n,
         sy_m,
+        eps,  # the RMSNorm epsilon (NORM)
+        r_ptr,  # [M, N] the residual (RESID)
+        sr_m,
         HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -164,6 +209,8 @@ if TRITON:
         SWAP: tl.constexpr,  # MMA path: y^T = W x^T (the weight tile as the MMA's M side)
         SWIGLU: tl.constexpr = False,  # W is [2N, K] (gate rows, then up): y = silu(g) * u
         PDL: tl.constexpr = False,  # programmatic dependent launch (`runtime.pdl_enter`)
+        NORM: tl.constexpr = False,  # y scaled by each row's 1 / rms(x) (`skinny_rms_gemm`)
+        RESID: tl.constexpr = False,  # the residual added to y (`skinny_gemm_add`)
     ):
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk0 = tl.arange(0, BLOCK_K)
@@ -172,6 +219,7 @@ if TRITON:
         if BLOCK_M == 1:
             acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
             acc2u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            ssv = tl.zeros((BLOCK_K,), dtype=tl.float32)  # NORM: x's sum of squares
             if PDL:
                 # The weights are no earlier kernel's output: the first weight tile is read
                 # before waiting for the kernels before this one, x after; the loop then
@@ -183,39 +231,44 @@ if TRITON:
                     w = tl.load(w_ptrs, mask=n_ok[:, None] & (rk0 < K)[None, :], other=0.0)
                 pdl_enter(PDL)
                 if EVEN:
-                    xv = tl.load(x_ptr + rk0)
+                    xv = tl.load(x_ptr + rk0).to(tl.float32)
                 else:
-                    xv = tl.load(x_ptr + rk0, mask=rk0 < K, other=0.0)
-                acc2 += w.to(tl.float32) * xv.to(tl.float32)[None, :]
+                    xv = tl.load(x_ptr + rk0, mask=rk0 < K, other=0.0).to(tl.float32)
+                if NORM:
+                    ssv += xv * xv
+                acc2 += w.to(tl.float32) * xv[None, :]
             for k0 in range(BLOCK_K if PDL else 0, K, BLOCK_K):
                 rk = k0 + rk0
                 w_ptrs = w_ptr + rn[:, None] * sw_n + rk[None, :]
                 if EVEN:
                     w = tl.load(w_ptrs)
-                    xv = tl.load(x_ptr + rk)
+                    xv = tl.load(x_ptr + rk).to(tl.float32)
                     if SWIGLU:
                         wu = tl.load(w_ptrs + up)
                 else:
                     k_ok = rk < K
                     w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                    xv = tl.load(x_ptr + rk, mask=k_ok, other=0.0)
+                    xv = tl.load(x_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
                     if SWIGLU:
                         wu = tl.load(w_ptrs + up, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                acc2 += w.to(tl.float32) * xv.to(tl.float32)[None, :]
+                if NORM:
+                    ssv += xv * xv
+                acc2 += w.to(tl.float32) * xv[None, :]
                 if SWIGLU:
-                    acc2u += wu.to(tl.float32) * xv.to(tl.float32)[None, :]
-            if SWIGLU:
-                yg, yu = tl.sum(acc2, 1)[None, :], tl.sum(acc2u, 1)[None, :]  # [1, BLOCK_N]
-                _finish2(yg, yu, tl.arange(0, 1), rn, 1, N, b_ptr, y_ptr, sy_m, HAS_BIAS, True)
-            else:
-                y = tl.sum(acc2, 1)
-                if HAS_BIAS:
-                    y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-                tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+                    acc2u += wu.to(tl.float32) * xv[None, :]
+            yg = tl.sum(acc2, 1)[None, :]  # [1, BLOCK_N]
+            yu = tl.sum(acc2u, 1)[None, :]
+            if NORM:
+                rs = tl.rsqrt(tl.sum(ssv, 0) / K + eps)
+                yg *= rs
+                yu *= rs
+            rm = tl.arange(0, 1)
+            _finish2(yg, yu, rm, rn, 1, N, b_ptr, y_ptr, sy_m, HAS_BIAS, SWIGLU, r_ptr, sr_m, RESID)
         else:
             pdl_enter(PDL)
             rm = tl.arange(0, BLOCK_M)
             m_ok = rm < M
+            ss = tl.zeros((BLOCK_M,), dtype=tl.float32)  # NORM: each row's sum of squares
             if SWAP:
                 acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
                 accu = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -237,13 +290,25 @@ if TRITON:
                     w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                     if SWIGLU:
                         wu = tl.load(w_ptrs + up, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                if NORM:
+                    # the rows' sums of squares from the tile the MMA reads as it is (scaling
+                    # the operand in registers here cost 16 us of a 20 us q/k/v GEMM at 8 rows
+                    # on an H100: the operand's trip through registers stalls the pipeline)
+                    xf = xt.to(tl.float32)
+                    ss += tl.sum(xf * xf, 1)
                 acc = _mma(w, xt, acc, SWAP, IEEE)
                 if SWIGLU:
                     accu = _mma(wu, xt, accu, SWAP, IEEE)
             if SWAP:
                 acc = tl.trans(acc)
                 accu = tl.trans(accu)
-            _finish2(acc, accu, rm, rn, M, N, b_ptr, y_ptr, sy_m, HAS_BIAS, SWIGLU)
+            if NORM:
+                rs = tl.rsqrt(ss / K + eps)[:, None]
+                acc *= rs
+                accu *= rs
+            _finish2(
+                acc, accu, rm, rn, M, N, b_ptr, y_ptr, sy_m, HAS_BIAS, SWIGLU, r_ptr, sr_m, RESID
+            )
 
 
 if TRITON:
@@ -264,10 +329,14 @@ if TRITON:
         BLOCK_K: tl.constexpr,
         IEEE: tl.constexpr,
         PDL: tl.constexpr = False,
+        r_ptr=None,  # [M, N] the residual (RESID)
+        sr_m=0,
+        RESID: tl.constexpr = False,
     ):
         """The swapped MMA path with tensor-memory-accelerator loads (variant "tma"): bulk
         copies of the weight and x tiles into shared memory, out-of-range rows and columns
-        zero-filled by the copy engine, so no masks in the loop."""
+        zero-filled by the copy engine, so no masks in the loop (no RMSNorm prologue: a
+        normalised input takes the swapped pointer path)."""
         pdl_enter(PDL)
         off_n = tl.program_id(0) * BLOCK_N
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -281,7 +350,7 @@ if TRITON:
         acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
         rn = off_n + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, BLOCK_M)
-        _finish(acc, rm, rn, M, N, b_ptr, y_ptr, sy_m, HAS_BIAS)
+        _finish(acc, rm, rn, M, N, b_ptr, y_ptr, sy_m, HAS_BIAS, r_ptr, sr_m, RESID)
 
 
 def skinny_gemm_ref(
@@ -301,6 +370,45 @@ def skinny_swiglu_ref(
     then `silu(gate) * up` in fp32, rounded once."""
     gate, up = skinny_gemm_ref(x, weight, bias).float().chunk(2, dim=-1)
     return (F.silu(gate) * up).to(x.dtype)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm as the models compute it (`draftinfer.layers.RMSNorm`, HF Llama/Qwen): fp32
+    statistics, the normalised row rounded to x's dtype, then times the weight (none: a
+    weight folded into the next GEMM's)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return xf.to(x.dtype) if weight is None else weight * xf.to(x.dtype)
+
+
+def skinny_rms_gemm_ref(
+    x: torch.Tensor, eps: float, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """Pure-torch reference of `skinny_rms_gemm`, the kernel's maths in fp32: `x @ weight.T`
+    scaled by each row's `1 / rms(x)`, then the bias (the normalised row is never rounded;
+    `rms_norm_ref` then a GEMM rounds it)."""
+    xf = x.float()
+    y = (xf @ weight.float().T) * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def skinny_rms_swiglu_ref(
+    x: torch.Tensor, eps: float, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """Pure-torch reference of `skinny_rms_swiglu`: `skinny_rms_gemm_ref` over the fused
+    gate/up weight, then `silu(gate) * up` in fp32, rounded once."""
+    gate, up = skinny_rms_gemm_ref(x, eps, weight, bias).float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(x.dtype)
+
+
+def skinny_gemm_add_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor
+) -> torch.Tensor:
+    """Pure-torch reference of `skinny_gemm_add`: the GEMM rounded to x's dtype, plus the
+    residual in fp32, rounded once (the unfused `residual + linear(x)`)."""
+    return (skinny_gemm_ref(x, weight, bias).float() + residual.float()).to(x.dtype)
 
 
 def m_class(M: int) -> int | str:
@@ -353,9 +461,18 @@ def tma_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def _launch(x, weight, bias, cfg: tuple | None = None, swiglu: bool = False) -> torch.Tensor:
+def _launch(
+    x,
+    weight,
+    bias,
+    cfg: tuple | None = None,
+    swiglu: bool = False,
+    eps: float | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The kernel: `x @ weight.T + bias`, or under `swiglu` (weight `[2N, K]`, gate rows then
-    up rows) `silu(gate) * up` `[M, N]`."""
+    up rows) `silu(gate) * up` `[M, N]`; `eps`: x's rows RMS-normalised first, with no
+    weight (`skinny_rms_gemm_ref`); `residual` `[M, N]`: added to the output."""
     M, K = x.shape
     N = weight.shape[0] // 2 if swiglu else weight.shape[0]
     block_n, block_k, warps, stages, *opt = cfg or config(M, weight.shape[0], K)
@@ -366,11 +483,13 @@ def _launch(x, weight, bias, cfg: tuple | None = None, swiglu: bool = False) -> 
         stages = max(1, min(stages, SWIGLU_SMEM // per_stage))
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     bias_arg = bias if bias is not None else weight  # never read without HAS_BIAS
+    res, sr_m = (residual, residual.stride(0)) if residual is not None else (weight, 0)
     grid = (triton.cdiv(N, block_n),)
     # The one-row path reads its weights ahead under PDL; its SwiGLU form (two weight rows a
     # program, not the runner's path) does not.
     use_pdl = pdl(x.device) and not (swiglu and M == 1)
-    if M > 1 and variant == "tma" and not swiglu and tma_ok(x, weight):
+    tma = M > 1 and variant == "tma" and not swiglu and eps is None and tma_ok(x, weight)
+    if tma:
         _skinny_tma_kernel[grid](
             TensorDescriptor.from_tensor(weight, [block_n, block_k]),
             TensorDescriptor.from_tensor(x, [16, block_k]),
@@ -386,6 +505,9 @@ def _launch(x, weight, bias, cfg: tuple | None = None, swiglu: bool = False) -> 
             BLOCK_K=block_k,
             IEEE=x.dtype == torch.float32,
             PDL=use_pdl,
+            r_ptr=res,
+            sr_m=sr_m,
+            RESID=residual is not None,
             num_warps=warps,
             num_stages=stages,
             launch_pdl=use_pdl,
@@ -402,6 +524,9 @@ def _launch(x, weight, bias, cfg: tuple | None = None, swiglu: bool = False) -> 
         x.stride(0),
         weight.stride(0),
         y.stride(0),
+        0.0 if eps is None else float(eps),
+        res,
+        sr_m,
         HAS_BIAS=bias is not None,
         BLOCK_M=1 if M == 1 else 16,
         BLOCK_N=block_n,
@@ -411,6 +536,8 @@ def _launch(x, weight, bias, cfg: tuple | None = None, swiglu: bool = False) -> 
         SWAP=bool(variant) and M > 1,  # "tma" where the copy engine cannot: swapped
         SWIGLU=swiglu,
         PDL=use_pdl,
+        NORM=eps is not None,
+        RESID=residual is not None,
         num_warps=warps,
         num_stages=stages,
         launch_pdl=use_pdl,
@@ -484,3 +611,121 @@ def swiglu(
         return F.silu(gate) * up
     y = skinny_swiglu(x.reshape(-1, x.shape[-1]), weight, bias)
     return y.view(*x.shape[:-1], weight.shape[0] // 2)
+
+
+# ---- a decoder layer's RMSNorm inside the next GEMM, its residual add as the epilogue --------
+# The norm's weight is folded into the weight of the GEMM that reads its output (the caller
+# does it once: `draftinfer.models.transforms.NormFusedDecoderLayer`), so the kernel reads x
+# as the MMA reads it, sums its squares on the way and scales its outputs by each row's
+# `1 / rms` at the end.
+
+
+@torch.library.custom_op("draftkernels::skinny_rms_gemm", mutates_args=())
+def skinny_rms_gemm(
+    x: torch.Tensor, eps: float, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """`F.linear(rms_norm_ref(x, None, eps), weight, bias)` in one launch: each program
+    sums the squares of the x tiles its MMA reads and scales its outputs by each row's
+    `1 / rms` after the loop (`skinny_rms_gemm_ref`; no separate norm kernel). The kernel
+    where `supports` says so, else the reference."""
+    _check(x, weight, bias)
+    if not supports(x, weight):
+        return skinny_rms_gemm_ref(x, eps, weight, bias)
+    return _launch(x, weight, bias, eps=eps)
+
+
+@skinny_rms_gemm.register_fake
+def _(x, eps, weight, bias):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.custom_op("draftkernels::skinny_rms_swiglu", mutates_args=())
+def skinny_rms_swiglu(
+    x: torch.Tensor, eps: float, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """`skinny_swiglu` of `rms_norm_ref(x, None, eps)` in one launch
+    (`skinny_rms_swiglu_ref`)."""
+    _check(x, weight, bias)
+    if weight.shape[0] % 2:
+        raise ValueError(f"a fused gate/up weight has an even row count, got {weight.shape[0]}")
+    if not supports(x, weight):
+        return skinny_rms_swiglu_ref(x, eps, weight, bias)
+    return _launch(x, weight, bias, swiglu=True, eps=eps)
+
+
+@skinny_rms_swiglu.register_fake
+def _(x, eps, weight, bias):
+    return x.new_empty(x.shape[0], weight.shape[0] // 2)
+
+
+@torch.library.custom_op("draftkernels::skinny_gemm_add", mutates_args=())
+def skinny_gemm_add(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor
+) -> torch.Tensor:
+    """`residual + F.linear(x, weight, bias)` in one launch, the add as the epilogue
+    (`skinny_gemm_add_ref`: the same bits as the GEMM then the add). The kernel where
+    `supports` says so, else the reference."""
+    _check(x, weight, bias)
+    if tuple(residual.shape) != (x.shape[0], weight.shape[0]) or residual.dtype != x.dtype:
+        raise ValueError(
+            f"the residual must be [{x.shape[0]}, {weight.shape[0]}] in {x.dtype}; got "
+            f"{tuple(residual.shape)} {residual.dtype}"
+        )
+    if residual.stride(-1) != 1:
+        raise ValueError("the residual's rows must be contiguous")
+    if not supports(x, weight):
+        return skinny_gemm_add_ref(x, weight, bias, residual)
+    return _launch(x, weight, bias, residual=residual)
+
+
+@skinny_gemm_add.register_fake
+def _(x, weight, bias, residual):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def _takes_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `rms_linear`, `rms_swiglu` and `linear_add` take the fused launch: where
+    `linear` takes the kernel, at two rows or more. At one row each program of the one-row
+    path streams one or two weight rows, and the norm's second reduction in every program
+    cost more than the norm kernel it saved (Llama-3.1-8B's q/k/v, norm kernel + GEMM 20.1
+    us, in the GEMM 22.3; gate/up 78.3 and 90.5, an H100, `docs/results.md`): there the
+    three run unfused."""
+    return x.is_cuda and TRITON and fits(x, weight) and x.numel() != x.shape[-1]
+
+
+def rms_linear(
+    x: torch.Tensor, eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`linear(rms_norm_ref(x, None, eps), weight, bias)` (the norm's weight folded into
+    `weight`): one launch for 2..16 rows on CUDA (`_takes_kernel`, `skinny_rms_gemm`), else
+    the norm then `linear`."""
+    if not _takes_kernel(x, weight):
+        return linear(rms_norm_ref(x, None, eps), weight, bias)
+    y = skinny_rms_gemm(x.reshape(-1, x.shape[-1]), eps, weight, bias)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def rms_swiglu(
+    x: torch.Tensor, eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`swiglu(rms_norm_ref(x, None, eps), weight, bias)` (the norm's weight folded into
+    `weight`): one launch for 2..16 rows on CUDA (`_takes_kernel`, `skinny_rms_swiglu`),
+    else the norm then `swiglu`."""
+    if not _takes_kernel(x, weight):
+        return swiglu(rms_norm_ref(x, None, eps), weight, bias)
+    y = skinny_rms_swiglu(x.reshape(-1, x.shape[-1]), eps, weight, bias)
+    return y.view(*x.shape[:-1], weight.shape[0] // 2)
+
+
+def linear_add(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor
+) -> torch.Tensor:
+    """`residual + linear(x, weight, bias)`: one launch for 2..16 rows on CUDA
+    (`_takes_kernel`, `skinny_gemm_add`), else `linear` then the add (the same bits either
+    way)."""
+    if not _takes_kernel(x, weight):
+        return residual + linear(x, weight, bias)
+    y = skinny_gemm_add(
+        x.reshape(-1, x.shape[-1]), weight, bias, residual.reshape(-1, weight.shape[0])
+    )
+    return y.view(*x.shape[:-1], weight.shape[0])

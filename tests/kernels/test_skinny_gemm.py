@@ -293,3 +293,134 @@ def test_pdl_launch_gives_the_same_bits_in_a_chain(M, monkeypatch):
         monkeypatch.setitem(PDL, "on", False)
         assert torch.equal(out, chain(x)), s
         monkeypatch.setitem(PDL, "on", True)
+
+
+# ---- the RMSNorm inside the GEMM and the residual epilogue ---------------------------------
+def norm_oracle(x, eps, w, b):
+    """RMS normalisation (no weight: folded into w) then `F.linear`, in fp32 on the CPU
+    (torch's maths, not the kernel's order)."""
+    xf = x.float().cpu()
+    return oracle(xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps), w, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "case", CASES, ids=lambda c: "x".join(map(str, c[:4])) + "".join(f"-{v}" for v in c[4][4:])
+)
+def test_norm_and_residual_epilogue_match_the_unfused_maths(case, dtype):
+    """`eps`: the rows' sums of squares taken from the tiles the GEMM reads, the outputs
+    scaled by 1 / rms == RMS normalisation then F.linear (`norm_oracle`) and == the
+    reference, on every path and variant ("tma" takes the swapped pointer path);
+    `residual`: the GEMM's output rounded, plus the residual, rounded once: the bits of the
+    unfused GEMM then add (16-bit), the reference within fp32 rounding."""
+    M, N, K, bias, cfg = case
+    x, w, b = make(M, N, K, dtype, bias)
+    x = x * 3  # rms away from 1
+    want = norm_oracle(x, 1e-5, w, b)
+    got = sg._launch(x, w, b, cfg, eps=1e-5)
+    assert got.dtype == dtype and got.shape == (M, N)
+    torch.testing.assert_close(
+        sg.skinny_rms_gemm_ref(x, 1e-5, w, b).float().cpu(), want, **tol(dtype)
+    )
+    torch.testing.assert_close(got.float().cpu(), want, **tol(dtype))
+    r = torch.randn(M, N, generator=torch.Generator().manual_seed(7)).to(x)
+    got = sg._launch(x, w, b, cfg, residual=r)
+    unfused = (sg._launch(x, w, b, cfg).float() + r.float()).to(dtype)
+    if dtype != torch.float32:
+        assert torch.equal(got, unfused)
+    torch.testing.assert_close(
+        got.float(), sg.skinny_gemm_add_ref(x, w, b, r).float(), **tol(dtype)
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "case",
+    SWIGLU_CASES,
+    ids=lambda c: "x".join(map(str, c[:4])) + "".join(f"-{v}" for v in c[4][4:]),
+)
+def test_norm_with_the_swiglu_epilogue(case, dtype):
+    """RMS normalisation, the fused gate/up GEMM and SwiGLU's product in one launch == the
+    three unfused in fp32, each path and variant."""
+    M, N, K, bias, cfg = case
+    x, w, b = make(M, N, K, dtype, bias)
+    gate, up = norm_oracle(x, 1e-6, w, b).chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    got = sg._launch(x, w, b, cfg, swiglu=True, eps=1e-6)
+    torch.testing.assert_close(got.float().cpu(), want, **tol(dtype))
+    ref = sg.skinny_rms_swiglu_ref(x, 1e-6, w, b)
+    torch.testing.assert_close(ref.float().cpu(), want, **tol(dtype))
+    torch.testing.assert_close(
+        sg.skinny_rms_swiglu(x, 1e-6, w, b).float().cpu(), want, **tol(dtype)
+    )
+
+
+def test_norm_and_add_off_the_kernel_are_the_modules_maths():
+    """`rms_norm_ref` is the RMSNorm module's maths (`draftinfer.layers.RMSNorm`, the same
+    bits, with a weight and with a unit one for a folded weight); on the CPU `rms_linear`,
+    `rms_swiglu` and `linear_add` are that norm with unit weight, `F.linear`, the product
+    and the add: the same bits (what the norm-fused decoder layer runs at prefill); a
+    residual of the wrong shape raises."""
+    from draftinfer.layers import RMSNorm
+
+    x, w, b = make(5, 40, 64, torch.float32, bias=True)
+    x, w, b = x.cpu().bfloat16() * 4, w.cpu().bfloat16(), b.cpu().bfloat16()
+    norm = RMSNorm(64, 1e-6).bfloat16()
+    with torch.no_grad():
+        unit = norm(x)
+        norm.weight.normal_(1.0, 0.3)
+        weighted = norm(x)
+    assert torch.equal(sg.rms_norm_ref(x, norm.weight, 1e-6), weighted)
+    assert torch.equal(sg.rms_norm_ref(x, None, 1e-6), unit)
+    assert torch.equal(sg.rms_linear(x, 1e-6, w, b), F.linear(unit, w, b))
+    gate, up = F.linear(unit, w, b).chunk(2, dim=-1)
+    assert torch.equal(sg.rms_swiglu(x, 1e-6, w, b), F.silu(gate) * up)
+    r = torch.randn(5, 40).bfloat16()
+    assert torch.equal(sg.linear_add(x, w, b, r), r + F.linear(x, w, b))
+    with pytest.raises(ValueError, match="residual must be"):
+        sg.skinny_gemm_add(x, w, b, r[:, :-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("M", [1, 4, 8, 16])
+def test_norm_and_add_at_llama_shapes_compiled_and_graph_captured(M):
+    """A Llama-3.1-8B layer's four fused launches (q/k/v and gate/up with the norm, o and
+    down with the residual; one row: the unfused pieces) through `rms_linear`, `rms_swiglu`
+    and `linear_add` under `torch.compile(fullgraph=True)`, replayed from a CUDA graph, ==
+    the unfused maths in fp32 (bf16 tolerance)."""
+    torch._dynamo.reset()
+    x, wqkv, _ = make(M, 6144, 4096, torch.bfloat16, seed=M)
+    _, wgu, _ = make(1, 28672, 4096, torch.bfloat16, seed=M + 1)
+    _, wo, _ = make(1, 4096, 4096, torch.bfloat16, seed=M + 2)
+    _, wd, _ = make(1, 4096, 14336, torch.bfloat16, seed=M + 3)
+    o = torch.randn(M, 4096, generator=torch.Generator().manual_seed(9)).to(x)
+    mid = torch.randn(M, 14336, generator=torch.Generator().manual_seed(10)).to(x)
+    x = x * 5
+
+    def layer(x, o, mid):
+        qkv = sg.rms_linear(x, 1e-5, wqkv)
+        h = sg.linear_add(o, wo, None, x)
+        return qkv, h, sg.rms_swiglu(h, 1e-5, wgu), sg.linear_add(mid, wd, None, h)
+
+    h = layer(x, o, mid)[1].float().cpu()
+    gate, up = norm_oracle(h, 1e-5, wgu, None).chunk(2, dim=-1)
+    wants = (
+        norm_oracle(x, 1e-5, wqkv, None),
+        x.float().cpu() + oracle(o, wo, None),
+        F.silu(gate) * up,
+        h + oracle(mid, wd, None),
+    )
+    fn = torch.compile(layer, fullgraph=True)
+    fn(x, o, mid)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = fn(x, o, mid)
+    for _ in range(2):
+        for t in outs:
+            t.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        for got, want in zip(outs, wants):
+            scale = want.abs().max().item()
+            torch.testing.assert_close(got.float().cpu(), want, atol=2e-2 * scale, rtol=2e-2)
