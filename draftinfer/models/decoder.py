@@ -105,9 +105,24 @@ class CachedAttention(nn.Module):
         mask: torch.Tensor,  # [B, 1, T * group, L] bool, True = may attend
         attn_len: int,  # L: number of cache indices read
     ) -> torch.Tensor:
-        B, T, _ = x.shape
+        return self.o_proj(self.attend(*self.project(x), cos, sin, rows, write_pos, mask, attn_len))
+
+    def attend(
+        self,
+        q: torch.Tensor,  # [B, T, nh * d] projected
+        k: torch.Tensor,  # [B, T, nkv * d]
+        v: torch.Tensor,  # [B, T, nkv * d]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        rows: torch.Tensor,
+        write_pos: torch.Tensor,
+        mask: torch.Tensor,
+        attn_len: int,
+    ) -> torch.Tensor:
+        """What `forward` does between the projections: q/k norms, RoPE, the cache write and
+        the attention -> `[B, T, nh * d]`, the o projection's input."""
+        B, T, _ = q.shape
         nh, nkv, d = self.n_heads, self.n_kv, self.head_dim
-        q, k, v = self.project(x)
         q, k, v = q.view(B, T, nh, d), k.view(B, T, nkv, d), v.view(B, T, nkv, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -115,7 +130,7 @@ class CachedAttention(nn.Module):
         # Write first, then read: a slot sees its own K/V and those of earlier slots of the
         # same forward (causal prefill chunk) through the same cache path.
         o = self.attention(q, k, v, self.k_cache, self.v_cache, rows, write_pos, mask, attn_len)
-        return self.o_proj(o.reshape(B, T, nh * d))
+        return o.reshape(B, T, nh * d)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q `[B, T, nh * d]`, k and v `[B, T, nkv * d]`."""

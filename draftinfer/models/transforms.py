@@ -26,11 +26,20 @@ rule 3, like `torch.compile`): they change how a decode step runs, never what it
   runs `skinny_gemm.swiglu`: SwiGLU's `silu(gate) * up` as the same kernel's epilogue (each
   program streams the gate and the up rows of its columns), one launch fewer a layer. Same weights, same
   parameter names; `on=False` undoes it. Serving only: the kernel has no backward.
+  On CUDA in bf16/fp16 a target's decoder layers with fused projections become
+  `NormFusedDecoderLayer` (`norms=True`): at 2..16 rows (a verify, a batch) the RMSNorms run
+  inside the q/k/v and gate/up GEMMs and the residual adds are the o and down GEMMs'
+  epilogues, two kernels fewer a layer. For that each norm's weight is folded into the
+  projection that reads it (`fold_norm_weights`, once; the norm's weight becomes ones): the
+  one place a transform changes rounding (each folded weight rounded once instead of the
+  product `g * normed` every forward), not the function; prefill and one-row steps read the
+  same folded weights.
 """
 
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 import draftkernels.skinny_gemm as skinny
 import torch
@@ -39,7 +48,7 @@ from torch import nn
 
 from draftinfer.kv_cache import ATTENTION, AttentionFn
 from draftinfer.layers import Attention, SwiGLU
-from draftinfer.models.decoder import CachedAttention, NativeCausalLM
+from draftinfer.models.decoder import CachedAttention, DecoderLayer, NativeCausalLM
 
 
 class _FusedQKV:
@@ -88,6 +97,59 @@ class FusedSwiGLU(SwiGLU):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.product(x, self.gate_up_weight, self.gate_up_bias))
+
+
+class NormFusedDecoderLayer(DecoderLayer):
+    """A target's `DecoderLayer` (fused q/k/v and gate/up) whose RMSNorms run inside the GEMMs
+    that read them and whose residual adds are the GEMMs' epilogues
+    (`use_skinny_gemm(norms=True)`): at 2..16 rows four launches where the plain layer's
+    four GEMMs come with two more kernels (the residual add and the norm, fused by
+    inductor). Each norm's weight is folded into the projection that reads the norm's
+    output (`fold_norm_weights`; that projection is the norm's only reader), so the kernel
+    reads x as its MMA does and scales by `1 / rms` after the loop. At one row and where the
+    kernel does not take the rows (prefill, the CPU) each piece runs the norm, `linear` and
+    the add as the plain layer does."""
+
+    self_attn: FusedQKVAttention
+    mlp: FusedSwiGLU
+
+    def forward(self, x: torch.Tensor, *attn_args: Any) -> torch.Tensor:
+        a, m = self.self_attn, self.mlp
+        eps1, eps2 = self.input_layernorm.eps, self.post_attention_layernorm.eps
+        q, kv = a.n_heads * a.head_dim, a.n_kv * a.head_dim
+        qkv = skinny.rms_linear(x, eps1, a.qkv_weight, a.qkv_bias)
+        o = a.attend(*qkv.split([q, kv, kv], dim=-1), *attn_args)
+        h = skinny.linear_add(o, a.o_proj.weight, a.o_proj.bias, x)
+        mid = skinny.rms_swiglu(h, eps2, m.gate_up_weight, m.gate_up_bias)
+        return skinny.linear_add(mid, m.down_proj.weight, m.down_proj.bias, h)
+
+
+def norms_fusable(layer: DecoderLayer) -> bool:
+    """Whether `use_skinny_gemm` makes `layer` a `NormFusedDecoderLayer`: fused q/k/v and
+    gate/up, on CUDA in a dtype the kernel takes (elsewhere the fused layer would only
+    round its folded weights differently, so CPU numerics stay as they are)."""
+    a, m = layer.self_attn, layer.mlp
+    return (
+        isinstance(a, FusedQKVAttention)
+        and isinstance(m, FusedSwiGLU)
+        and a.qkv_weight.is_cuda
+        and a.qkv_weight.dtype in skinny.DTYPES
+    )
+
+
+@torch.no_grad()
+def fold_norm_weights(layer: DecoderLayer) -> None:
+    """Fold each RMSNorm's weight into the projection that reads its output, in place: the
+    input norm's into the fused q/k/v rows' columns, the post-attention norm's into the
+    fused gate/up's, and the norms' weights become ones. The same model, each folded weight
+    rounded once (`W * g` in fp32, then the weights' dtype) where the plain layer rounds the
+    product `g * normed` of every forward; a second call multiplies by ones."""
+    for norm, weight in (
+        (layer.input_layernorm, layer.self_attn.qkv_weight),
+        (layer.post_attention_layernorm, layer.mlp.gate_up_weight),
+    ):
+        weight.copy_(weight.float() * norm.weight.float())
+        norm.weight.fill_(1.0)
 
 
 class SkinnyLinear(nn.Linear):
@@ -144,11 +206,22 @@ def use_attention(model: NativeCausalLM, backend: str | AttentionFn) -> None:
         layer.self_attn.attention = backend
 
 
-def use_skinny_gemm(module: nn.Module, on: bool = True, swiglu: bool = True) -> None:
+def use_skinny_gemm(
+    module: nn.Module, on: bool = True, swiglu: bool = True, norms: bool = True
+) -> None:
     """Run every `nn.Linear` of `module` and its fused projections through the skinny-GEMM
     kernel's `linear` (`on`), or back through `F.linear` (module docstring); `swiglu`: a fused
-    gate/up's product as the kernel's epilogue (`skinny_gemm.swiglu`), else after it."""
+    gate/up's product as the kernel's epilogue (`skinny_gemm.swiglu`), else after it; `norms`
+    (with `swiglu`): a target's decoder layers with fused projections run their norms and
+    residual adds inside the GEMMs (`NormFusedDecoderLayer`; their norms' weights are folded
+    into the projections once, `fold_norm_weights`, and stay so when undone)."""
     for m in module.modules():
+        if type(m) in (DecoderLayer, NormFusedDecoderLayer):
+            if on and swiglu and norms and norms_fusable(m):
+                fold_norm_weights(m)
+                m.__class__ = NormFusedDecoderLayer
+            else:  # the norms' weights stay folded: the plain layer computes the same
+                m.__class__ = DecoderLayer
         if type(m) in (nn.Linear, SkinnyLinear):
             m.__class__ = SkinnyLinear if on else nn.Linear
         elif isinstance(m, (FusedQKVAttention, FusedAttention)):

@@ -18,10 +18,11 @@ from draftinfer.kv_cache import (
     write_index,
 )
 from draftinfer.loading import load_native_target, load_weights
-from draftinfer.models.decoder import NativeCausalLM, NativeConfig
+from draftinfer.models.decoder import DecoderLayer, NativeCausalLM, NativeConfig
 from draftinfer.models.transforms import (
     FusedQKVAttention,
     FusedSwiGLU,
+    NormFusedDecoderLayer,
     SkinnyLinear,
     fuse_projections,
     gate_up_product,
@@ -214,6 +215,68 @@ def test_skinny_gemm_swaps_every_linear_and_back(tiny_llama3_dir):
     assert all(type(m) is torch.nn.Linear for m in linears)
     assert all(layer.mlp.product is gate_up_product for layer in model.model.layers)
     assert all(layer.self_attn.linear is F.linear for layer in model.model.layers)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's fp32 kernel")
+def test_norm_fused_layers_run_the_norms_and_adds_in_the_gemms(monkeypatch):
+    """`use_skinny_gemm` turns a target's decoder layers (fused projections; on CUDA in
+    bf16/fp16, here allowed on the CPU in fp32) into `NormFusedDecoderLayer`: each norm's
+    weight folded into its projection (ones left in the norm); off the kernel the plain
+    layer's outputs within fp32 rounding (only the fold's rounding differs); on the kernel
+    (the Triton interpreter: the rows of a prefill, a two-row and a one-row decode) every
+    GEMM of a layer takes its norm or its residual inside the launch -- counted -- with the
+    same outputs. `norms=False` and `on=False` restore the plain layers, weights folded."""
+    from draftinfer.models import transforms
+    from tests.support.utils import import_kernel_module
+
+    skinny = import_kernel_module("draftkernels.skinny_gemm")
+    model = _biased_model(seed=5)
+    fuse_projections(model)
+
+    def run():  # the prefill and a two-row decode, then row 2's next token alone
+        both = _prefill_and_decode(model)
+        return (*both, _forward(model, [[14]], [[5]], [2], attn_len=16).logits)
+
+    def close(got, want):
+        for x, y in zip(got, want):
+            torch.testing.assert_close(x, y, atol=1e-4 * y.abs().max().item(), rtol=1e-4)
+
+    want = run()
+    layer = model.model.layers[0]
+    g1 = layer.input_layernorm.weight.clone()
+    w_qkv = layer.self_attn.qkv_weight.clone()
+    use_skinny_gemm(model)
+    assert all(type(layer) is DecoderLayer for layer in model.model.layers)  # the CPU, fp32
+    monkeypatch.setattr(transforms, "norms_fusable", lambda layer: True)
+    use_skinny_gemm(model)
+    assert all(type(layer) is NormFusedDecoderLayer for layer in model.model.layers)
+    assert torch.equal(layer.input_layernorm.weight, torch.ones_like(g1))
+    assert torch.equal(layer.self_attn.qkv_weight, w_qkv * g1)
+    assert torch.equal(layer.self_attn.q_proj.weight, (w_qkv * g1)[: g1.shape[0]])  # the views
+    close(run(), want)  # the CPU: no kernel
+
+    calls = []
+    launch = skinny._launch
+    monkeypatch.setattr(skinny, "_takes_kernel", skinny.supports)  # fp32, one row too
+    monkeypatch.setattr(
+        skinny,
+        "_launch",
+        lambda x, *a, **k: (
+            calls.append((x.shape[0], "eps" in k, "residual" in k)) or launch(x, *a, **k)
+        ),
+    )
+    close(run(), want)
+    rows = {m for m, *_ in calls}
+    assert {1, 2, 8} <= rows, calls  # the one-row and the MMA paths
+    for m in rows:  # per forward and layer: q/k/v and gate/up normed, o and down added
+        kinds = [c[1:] for c in calls if c[0] == m]
+        assert kinds.count((True, False)) == kinds.count((False, True)) > 0, (m, kinds)
+    use_skinny_gemm(model, norms=False)
+    assert all(type(layer) is DecoderLayer for layer in model.model.layers)
+    use_skinny_gemm(model)
+    use_skinny_gemm(model, on=False)
+    assert all(type(layer) is DecoderLayer for layer in model.model.layers)
+    assert torch.equal(layer.self_attn.qkv_weight, w_qkv * g1)  # folded once
 
 
 @pytest.mark.gpu
