@@ -25,7 +25,9 @@ length).
                (`split_kv`, the default backend: `draftkernels.decode_attention`);
     fusion     `qkv`, `gateup` (`draftinfer.models.transforms.fuse_projections`);
     GEMMs      `skinny` (`transforms.use_skinny_gemm`: the skinny-GEMM kernel, the runner's
-               CUDA default; without it cuBLAS, or inductor's reductions under CDT);
+               CUDA default; without it cuBLAS, or inductor's reductions under CDT), `norms`
+               (with `skinny`, `qkv` and `gateup`: the decoder layers' RMSNorms and residual
+               adds inside the GEMMs, `NormFusedDecoderLayer`, the runner's default);
     compile    `nocdt` (this variant compiled without coordinate-descent tuning);
     launch     `pdl` (programmatic dependent launch: inductor's kernels, `triton.enable_pdl`,
                and ours, `draftkernels.runtime.PDL`), `pdlk` (ours only), `pdli` (inductor's
@@ -63,7 +65,7 @@ GPT_FAST_INDUCTOR = {  # gpt-fast generate.py, set at import there
     "fx_graph_cache": True,
 }
 ATTENTIONS = ("gather", "sdpa", "maths", "splitkv")
-FEATURES = ("qkv", "gateup", "skinny", "nocdt", "pdl", "pdlk", "pdli")
+FEATURES = ("qkv", "gateup", "skinny", "norms", "nocdt", "pdl", "pdlk", "pdli")
 
 
 # ---- the two models -------------------------------------------------------------------
@@ -151,6 +153,7 @@ def parse_variant(spec: str) -> dict:
         "qkv": "qkv" in parts,
         "gateup": "gateup" in parts,
         "skinny": "skinny" in parts,
+        "norms": "norms" in parts,
         "cdt": "nocdt" not in parts,
         "pdl_kernels": "pdl" in parts or "pdlk" in parts,
         "pdl_inductor": "pdl" in parts or "pdli" in parts,
@@ -177,7 +180,7 @@ def apply_variant(model, v: dict, fused: dict) -> None:
         "splitkv": "split_kv",
     }
     use_attention(model, backends[v["attention"]])
-    use_skinny_gemm(model, on=v["skinny"])
+    use_skinny_gemm(model, on=v["skinny"], norms=v["norms"])
 
 
 # ---- measurement helpers ----------------------------------------------------------------

@@ -44,7 +44,8 @@ vocabulary 32000. Weights are random bf16 (time does not depend on training).
   (`draftinfer.models.transforms.fuse_projections`, the same weights) and GEMMs of <= 16 rows
   of target and drafters by the skinny-GEMM kernel (`use_skinny_gemm`; `--no-skinny`: cuBLAS),
   SwiGLU's product as the gate/up GEMM's epilogue (`--swiglu on`, the runner's default; `off`
-  runs it after the GEMM, `both` times each way in one process).
+  runs it after the GEMM, `both` times each way in one process), the target's decoder layers'
+  RMSNorms and residual adds inside those GEMMs (`--norms on`, the runner's default; `off`, `both`).
 
 Before timing: a sync check (K=4, each kind, each batch, rounds under
 `torch.cuda.set_sync_debug_mode("error")`) and a losslessness check (speculative tokens equal
@@ -396,34 +397,39 @@ def bench_target(name: str, a, device, dtype, batches, ks, kinds) -> dict:
     }
     res["build_s"] = round(time.perf_counter() - t0, 1)
     swiglus = {"on": [True], "off": [False], "both": [False, True]}[a.swiglu]
+    normss = {"on": [True], "off": [False], "both": [False, True]}[a.norms]
+    combos = [(s, n) for s in swiglus for n in (normss if s else [False])]
     for fused in [True] if a.fuse_only else [False, True] if a.fuse else [False]:
-        for i, swiglu in enumerate(swiglus if fused else [False]):
+        for i, (swiglu, norms) in enumerate(combos if fused else [(False, False)]):
             if fused:
                 from draftinfer.models.transforms import fuse_projections, use_skinny_gemm
 
                 for module in [target, *drafters.values()]:
                     if i == 0:  # same weights, one GEMM for q/k/v and for gate/up
                         fuse_projections(module)
-                    use_skinny_gemm(module, on=not a.no_skinny, swiglu=swiglu)
+                    use_skinny_gemm(module, on=not a.no_skinny, swiglu=swiglu, norms=norms)
                 torch._dynamo.reset()  # recompile every function over the changed modules
             sw = fused and swiglu
+            nm = sw and norms and not a.no_skinny
             for j, setting in enumerate(a.inductor.split(",")):
                 if j:
                     torch._dynamo.reset()
                 enable_pdl(setting in KERNEL_PDL)  # for what is compiled and captured next
                 for b in batches:
-                    bench_batch(a, res, target, drafters, b, ks, device, sw, name, fused, setting)
+                    bench_batch(
+                        a, res, target, drafters, b, ks, device, sw, name, fused, setting, nm
+                    )
                 enable_pdl(False)
     res["total_s"] = round(time.perf_counter() - t0, 1)
     return res
 
 
 def bench_batch(
-    a, res, target, drafters, b, ks, device, swiglu, name, fused, setting="default"
+    a, res, target, drafters, b, ks, device, swiglu, name, fused, setting="default", norms=False
 ) -> None:
     """The plain steps and every (kind, K, graphs) round at batch `b` under the inductor
     `setting`, appended to `res`."""
-    tag = f"{b}{' fused' if fused else ''}{' swiglu' if swiglu else ''}"
+    tag = f"{b}{' fused' if fused else ''}{' swiglu' if swiglu else ''}{' norms' if norms else ''}"
     tag += "" if setting == "default" else f" {setting}"
     opts = INDUCTOR_OPTIONS[setting]
     reqs = image_prompts(target, b, a.context)
@@ -503,6 +509,7 @@ def bench_batch(
                 "batch": b,
                 "fused": fused,
                 "swiglu": swiglu,
+                "norms": norms,
                 "round_graphs": graphs,
                 "pipeline": pipe,
                 "inductor": setting,
@@ -544,7 +551,7 @@ def print_summary(res: dict, batches, kinds) -> None:
             f"batch {tag}: ours plain step {p['ms']:.3f} ms compiled, "
             f"{p.get('cuda_graph_ms', float('nan')):.3f} ms compiled + CUDA graph"
         )
-    cols = ["kind", "k", "batch", "fused", "swiglu", "round_graphs", "pipeline"]
+    cols = ["kind", "k", "batch", "fused", "swiglu", "norms", "round_graphs", "pipeline"]
     if any(r.get("inductor", "default") != "default" for r in res["rows"]):
         cols.append("inductor")
     cols += ["t_round_ms"]
@@ -626,6 +633,14 @@ def main() -> int:
         choices=["on", "off", "both"],
         help="fused target: SwiGLU's product as the gate/up skinny GEMM's epilogue "
         "(`use_skinny_gemm(swiglu=...)`, the default); both = time each way, in this process",
+    )
+    ap.add_argument(
+        "--norms",
+        default="on",
+        choices=["on", "off", "both"],
+        help="fused target with the SwiGLU epilogue: its decoder layers' norms and residual "
+        "adds inside the skinny GEMMs (`use_skinny_gemm(norms=...)`, the default); both = "
+        "time each way, in this process",
     )
     ap.add_argument(
         "--inductor",
