@@ -410,7 +410,14 @@ def bench_target(name: str, a, device, dtype, batches, ks, kinds) -> dict:
                     use_skinny_gemm(module, on=not a.no_skinny, swiglu=swiglu, norms=norms)
                 torch._dynamo.reset()  # recompile every function over the changed modules
             sw = fused and swiglu
-            nm = sw and norms and not a.no_skinny
+            nm = False  # the target's layers run their norms in the GEMMs (CUDA only)
+            if fused:
+                from draftinfer.models.transforms import NormFusedDecoderLayer
+
+                nm = any(isinstance(m, NormFusedDecoderLayer) for m in target.modules())
+                if norms and not nm and len(normss) > 1:
+                    print("--norms both: this target's layers cannot fuse their norms here")
+                    continue
             for j, setting in enumerate(a.inductor.split(",")):
                 if j:
                     torch._dynamo.reset()
