@@ -335,7 +335,7 @@ if TRITON:
     ):
         """The swapped MMA path with tensor-memory-accelerator loads (variant "tma"): bulk
         copies of the weight and x tiles into shared memory, out-of-range rows and columns
-        zero-filled by the copy engine, so no masks in the loop (no RMSNorm prologue: a
+        zero-filled by the copy engine, so no masks in the loop (no `NORM` mode: a
         normalised input takes the swapped pointer path)."""
         pdl_enter(PDL)
         off_n = tl.program_id(0) * BLOCK_N
