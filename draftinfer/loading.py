@@ -35,7 +35,8 @@ def load_weights(model: NativeCausalLM, files: Iterable[Path], extra_layers: int
     """Copy safetensors tensors into `model` by HF name (cast to the model's dtype/device);
     every parameter must be present, and no unknown tensor may be left over, except the
     `extra_layers` decoder layers past the model's own (MTP modules stitched into the target
-    checkpoint, `num_nextn_predict_layers`), which belong to a drafter."""
+    checkpoint, `num_nextn_predict_layers`), which belong to a drafter. Then every module's
+    `after_load_weights()`, where it has one (a serving transform's fold, redone)."""
     from safetensors import SafetensorError, safe_open
 
     params = dict(model.named_parameters())  # a tied head appears once, as embed_tokens
@@ -79,6 +80,10 @@ def load_weights(model: NativeCausalLM, files: Iterable[Path], extra_layers: int
             f"checkpoint has tensor(s) the native {model.config.architecture} does not use: "
             f"{', '.join(unknown[:3])}{more}"
         )
+    for m in model.modules():  # a serving transform that derived tensors from the weights
+        hook = getattr(m, "after_load_weights", None)
+        if hook is not None:
+            hook()
 
 
 def load_native_config(path: str | Path) -> tuple[type[NativeCausalLM], NativeConfig, Path]:

@@ -123,6 +123,10 @@ class NormFusedDecoderLayer(DecoderLayer):
         mid = skinny.rms_swiglu(h, eps2, m.gate_up_weight, m.gate_up_bias)
         return skinny.linear_add(mid, m.down_proj.weight, m.down_proj.bias, h)
 
+    def after_load_weights(self) -> None:
+        """`load_weights` wrote the checkpoint's projections and norm weights: fold again."""
+        fold_norm_weights(self)
+
 
 def norms_fusable(layer: DecoderLayer) -> bool:
     """Whether `use_skinny_gemm` makes `layer` a `NormFusedDecoderLayer`: fused q/k/v and

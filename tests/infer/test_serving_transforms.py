@@ -279,6 +279,29 @@ def test_norm_fused_layers_run_the_norms_and_adds_in_the_gemms(monkeypatch):
     assert torch.equal(layer.self_attn.qkv_weight, w_qkv * g1)  # folded once
 
 
+def test_weights_loaded_into_a_norm_fused_model_are_folded_again(tmp_path, monkeypatch):
+    """`load_weights` into a model whose layers fold their norms (the checkpoint's own
+    projections and norm weights written through the views) folds again: the checkpoint's
+    outputs, not its projections with the norms' weights dropped."""
+    from safetensors.torch import save_file
+
+    from draftinfer.models import transforms
+
+    src = _biased_model(seed=1)
+    want = _prefill_and_decode(src)
+    save_file({k: v.contiguous() for k, v in src.state_dict().items()}, tmp_path / "m.safetensors")
+    model = _biased_model(seed=2)
+    fuse_projections(model)
+    monkeypatch.setattr(transforms, "norms_fusable", lambda layer: True)
+    use_skinny_gemm(model)
+    load_weights(model, [tmp_path / "m.safetensors"])
+    layer = model.model.layers[1]
+    assert torch.equal(layer.post_attention_layernorm.weight, torch.ones(48))
+    model.setup_caches(3, 40)
+    for x, y in zip(_prefill_and_decode(model), want):
+        torch.testing.assert_close(x, y, atol=1e-4 * y.abs().max().item(), rtol=1e-4)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_skinny_gemm_serves_the_same_logits_on_cuda(monkeypatch):
