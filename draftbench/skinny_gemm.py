@@ -11,7 +11,9 @@ Each time is one call with a cold L2: the graph cycles through copies of the wei
 means of ten replays, microseconds; `GB/s` is the weight bytes over the kernel's time.
 The `step` rows add up one decode step's GEMMs (32 layers of qkv, o, gate_up, down, and the
 head). Without `--shapes`, the fused gate/up at each row count above one also runs with
-SwiGLU's product as its epilogue against the GEMM then the product (`swiglu` in the JSON). `--sweep` times every config of `CONFIGS` per (M class, shape) and prints the fastest
+SwiGLU's product as its epilogue against the GEMM then the product (`swiglu` in the JSON), and
+q/k/v, gate/up and o with a decoder layer's norm or residual add inside the launch against a
+compiled norm or add kernel beside the GEMM (`norms`). `--sweep` times every config of `CONFIGS` per (M class, shape) and prints the fastest
 as a `TABLE` literal for `kernels/skinny_gemm.py`. Needs CUDA; exits 0 with a message without.
 """
 
@@ -135,6 +137,52 @@ def swiglu_rows(sg, device, rows_m) -> list[dict]:
     return out
 
 
+def norm_rows(sg, device, rows_m) -> list[dict]:
+    """A decoder layer's norms and residual adds inside the GEMMs against the kernels apart,
+    cold L2, us: q/k/v (mode `rms`: the RMS normalisation in the GEMM, the norm's weight
+    folded into W) against a compiled norm kernel then the GEMM; gate/up the same with
+    SwiGLU's epilogue at 2+ rows; o (mode `add`: the residual as the epilogue) against the
+    GEMM then a compiled add. Each row's error against the reference first."""
+    norm = torch.compile(sg.rms_norm_ref)
+    add = torch.compile(torch.add)
+    out = []
+    for name, mode in (("qkv", "rms"), ("gate_up", "rms"), ("o", "add")):
+        N, K = SHAPES[name]
+        ws = weights(N, K, device)
+        for M in rows_m:
+            sw = name == "gate_up" and M > 1  # one row: the GEMM (the product apart)
+            x = torch.randn(M, K, device=device, dtype=torch.bfloat16) * 3
+            if mode == "rms":
+                ref = sg.skinny_rms_swiglu_ref if sw else sg.skinny_rms_gemm_ref
+                want = ref(x, 1e-5, ws[0], None).float()
+                got = sg._launch(x, ws[0], None, swiglu=sw, eps=1e-5).float()
+                fused = cold_us(
+                    lambda x, w, sw=sw: sg._launch(x, w, None, swiglu=sw, eps=1e-5), x, ws
+                )
+                apart = cold_us(
+                    lambda x, w, sw=sw: sg._launch(norm(x, None, 1e-5), w, None, swiglu=sw), x, ws
+                )
+            else:
+                r = torch.randn(M, N, device=device, dtype=torch.bfloat16)
+                want = sg.skinny_gemm_add_ref(x, ws[0], None, r).float()
+                got = sg._launch(x, ws[0], None, residual=r).float()
+                fused = cold_us(lambda x, w, r=r: sg._launch(x, w, None, residual=r), x, ws)
+                apart = cold_us(lambda x, w, r=r: add(sg._launch(x, w, None), r), x, ws)
+            row = {
+                "shape": name,
+                "mode": mode,
+                "M": M,
+                "max_rel_err": (got - want).abs().max().item() / max(1.0, want.abs().max().item()),
+                "gemm_us": cold_us(lambda x, w, sw=sw: sg._launch(x, w, None, swiglu=sw), x, ws),
+                "apart_us": apart,
+                "fused_us": fused,
+            }
+            out.append(row)
+            print(json.dumps({"norms": name, **row}), flush=True)
+        del ws
+    return out
+
+
 def sweep(sg, device, classes=(1, "m16"), shapes=None) -> tuple[dict, list[dict]]:
     """Fastest config per (M class, shape) and every timing (a config that fails to compile
     or to match the reference is skipped)."""
@@ -236,6 +284,7 @@ def main() -> int:
                 print(json.dumps(rows[-1]), flush=True)
             del ws
     swiglu = swiglu_rows(sg, dev, [M for M in rows_m if M > 1]) if not a.shapes else []
+    norms = norm_rows(sg, dev, rows_m) if not a.shapes else []
     for M in rows_m if all(name in {r["shape"] for r in rows} for name in STEP) else []:
         sel = [r for r in rows if r["M"] == M and r["shape"] in STEP]
         tot = {
@@ -268,6 +317,7 @@ def main() -> int:
                     "table": table,
                     "rows": rows,
                     "swiglu": swiglu,
+                    "norms": norms,
                     "sweep": log,
                 },
                 indent=1,
