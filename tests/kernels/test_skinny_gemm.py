@@ -254,26 +254,68 @@ def test_enable_pdl_turns_ours_and_inductors_on_together(monkeypatch):
     assert not runtime.PDL["on"] and not inductor_config.triton.enable_pdl
 
 
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the interpreter, PDL's waits as no-ops")
+@pytest.mark.parametrize(
+    "case", CASES, ids=lambda c: "x".join(map(str, c[:4])) + "".join(f"-{v}" for v in c[4][4:])
+)
+def test_pdl_branches_compute_what_the_plain_launch_does(case, monkeypatch):
+    """The kernels' PDL branches (the first weight tile read before the wait, the loop from
+    the second tile: one row, MMA, swapped, copy engine; SwiGLU's up rows, the norm's sums of
+    squares, the residual) give the plain launch's bits, tiles that do and do not divide
+    included. The interpreter has no `griddepcontrol`: the wait is a no-op here and the
+    ordering itself is checked on a Hopper GPU (`test_pdl_launch_gives_the_same_bits_in_a_
+    chain`)."""
+    import triton.language.extra.cuda as cuda_ext
+
+    monkeypatch.setattr(cuda_ext, "gdc_wait", lambda *a, **k: None)
+    monkeypatch.setattr(cuda_ext, "gdc_launch_dependents", lambda *a, **k: None)
+    M, N, K, bias, cfg = case
+    x, w, b = make(M, N, K, torch.float32, bias)
+    r = torch.randn(M, N, generator=torch.Generator().manual_seed(3))
+    outs = []
+    for on in (False, True):
+        monkeypatch.setattr(sg, "pdl", lambda device, on=on: on)
+        ys = [sg._launch(x, w, b, cfg), sg._launch(x, w, b, cfg, eps=1e-5)]
+        ys.append(sg._launch(x, w, b, cfg, residual=r))
+        if N % 2 == 0:
+            ys.append(sg._launch(x, w, b, cfg, swiglu=True))
+        outs.append(ys)
+    for i, (a, c) in enumerate(zip(*outs)):
+        assert torch.equal(a, c), i
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper (or later) GPU")
 @pytest.mark.parametrize("M", [1, 4, 8])
 def test_pdl_launch_gives_the_same_bits_in_a_chain(M, monkeypatch):
     """Launched with programmatic dependent launch (`runtime.PDL`; the one-row path reads its
     first weight tile before the wait) the kernel returns the bits it returns without, on
-    Llama-3.1-8B's shapes and SwiGLU's epilogue; and a chain of four GEMMs, each reading the
-    one before it, replayed from a CUDA graph on new inputs, gives the chain's bits without
-    PDL (a read before the previous kernel's write would see the last replay's values)."""
+    Llama-3.1-8B's shapes, SwiGLU's epilogue, the norm and the residual modes; and a chain of
+    four GEMMs, each reading the one before it, replayed from a CUDA graph on new inputs,
+    gives the chain's bits without PDL (a read before the previous kernel's write would see
+    the last replay's values)."""
     from draftkernels.runtime import PDL
+
+    def launches(x, w, r):
+        ys = [sg._launch(x, w, None), sg._launch(x, w, None, eps=1e-5)]
+        ys.append(sg._launch(x, w, None, residual=r))
+        if M > 1:
+            ys += [
+                sg._launch(x, w, None, swiglu=True),
+                sg._launch(x, w, None, swiglu=True, eps=1e-5),
+            ]
+        return ys
 
     shapes = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096))
     for N, K in shapes:
         x, w, _ = make(M, N, K, torch.bfloat16, seed=N)
+        r = torch.randn(M, N, device=DEVICE, dtype=torch.bfloat16)
         monkeypatch.setitem(PDL, "on", False)
-        want = [sg._launch(x, w, None)] + ([sg._launch(x, w, None, swiglu=True)] if M > 1 else [])
+        want = launches(x, w, r)
         monkeypatch.setitem(PDL, "on", True)
-        got = [sg._launch(x, w, None)] + ([sg._launch(x, w, None, swiglu=True)] if M > 1 else [])
-        for a, b in zip(want, got):
-            assert torch.equal(a, b), (N, K, M)
+        got = launches(x, w, r)
+        for i, (a, b) in enumerate(zip(want, got)):
+            assert torch.equal(a, b), (N, K, M, i)
     ws = [make(1, 4096, 4096, torch.bfloat16, seed=s)[1] for s in range(4)]
 
     def chain(x):
