@@ -63,7 +63,7 @@ import time
 from pathlib import Path
 
 import torch
-from draftkernels.runtime import enable_pdl
+from draftkernels.runtime import enable_pdl, pdl
 
 from draftbench.shapes import (
     DRAFT_VOCAB,
@@ -269,15 +269,19 @@ def breakdown_ms(dec, target, k: int, context: int, profile: int = 0) -> dict:
     return out
 
 
-# `--inductor`: settings our compiled round (and plain step) runs with.
-# `pdl`: programmatic dependent launch for inductor's kernels and ours, both set by the one
-# switch `draftkernels.runtime.enable_pdl` (so no per-compile options of its own).
+# `--inductor`: settings our compiled round (and plain step) runs with. `default`: the
+# runner's CUDA default, programmatic dependent launch for inductor's kernels and ours (both
+# set by the one switch `draftkernels.runtime.enable_pdl`, so no per-compile options of its
+# own; `InferConfig.pdl`); `nopdl` without it (the default before 2026-11-27's session 16,
+# when `pdl` named what `default` is now: still accepted); `cdt` the default plus coordinate
+# descent tuning.
 INDUCTOR_OPTIONS = {
     "default": None,
-    "cdt": {"coordinate_descent_tuning": True},
+    "nopdl": None,
     "pdl": None,
+    "cdt": {"coordinate_descent_tuning": True},
 }
-KERNEL_PDL = {"pdl"}
+KERNEL_PDL = {"default", "pdl", "cdt"}
 
 
 def prompts(batch: int, context: int, vocab: int) -> list[list[int]]:
@@ -520,6 +524,7 @@ def bench_batch(
                 "round_graphs": graphs,
                 "pipeline": pipe,
                 "inductor": setting,
+                "pdl": pdl(device),
                 "t_round_ms": round(t_round, 4),
                 "t_gptfast_ms": gf_ms,
                 "ratio_vs_gptfast": round(t_round / gf_ms, 3),
@@ -561,6 +566,7 @@ def print_summary(res: dict, batches, kinds) -> None:
     cols = ["kind", "k", "batch", "fused", "swiglu", "norms", "round_graphs", "pipeline"]
     if any(r.get("inductor", "default") != "default" for r in res["rows"]):
         cols.append("inductor")
+    cols.append("pdl")
     cols += ["t_round_ms"]
     cols += ["ratio_vs_gptfast"]
     cols += ["ratio_vs_graph", "ratio"]
@@ -653,8 +659,8 @@ def main() -> int:
         "--inductor",
         default="default",
         help="inductor settings of our compiled round and plain step, comma-separated, each "
-        f"timed in this process ({', '.join(INDUCTOR_OPTIONS)}; cdt: coordinate descent, "
-        "pdl: programmatic dependent launch)",
+        f"timed in this process ({', '.join(INDUCTOR_OPTIONS)}; default: the runner's, with "
+        "programmatic dependent launch; nopdl: without it; cdt: plus coordinate descent)",
     )
     ap.add_argument(
         "--graph-only",

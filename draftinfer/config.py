@@ -72,6 +72,11 @@ class InferConfig:
     # = on for CUDA. On one H100 a Llama-3.1-8B decode step's GEMMs take 0.90x cuBLAS's time
     # (docs/results.md).
     skinny_gemm: bool | None = None
+    # Launch the kernels with programmatic dependent launch (`draftkernels.runtime.enable_pdl`:
+    # this package's and inductor's, Hopper and later GPUs; a kernel scheduled while the one
+    # before it finishes, waiting before it reads what that one wrote; the same bits). null
+    # (the default) = on for CUDA (docs/inference.md, docs/results.md).
+    pdl: bool | None = None
     # Replay each round from a CUDA graph (`draftinfer.graphs`; CUDA only, best with compile).
     cuda_graphs: bool = False
     # Launch each round before reading the previous one back (`SpecDecoder(pipeline=)`: the

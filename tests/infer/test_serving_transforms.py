@@ -217,6 +217,26 @@ def test_skinny_gemm_swaps_every_linear_and_back(tiny_llama3_dir):
     assert all(layer.self_attn.linear is F.linear for layer in model.model.layers)
 
 
+@pytest.mark.parametrize(
+    "device,setting,want", [("cuda", None, True), ("cpu", None, False), ("cuda", False, False)]
+)
+def test_the_runner_launches_with_pdl_on_cuda_by_default(device, setting, want, monkeypatch):
+    """`InferConfig.pdl`: null = programmatic dependent launch on for CUDA, ours and
+    inductor's together (`serving_transforms`; the launch itself is checked on a GPU by the
+    kernels' `-k pdl` tests and the rounds' tests); false or the CPU leave it off."""
+    import torch._inductor.config as inductor_config
+    from draftkernels import runtime
+
+    from draftinfer.config import InferConfig
+    from draftinfer.run import serving_transforms
+
+    monkeypatch.setitem(runtime.PDL, "on", not want)
+    monkeypatch.setattr(inductor_config.triton, "enable_pdl", not want)
+    cfg = InferConfig(drafter="d", pdl=setting, fuse_projections=False, skinny_gemm=False)
+    serving_transforms(cfg, None, None, torch.device(device))
+    assert runtime.PDL["on"] is want and inductor_config.triton.enable_pdl is want
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's fp32 kernel")
 def test_norm_fused_layers_run_the_norms_and_adds_in_the_gemms(monkeypatch):
     """`use_skinny_gemm` turns a target's decoder layers (fused projections; on CUDA in
