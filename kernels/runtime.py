@@ -45,9 +45,10 @@ def check_tensor(t: torch.Tensor, name: str, dtypes: tuple[torch.dtype, ...], sh
 # while the kernel before it in the stream is still running; it waits (`griddepcontrol.wait`:
 # the earlier kernel complete, its writes visible) before it touches memory an earlier kernel
 # may write, and then lets the kernel after it be scheduled (`launch_dependents`). Kernels
-# without it in between are serialised as usual. Off by default; `enable_pdl()` or
+# without it in between are serialised as usual. Off at import; `enable_pdl()` or
 # `DRAFTKERNELS_PDL=1` turns it on for these kernels and inductor's together (ours alone,
-# between inductor's kernels launched the usual way, measured slower: docs/results.md).
+# between inductor's kernels launched the usual way, measured slower: docs/results.md), and
+# the runner does so for its job on CUDA (`draftinfer.config.InferConfig.pdl`).
 PDL = {"on": False}
 
 
