@@ -5,7 +5,9 @@
 #   usage: bash scripts/gpu_suite.sh [tests|tests-rounds|tests-rest|bench-1|bench-8|all]
 # A cold machine compiles the rounds' GPU tests (T1, no host sync, B4: ~330 s for the last two
 # in session 8) too slowly to run everything in one 10-minute call: take `tests-rounds` and
-# `tests-rest` as two calls there (`tests` runs both).
+# `tests-rest` as two calls there (`tests` runs both). The tests build their `SpecDecoder`s
+# without programmatic dependent launch; `DRAFTKERNELS_PDL=1 bash scripts/gpu_suite.sh ...`
+# runs them as the runner runs its job on CUDA (`InferConfig.pdl`, docs/inference.md).
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
