@@ -30,8 +30,8 @@ length).
                adds inside the GEMMs, `NormFusedDecoderLayer`, the runner's default);
     compile    `nocdt` (this variant compiled without coordinate-descent tuning);
     launch     `pdl` (programmatic dependent launch: inductor's kernels, `triton.enable_pdl`,
-               and ours, `draftkernels.runtime.PDL`; the runner's CUDA default), `pdlk` (ours
-               only), `pdli` (inductor's only).
+               and ours, `draftkernels.runtime.PDL`; the runner's default when it compiles on
+               CUDA), `pdlk` (ours only), `pdli` (inductor's only).
 - Inductor settings (`--inductor gpt-fast`, the default) are gpt-fast generate.py's, for both
   models: `coordinate_descent_tuning` (which also turns batch-1 GEMVs into Triton reductions),
   `triton.unique_kernel_names`, `fx_graph_cache`, the AOT autograd cache.

@@ -270,11 +270,11 @@ def breakdown_ms(dec, target, k: int, context: int, profile: int = 0) -> dict:
 
 
 # `--inductor`: settings our compiled round (and plain step) runs with. `default`: the
-# runner's CUDA default, programmatic dependent launch for inductor's kernels and ours (both
-# set by the one switch `draftkernels.runtime.enable_pdl`, so no per-compile options of its
-# own; `InferConfig.pdl`); `nopdl` without it (the default before 2026-11-27's session 16,
-# when `pdl` named what `default` is now: still accepted); `cdt` the default plus coordinate
-# descent tuning.
+# runner's compiled CUDA default, programmatic dependent launch for inductor's kernels and
+# ours (both set by the one switch `draftkernels.runtime.enable_pdl`, so no per-compile
+# options of its own; `InferConfig.pdl`); `nopdl` without it (the default before 2026-11-27's
+# session 16, when `pdl` named what `default` is now: still accepted); `cdt` the default plus
+# coordinate descent tuning.
 INDUCTOR_OPTIONS = {
     "default": None,
     "nopdl": None,

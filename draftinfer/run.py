@@ -116,15 +116,16 @@ def load_served_drafter(cfg: InferConfig, target, device: torch.device, dtype: t
 def serving_transforms(cfg: InferConfig, target, drafter, device: torch.device) -> None:
     """How the runner's kernels run (`draftinfer.models.transforms`; the same weights and
     maths): q/k/v and gate/up fused into one GEMM each in target and drafter
-    (`cfg.fuse_projections`), the skinny-GEMM kernel for both (`cfg.skinny_gemm`), and
-    programmatic dependent launch for what is compiled and launched from here on
-    (`cfg.pdl`; a process-wide switch, this job's); null = on for CUDA."""
+    (`cfg.fuse_projections`), the skinny-GEMM kernel for both (`cfg.skinny_gemm`); null = on
+    for CUDA. And programmatic dependent launch for what is compiled and launched from here on
+    (`cfg.pdl`; a process-wide switch, this job's); null = on for CUDA with `cfg.compile`
+    (measured there, between inductor's kernels)."""
     from draftkernels.runtime import enable_pdl
 
     from draftinfer.models.transforms import fuse_projections, use_skinny_gemm
 
     cuda = device.type == "cuda"
-    enable_pdl(cuda if cfg.pdl is None else cfg.pdl)
+    enable_pdl(cuda and cfg.compile if cfg.pdl is None else cfg.pdl)
     if cuda if cfg.fuse_projections is None else cfg.fuse_projections:
         fuse_projections(target)
         fuse_projections(drafter)

@@ -40,12 +40,12 @@ The config (`BLOCK_N`, `BLOCK_K`, warps, stages) comes from `config(M, N, K)`, a
 measured by `python -m draftbench.skinny_gemm --sweep` (one per M class and weight shape,
 a default elsewhere); no autotuning at run time, so a CUDA graph captures one fixed kernel.
 
-Launched with programmatic dependent launch (`runtime.pdl`; the runner's CUDA default,
-`InferConfig.pdl`) a program waits for the kernels before it (`runtime.pdl_enter`) before it
-reads x or writes y; the one-row path reads its first weight tile before that wait (no kernel
-writes the weights). The MMA paths read nothing before it: their first tile read ahead so (a
-stage of shared memory more) made a Llama layer's four launches at 8 rows 1% slower on an
-H100 (`docs/results.md`, session 16).
+Launched with programmatic dependent launch (`runtime.pdl`; the runner's default when it
+compiles on CUDA, `InferConfig.pdl`) a program waits for the kernels before it
+(`runtime.pdl_enter`) before it reads x or writes y; the one-row path reads its first weight
+tile before that wait (no kernel writes the weights). The MMA paths read nothing before it:
+their first tile read ahead so (a stage of shared memory more) made a Llama layer's four
+launches at 8 rows 1% slower on an H100 (`docs/results.md`, session 16).
 
 `skinny_gemm_ref` (and `skinny_swiglu_ref`, `skinny_rms_gemm_ref`, `skinny_rms_swiglu_ref`,
 `skinny_gemm_add_ref`) is the pure-torch reference with the same signature (fp32 maths, test

@@ -218,12 +218,22 @@ def test_skinny_gemm_swaps_every_linear_and_back(tiny_llama3_dir):
 
 
 @pytest.mark.parametrize(
-    "device,setting,want", [("cuda", None, True), ("cpu", None, False), ("cuda", False, False)]
+    "device,compile_,setting,want",
+    [
+        ("cuda", True, None, True),
+        ("cuda", False, None, False),
+        ("cpu", True, None, False),
+        ("cuda", True, False, False),
+        ("cuda", False, True, True),
+    ],
 )
-def test_the_runner_launches_with_pdl_on_cuda_by_default(device, setting, want, monkeypatch):
-    """`InferConfig.pdl`: null = programmatic dependent launch on for CUDA, ours and
-    inductor's together (`serving_transforms`; the launch itself is checked on a GPU by the
-    kernels' `-k pdl` tests and the rounds' tests); false or the CPU leave it off."""
+def test_the_runner_launches_with_pdl_when_it_compiles_on_cuda(
+    device, compile_, setting, want, monkeypatch
+):
+    """`InferConfig.pdl`: null = programmatic dependent launch on for CUDA with `compile`,
+    ours and inductor's together (`serving_transforms`; the launch itself is checked on a GPU
+    by the kernels' `-k pdl` tests and the rounds' tests); eager, the CPU or `pdl=false` leave
+    it off, `pdl=true` turns it on."""
     import torch._inductor.config as inductor_config
     from draftkernels import runtime
 
@@ -232,7 +242,9 @@ def test_the_runner_launches_with_pdl_on_cuda_by_default(device, setting, want, 
 
     monkeypatch.setitem(runtime.PDL, "on", not want)
     monkeypatch.setattr(inductor_config.triton, "enable_pdl", not want)
-    cfg = InferConfig(drafter="d", pdl=setting, fuse_projections=False, skinny_gemm=False)
+    cfg = InferConfig(
+        drafter="d", pdl=setting, compile=compile_, fuse_projections=False, skinny_gemm=False
+    )
     serving_transforms(cfg, None, None, torch.device(device))
     assert runtime.PDL["on"] is want and inductor_config.triton.enable_pdl is want
 
