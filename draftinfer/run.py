@@ -119,13 +119,15 @@ def serving_transforms(cfg: InferConfig, target, drafter, device: torch.device) 
     (`cfg.fuse_projections`), the skinny-GEMM kernel for both (`cfg.skinny_gemm`); null = on
     for CUDA. And programmatic dependent launch for what is compiled and launched from here on
     (`cfg.pdl`; a process-wide switch, this job's); null = on for CUDA with `cfg.compile`
-    (measured there, between inductor's kernels)."""
+    (measured there, between inductor's kernels), elsewhere as the process has it
+    (`DRAFTKERNELS_PDL`)."""
     from draftkernels.runtime import enable_pdl
 
     from draftinfer.models.transforms import fuse_projections, use_skinny_gemm
 
     cuda = device.type == "cuda"
-    enable_pdl(cuda and cfg.compile if cfg.pdl is None else cfg.pdl)
+    if cfg.pdl is not None or (cuda and cfg.compile):
+        enable_pdl(cuda and cfg.compile if cfg.pdl is None else cfg.pdl)
     if cuda if cfg.fuse_projections is None else cfg.fuse_projections:
         fuse_projections(target)
         fuse_projections(drafter)

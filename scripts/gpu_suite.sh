@@ -7,7 +7,7 @@
 # in session 8) too slowly to run everything in one 10-minute call: take `tests-rounds` and
 # `tests-rest` as two calls there (`tests` runs both). The tests build their `SpecDecoder`s
 # without programmatic dependent launch; `DRAFTKERNELS_PDL=1 bash scripts/gpu_suite.sh ...`
-# runs them as the runner runs its job on CUDA (`InferConfig.pdl`, docs/inference.md).
+# runs them as the runner compiles its job on CUDA (`InferConfig.pdl`, docs/inference.md).
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

@@ -218,30 +218,31 @@ def test_skinny_gemm_swaps_every_linear_and_back(tiny_llama3_dir):
 
 
 @pytest.mark.parametrize(
-    "device,compile_,setting,want",
+    "device,compile_,setting,before,want",
     [
-        ("cuda", True, None, True),
-        ("cuda", False, None, False),
-        ("cpu", True, None, False),
-        ("cuda", True, False, False),
-        ("cuda", False, True, True),
+        ("cuda", True, None, False, True),
+        ("cuda", False, None, False, False),
+        ("cuda", False, None, True, True),
+        ("cpu", True, None, False, False),
+        ("cuda", True, False, True, False),
+        ("cuda", False, True, False, True),
     ],
 )
 def test_the_runner_launches_with_pdl_when_it_compiles_on_cuda(
-    device, compile_, setting, want, monkeypatch
+    device, compile_, setting, before, want, monkeypatch
 ):
     """`InferConfig.pdl`: null = programmatic dependent launch on for CUDA with `compile`,
     ours and inductor's together (`serving_transforms`; the launch itself is checked on a GPU
-    by the kernels' `-k pdl` tests and the rounds' tests); eager, the CPU or `pdl=false` leave
-    it off, `pdl=true` turns it on."""
+    by the kernels' `-k pdl` tests and the rounds' tests); eager or on the CPU the switch
+    stays as the process set it (`DRAFTKERNELS_PDL`); `pdl=false` / `pdl=true` force it."""
     import torch._inductor.config as inductor_config
     from draftkernels import runtime
 
     from draftinfer.config import InferConfig
     from draftinfer.run import serving_transforms
 
-    monkeypatch.setitem(runtime.PDL, "on", not want)
-    monkeypatch.setattr(inductor_config.triton, "enable_pdl", not want)
+    monkeypatch.setitem(runtime.PDL, "on", before)
+    monkeypatch.setattr(inductor_config.triton, "enable_pdl", before)
     cfg = InferConfig(
         drafter="d", pdl=setting, compile=compile_, fuse_projections=False, skinny_gemm=False
     )
