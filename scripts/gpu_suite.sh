@@ -2,7 +2,10 @@
 # One device call: GPU tests (incl. the no-host-sync round), then the round benchmark at
 # Llama-3.1-8B shapes; results under $OUT (a short table printed last).
 #   carry: .whl (scripts/build_wheelhouse.sh)
-#   usage: bash scripts/gpu_suite.sh [tests|tests-rounds|tests-rest|bench-1|bench-8|all]
+#   usage: bash scripts/gpu_suite.sh [tests|tests-rounds|tests-rest|bench-1|bench-8|bars-a|bars-b|all]
+# `bars-a` / `bars-b`: issue 25's rounds at their bars' K (ptd 4, eagle3 3 / mtp 3, dflash 7),
+# batch 1, the runner's compiled default, beside gpt-fast's step (`peers/gpt-fast`, carried):
+# one call each (docs/results.md, "Where the performance bars stand").
 # A cold machine compiles the rounds' GPU tests (T1, no host sync, B4: ~330 s for the last two
 # in session 8) too slowly to run everything in one 10-minute call: take `tests-rounds` and
 # `tests-rest` as two calls there (`tests` runs both). The tests build their `SpecDecoder`s
@@ -35,6 +38,14 @@ if [ "$what" = tests ] || [ "$what" = tests-rest ] || [ "$what" = all ]; then
     tests/kernels/test_decode_attention.py tests/kernels/test_skinny_gemm.py \
     tests/infer/test_serving_transforms.py 2>&1 | tee -a "$OUT/pytest_gpu.log" | tail -3
 fi
+for half in a b; do
+  if [ "$what" = "bars-$half" ]; then
+    ks=$([ "$half" = a ] && echo ptd:4,eagle3:3 || echo mtp:3,dflash:7)
+    timeout 580 python3 -m draftbench.round --batches 1 --kinds "${ks//:[0-9]/}" --ks "$ks" \
+      --graph-only --fuse-only --breakdown --out "$OUT/bars_$half.json" 2>&1 \
+      | tee "$OUT/bars_$half.log" | grep -v Warn | tail -8
+  fi
+done
 for b in 1 8; do
   if [ "$what" = "bench-$b" ] || [ "$what" = all ]; then
     timeout 560 python3 -m draftbench.round --batches "$b" \
