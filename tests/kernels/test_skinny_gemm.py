@@ -259,12 +259,12 @@ def test_enable_pdl_turns_ours_and_inductors_on_together(monkeypatch):
     "case", CASES, ids=lambda c: "x".join(map(str, c[:4])) + "".join(f"-{v}" for v in c[4][4:])
 )
 def test_pdl_branches_compute_what_the_plain_launch_does(case, monkeypatch):
-    """The kernels' PDL branches (the first weight tile read before the wait, the loop from
-    the second tile: one row, MMA, swapped, copy engine; SwiGLU's up rows, the norm's sums of
-    squares, the residual) give the plain launch's bits, tiles that do and do not divide
-    included. The interpreter has no `griddepcontrol`: the wait is a no-op here and the
-    ordering itself is checked on a Hopper GPU (`test_pdl_launch_gives_the_same_bits_in_a_
-    chain`)."""
+    """The kernels' PDL branches (the one-row path's first weight tile read before the wait
+    and its loop from the second tile; the MMA, swapped and copy-engine paths waiting first;
+    with SwiGLU's up rows, the norm's sums of squares, the residual) give the plain launch's
+    bits, tiles that do and do not divide included. The interpreter has no `griddepcontrol`:
+    the wait is a no-op here and the ordering itself is checked on a Hopper GPU
+    (`test_pdl_launch_gives_the_same_bits_in_a_chain`)."""
     import triton.language.extra.cuda as cuda_ext
 
     monkeypatch.setattr(cuda_ext, "gdc_wait", lambda *a, **k: None)
