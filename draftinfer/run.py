@@ -127,7 +127,7 @@ def serving_transforms(cfg: InferConfig, target, drafter, device: torch.device) 
 
     cuda = device.type == "cuda"
     if cfg.pdl is not None or (cuda and cfg.compile):
-        enable_pdl(cuda and cfg.compile if cfg.pdl is None else cfg.pdl)
+        enable_pdl(True if cfg.pdl is None else cfg.pdl)
     if cuda if cfg.fuse_projections is None else cfg.fuse_projections:
         fuse_projections(target)
         fuse_projections(drafter)
