@@ -274,14 +274,17 @@ def breakdown_ms(dec, target, k: int, context: int, profile: int = 0) -> dict:
 # ours (both set by the one switch `draftkernels.runtime.enable_pdl`, so no per-compile
 # options of its own; `InferConfig.pdl`); `nopdl` without it (the default before 2026-11-27's
 # session 16, when `pdl` named what `default` is now: still accepted); `cdt` the default plus
-# coordinate descent tuning.
+# coordinate descent tuning; `combo` the default plus inductor's combo kernels (independent
+# kernels, e.g. a layer's query RoPE and its key RoPE + cache write, horizontally fused into
+# one launch).
 INDUCTOR_OPTIONS = {
     "default": None,
     "nopdl": None,
     "pdl": None,
     "cdt": {"coordinate_descent_tuning": True},
+    "combo": {"combo_kernels": True},
 }
-KERNEL_PDL = {"default", "pdl", "cdt"}
+KERNEL_PDL = {"default", "pdl", "cdt", "combo"}
 
 
 def prompts(batch: int, context: int, vocab: int) -> list[list[int]]:
@@ -660,7 +663,8 @@ def main() -> int:
         default="default",
         help="inductor settings of our compiled round and plain step, comma-separated, each "
         f"timed in this process ({', '.join(INDUCTOR_OPTIONS)}; default: the runner's, with "
-        "programmatic dependent launch; nopdl: without it; cdt: plus coordinate descent)",
+        "programmatic dependent launch; nopdl: without it; cdt: plus coordinate descent; combo: "
+        "plus inductor's combo kernels, independent kernels in one launch)",
     )
     ap.add_argument(
         "--graph-only",

@@ -33,6 +33,7 @@ from typing import ClassVar
 
 import torch
 
+from draftinfer.compiled import compiled
 from draftinfer.errors import CheckpointError
 from draftinfer.layers import causal_attention
 from draftinfer.sampling import argmax_ids
@@ -56,6 +57,21 @@ class GreedyChooser:
 
 
 greedy_chooser = GreedyChooser()
+
+
+def greedy_record(
+    drafts: torch.Tensor,  # [B, >= start + n] target ids, written in place
+    start: int,
+    logits: torch.Tensor,  # [B, n, Dd]
+    live: torch.Tensor,  # [B, n]
+    vocab_ids: torch.Tensor,  # [Dd] target id of each draft-vocabulary id
+) -> None:
+    """Greedy drafts `start .. start + n - 1`: the argmax of each step's logits as a target
+    id, 0 past a request's cap. What `Proposer._record` does with `greedy_chooser`, as one
+    piece that `Proposer.compile` compiles (eagerly the argmax's two passes, the id lookup,
+    the where and the copy are eight small kernels a step)."""
+    n = logits.shape[1]
+    drafts[:, start : start + n] = torch.where(live, vocab_ids[argmax_ids(logits)], 0)
 
 
 def causal_attn(_layer, q, k, v):
@@ -127,6 +143,7 @@ class Proposer:
         self.drafter, self.max_batch, self.max_seq_len = drafter, max_batch, max_seq_len
         self.device, self.dtype = torch.device(device), dtype
         self.vocab_ids = drafter.draft_vocab_ids().to(self.device)  # [Dd] target ids
+        self._greedy = greedy_record
 
     # -- lifecycle ----------------------------------------------------------------------------
     def admit(self, first_pass: FirstPass, attn_len: int | None = None) -> FirstPass:
@@ -155,7 +172,9 @@ class Proposer:
         raise NotImplementedError
 
     def compile(self, **kwargs) -> None:
-        """Compile the drafter forward(s) from outside the model code (STYLE rule 3)."""
+        """Compile the drafter forward(s) from outside the model code (STYLE rule 3); here the
+        greedy choice of drafts (`greedy_record`). A kind that compiles more calls this too."""
+        self._greedy = compiled(greedy_record, **kwargs)
 
     def _record(
         self,
@@ -168,6 +187,9 @@ class Proposer:
     ):
         """Pick draft `step` from logits `[B, Dd]`; requests past their cap (`live` False)
         get 0 and q = 0. Returns the (lazily allocated) q buffer `[B, k, Dd]` or None."""
+        if choose is greedy_chooser:
+            self._greedy(drafts, step, logits[:, None], live[:, None], self.vocab_ids)
+            return qs
         choice, q = choose(logits, step)
         drafts[:, step] = torch.where(live, self.vocab_ids[choice], 0)
         if q is not None:
@@ -183,6 +205,9 @@ class Proposer:
         chooser picks all steps at once (`GreedyChooser.all`: one argmax over `[B, k, Dd]`
         instead of k), else step by step. Returns q `[B, k, Dd]` or None."""
         k = logits.shape[1]
+        if choose is greedy_chooser:
+            self._greedy(drafts, 0, logits, live, self.vocab_ids)
+            return None
         pick_all = getattr(choose, "all", None)
         if pick_all is None:
             qs = None

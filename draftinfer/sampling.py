@@ -182,7 +182,8 @@ def argmax_ids(x: torch.Tensor) -> torch.Tensor:
     reduction of one thread block per row on CUDA (37 us at V = 128256, one row, on an H100),
     two passes take many blocks. Shape `[..., V]` -> `[...]` int64."""
     V = x.shape[-1]
-    c = _argmax_chunk(V)
+    # Traced, the plain function: dynamo would trace through the cache wrapper anyway (and warn).
+    c = _argmax_chunk.__wrapped__(V) if torch.compiler.is_compiling() else _argmax_chunk(V)
     if c is None:
         return x.argmax(-1)
     chunks = x.unflatten(-1, (V // c, c))  # [..., n, c]

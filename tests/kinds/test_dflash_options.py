@@ -20,6 +20,7 @@ import torch
 from draftinfer.baseline import greedy_generate
 from draftinfer.engine import Request, SpecDecoder
 from draftinfer.kinds.dflash import DFlashDrafter, DFlashProposer
+from draftinfer.kinds.dflash.proposer import dflash_block_forward, dflash_write_context
 from draftinfer.kinds.dflash.attention import CONTEXT, mask_flags, visible
 from draftinfer.loading import load_native_target
 from draftinfer.proposer import FirstPass
@@ -228,6 +229,55 @@ def test_rounds_equal_a_from_scratch_reference(
             assert ref_drafts == drafts[b, :n].tolist()
             checked += 1
     assert checked > 10
+
+
+@pytest.mark.parametrize("rope", ["1d", "mrope"])
+def test_compiled_glue_drafts_and_writes_what_the_eager_proposer_does(rope):
+    """`compile()` runs the round's glue as compiled pieces: the block's inputs from the first
+    pass (`dflash_block_inputs`: anchor, slots' cache indices and positions, caps) and the
+    greedy choice (`Proposer.compile`'s `greedy_record`). Traced by dynamo with the engine's
+    options (dynamic shapes, `aot_eager`: no compiler needed; fullgraph, the recompile limit an
+    error), rounds of two requests (one capped, then idle; first passes of 1..3 rows) draft the
+    same tokens and leave the same KV as the eager proposer. The block forward stays eager
+    (tracing the drafter costs seconds; the GPU tests compile it)."""
+    d = variant_drafter("dflash", rope)
+    ids, feats = _inputs(d, T=24)
+    pos = torch.arange(24)[None].expand(2, 24)
+    if rope == "mrope":
+        pos = torch.stack([pos, pos + 1, pos + 2])
+    feats = feats.expand(2, -1, -1)
+    # (first-pass rows start..stop of both requests, each request's draft cap)
+    plan = [(0, 9, [0, 0]), (8, 9, [4, 2]), (9, 11, [4, 4]), (11, 14, [3, 0]), (14, 15, [4, 1])]
+    runs = []
+    torch._dynamo.reset()
+    for compile_it in (False, True):
+        prop = DFlashProposer(d, 2, 64, torch.device("cpu"), torch.float32)
+        if compile_it:
+            prop.compile(backend="aot_eager", dynamic=True, fullgraph=True)
+            prop._write, prop._block = dflash_write_context, dflash_block_forward
+        drafts = []
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            for i, (a, b, caps) in enumerate(plan):
+                cache = torch.arange(a, b)[None].expand(2, -1).clone()
+                if i == len(plan) - 1:
+                    cache[1] = -1  # the second request left: an idle row
+                fp = FirstPass(
+                    torch.tensor([0, 1]),
+                    ids[:, a + 1 : b + 1].expand(2, -1),
+                    feats[:, a:b],
+                    cache,
+                    pos[..., a:b],
+                )
+                if i == 0:
+                    prop.admit(fp, 64)
+                    continue
+                drafts.append(prop.propose(fp, torch.tensor(caps), 4, attn_len=64)[0])
+        runs.append((drafts, [x.clone() for x in (*prop.cache.k, *prop.cache.v)]))
+    (drafts, kv), (drafts_c, kv_c) = runs
+    assert [x.tolist() for x in drafts_c] == [x.tolist() for x in drafts]
+    assert any(x[1, 2:].eq(0).all() and x[1, :2].ne(0).any() for x in drafts)  # a capped block
+    for x, y in zip(kv, kv_c):
+        assert torch.equal(x, y)
 
 
 # ---- GPU (run by the integrator; skipped without CUDA) ---------------------------------------

@@ -64,6 +64,35 @@ def dflash_write_context(
         write_cache(k, v, k_cache[i], v_cache[i], rows, wpos)
 
 
+def dflash_block_inputs(
+    ids: torch.Tensor,  # [B, T] the first pass's ids
+    cache_pos: torch.Tensor,  # [B, T], -1 = padding
+    rope_pos: torch.Tensor,  # [B, T] / [3, B, T]
+    num_drafts: torch.Tensor,  # [B] each request's draft cap
+    k: int,
+    mask_token_id: int,
+) -> tuple[torch.Tensor, ...]:
+    """The block `[anchor, MASK x k]` of every request from the round's first pass (steps 2
+    of the module docstring): (anchor ids `[B]`, the anchor's cache index `[B]`, the slots'
+    cache indices `[B, k + 1]` (-1 = padding), their RoPE positions `[B, k + 1]` / `[3, B, k +
+    1]`, the block's ids `[B, k + 1]`, the last live slot's cache index `[B]`, which of the k
+    drafts are live `[B, k]`). One compiled piece (a dozen small kernels eagerly)."""
+    B, dev = ids.shape[0], ids.device
+    ar = torch.arange(B, device=dev)
+    last = last_valid(cache_pos)  # [B] each request's last committed row
+    live_row = (cache_pos >= 0).any(1)  # rows with no request draft nothing
+    anchor_ids = ids[ar, last]  # [B] t_{L-1}
+    anchor = cache_pos[ar, last] + 1  # [B] cache index L - 1
+    s = torch.arange(k + 1, device=dev)
+    live = live_row[:, None] & (s[None] <= num_drafts[:, None])  # [B, k + 1]
+    cache = torch.where(live, anchor[:, None] + s[None], -1)
+    rope = block_positions(rope_pos[..., ar, last], k + 1)  # [B, k+1] / [3, B, k+1]
+    block = torch.where(s[None] == 0, anchor_ids[:, None], mask_token_id)  # [B, k + 1]
+    block_end = anchor + torch.where(live_row, num_drafts, -1)
+    live_slots = s[None, 1:] <= num_drafts[:, None]  # [B, k]
+    return anchor_ids, anchor, cache, rope, block, block_end, live_slots
+
+
 def block_masks(drafter, cache_pos, anchor, block_end, attn_len: int, group: int):
     """Per layer, the bool `[B, 1, n * group, attn_len]` mask of block slots at `cache_pos`
     `[B, n]` (-1 = padding) over cache indices: context before `anchor [B]`, the block's own
@@ -150,10 +179,13 @@ class DFlashProposer(Proposer):
             dtype,
         )
         self._write, self._block = dflash_write_context, dflash_block_forward
+        self._inputs = dflash_block_inputs
 
     def compile(self, **kwargs) -> None:
+        super().compile(**kwargs)
         self._write = compiled(dflash_write_context, **kwargs)
         self._block = compiled(dflash_block_forward, **kwargs)
+        self._inputs = compiled(dflash_block_inputs, **kwargs)
 
     def kv_snapshot(self, row: int, n: int) -> list[torch.Tensor]:
         """The context K/V at cache indices 0..n-1 (the committed prefix but its last token)."""
@@ -183,25 +215,15 @@ class DFlashProposer(Proposer):
         d, fp = self.drafter, first_pass
         B, dev = fp.ids.shape[0], fp.ids.device
         self._write_rows(fp)
-        ar = torch.arange(B, device=dev)
-        last = last_valid(fp.cache_pos)  # [B] each request's last committed row
-        live_row = (fp.cache_pos >= 0).any(1)  # rows with no request draft nothing
-        anchor_ids = fp.ids[ar, last]  # [B] t_{L-1}
-        anchor = fp.cache_pos[ar, last] + 1  # [B] cache index L - 1
-        s = torch.arange(k + 1, device=dev)
-        live = live_row[:, None] & (s[None] <= num_drafts[:, None])  # [B, k + 1]
-        cache = torch.where(live, anchor[:, None] + s[None], -1)
-        rope = block_positions(fp.rope_pos[..., ar, last], k + 1)  # [B, k+1] / [3, B, k+1]
-        ids = torch.full((B, k + 1), d.config.mask_token_id, dtype=torch.long, device=dev)
-        ids[:, 0] = anchor_ids
-        block_end = anchor + torch.where(live_row, num_drafts, -1)
+        anchor_ids, anchor, cache, rope, ids, block_end, live_slots = self._inputs(
+            fp.ids, fp.cache_pos, fp.rope_pos, num_drafts, k, d.config.mask_token_id
+        )
         if attn_len is None:  # tests: one host sync to size the read
             attn_len = resolve_attn_len(Slots(fp.rows, cache), self.max_seq_len)
         c = self.cache
         normed = self._block(d, c.k, c.v, ids, rope, fp.rows, cache, anchor, block_end, attn_len)
         drafts = torch.zeros(B, k, dtype=torch.long, device=dev)
         if d.candidate_selector is None:  # the slots' drafts are independent: all at once
-            live_slots = s[None, 1:] <= num_drafts[:, None]  # [B, k]
             return drafts, self._record_all(drafts, d.logits(normed[:, 1:]), live_slots, choose)
         qs: list[torch.Tensor | None] = [None]
 

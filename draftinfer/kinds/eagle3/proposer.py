@@ -51,6 +51,7 @@ class Eagle3ChainProposer(Proposer):
         )
 
     def compile(self, **kwargs) -> None:
+        super().compile(**kwargs)
         self._fwd = compiled(cached_drafter_forward, **kwargs)
 
     def kv_snapshot(self, row: int, n: int) -> list[torch.Tensor]:

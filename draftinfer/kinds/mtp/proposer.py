@@ -257,8 +257,9 @@ class MTPProposer(Proposer):
 
     def compile(self, **kwargs) -> None:
         """The round in compiled pieces: the window's inputs, each module's window step, the
-        per-request cache update (and the K > N reuse steps' module forward). Between them
-        only the chooser runs eagerly."""
+        per-request cache update (and the K > N reuse steps' module forward), and the greedy
+        choice (`Proposer.compile`). Between them only another chooser runs eagerly."""
+        super().compile(**kwargs)
         self._fwd = compiled(cached_mtp_forward, **kwargs)
         self._module = compiled(mtp_window_module, **kwargs)
         self._inputs = compiled(mtp_window_inputs, **kwargs)
