@@ -38,7 +38,10 @@ vocabulary 32000. Weights are random bf16 (time does not depend on training).
   `t_bookkeeping_ms` (the whole round's tensor work replayed as one graph, minus verify and
   propose) and `t_host_ms` (t_round minus that graph: time the device waits for the host).
   `--profile N` adds the top device kernels of verify and propose (N graph replays under
-  torch.profiler, us per call), printed after the table.
+  torch.profiler, us per call), printed after the table. Under programmatic dependent launch
+  (`--inductor default`) a kernel starts before the one ahead of it ends and its duration
+  counts the wait: the sums then exceed the piece's time (a dflash verify's kernels summed to
+  9.7 ms of its 5.8 on an H100, session 17); attribute with `--inductor nopdl`.
 - `--fuse`: also time every configuration on the runner's CUDA default GEMMs
   (`draftinfer.run.serving_transforms`): target's and drafters' q/k/v and gate/up fused
   (`draftinfer.models.transforms.fuse_projections`, the same weights) and GEMMs of <= 16 rows
@@ -673,6 +676,11 @@ def main() -> int:
     )
     ap.add_argument("--out", default="")
     a = ap.parse_args()
+    if a.profile and any(x in KERNEL_PDL for x in a.inductor.split(",")):
+        print(
+            "bench_round: --profile under programmatic dependent launch counts each kernel's "
+            "wait for the one before it; --inductor nopdl attributes time"
+        )
     bad = [x for x in a.inductor.split(",") if x not in INDUCTOR_OPTIONS]
     if bad:
         ap.error(f"--inductor: unknown setting {bad[0]!r} (known: {', '.join(INDUCTOR_OPTIONS)})")

@@ -269,10 +269,12 @@ def test_argmax_ids_is_torch_argmax_with_ties_and_nan(V):
 def test_record_all_picks_what_step_by_step_picks():
     """`Proposer._record_all`: the greedy chooser's one argmax over `[B, k, Dd]` writes the
     drafts `_record` writes step by step (drafts mapped to target ids, 0 past each request's
-    cap), and a chooser without `all` (sampling) goes step by step with its q."""
+    cap), and a chooser without `all` (sampling) goes step by step with its q. The greedy
+    chooser's own piece (`greedy_record`, what `Proposer.compile` compiles) writes what any
+    other `GreedyChooser` writes through the generic path."""
     from types import SimpleNamespace
 
-    from draftinfer.proposer import Proposer, greedy_chooser
+    from draftinfer.proposer import GreedyChooser, Proposer, greedy_chooser, greedy_record
 
     g = torch.Generator().manual_seed(0)
     B, k, Dd = 3, 4, 50
@@ -281,6 +283,7 @@ def test_record_all_picks_what_step_by_step_picks():
     live = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0]], dtype=torch.bool)
     ns = SimpleNamespace(vocab_ids=torch.randperm(1000, generator=g)[:Dd])
     ns._record = lambda *a: Proposer._record(ns, *a)
+    ns._greedy = greedy_record
 
     def sampled(x, step):  # no `all`: a q per step
         return x.argmin(-1), torch.softmax(x, -1)
@@ -300,4 +303,8 @@ def test_record_all_picks_what_step_by_step_picks():
             assert_close(q_got, q_want)
         else:
             assert got[0, 1] == ns.vocab_ids[7]  # the tie went to the lower id
+            greedy = got
     assert hasattr(greedy_chooser, "all") and not hasattr(sampled, "all")
+    generic = torch.zeros(B, k, dtype=torch.long)
+    assert Proposer._record_all(ns, generic, logits, live, GreedyChooser()) is None
+    assert torch.equal(generic, greedy)

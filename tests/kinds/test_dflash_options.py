@@ -20,8 +20,8 @@ import torch
 from draftinfer.baseline import greedy_generate
 from draftinfer.engine import Request, SpecDecoder
 from draftinfer.kinds.dflash import DFlashDrafter, DFlashProposer
-from draftinfer.kinds.dflash.proposer import dflash_block_forward, dflash_write_context
 from draftinfer.kinds.dflash.attention import CONTEXT, mask_flags, visible
+from draftinfer.kinds.dflash.proposer import dflash_block_forward, dflash_write_context
 from draftinfer.loading import load_native_target
 from draftinfer.proposer import FirstPass
 from draftinfer.registry import drafter_spec
