@@ -97,6 +97,15 @@ def check_infer_config(cfg: InferConfig) -> None:
         )
     if cfg.max_model_len < 4:
         raise ConfigError(f"max_model_len must be >= 4, got {cfg.max_model_len}")
+    if cfg.compile_options:
+        from torch._inductor import config as inductor_config
+
+        known = inductor_config.get_config_copy()
+        bad = sorted(str(k) for k in cfg.compile_options if k not in known)
+        if bad:
+            raise ConfigError(
+                f"compile_options: {bad[0]!r} is not an inductor setting (torch._inductor.config)"
+            )
     if not cfg.temperature >= 0.0 or not 0.0 < cfg.top_p <= 1.0 or cfg.top_k < -1:
         raise ConfigError(
             f"sampling needs temperature >= 0, 0 < top_p <= 1, top_k >= -1; got "
@@ -148,6 +157,7 @@ def spec_decoder(cfg: InferConfig, target, drafter, tokenizer) -> SpecDecoder:
         prefill_chunk=cfg.prefill_chunk,
         tokenizer=tokenizer,
         compile=cfg.compile,
+        compile_options=None if cfg.compile_options is None else dict(cfg.compile_options),
         cuda_graphs=cfg.cuda_graphs,
         pipeline=cfg.pipeline,
     )

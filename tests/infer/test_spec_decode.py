@@ -377,9 +377,26 @@ def test_p1_runner_config_reaches_the_decoder(monkeypatch):
     seen = {}
     monkeypatch.setattr(run, "SpecDecoder", lambda *a, **kw: seen.update(kw, args=a))
     cfg = InferConfig(k=5, batch_size=3, pipeline=False, cuda_graphs=True, verify="full")
+    cfg.compile_options = {"combo_kernels": True}
     run.spec_decoder(cfg, "target", "drafter", "tok")
     assert seen["args"] == ("target", "drafter", 5)
     assert (seen["pipeline"], seen["cuda_graphs"], seen["verify"]) == (False, True, "full")
     assert (seen["max_batch"], seen["tokenizer"]) == (3, "tok")
+    assert seen["compile_options"] == {"combo_kernels": True}
     run.spec_decoder(InferConfig(), "target", "drafter", None)
     assert seen["pipeline"] is None  # SpecDecoder's default: on for CUDA, off on the CPU
+    assert seen["compile_options"] is None
+
+
+def test_unknown_compile_option_is_a_one_line_error_before_loading():
+    """`infer.compile_options` names inductor settings; a misspelt one fails at the config
+    check (before any model loads), not at the first compile."""
+    from draftinfer.config import InferConfig
+    from draftinfer.errors import ConfigError
+    from draftinfer.run import check_infer_config
+
+    ok = InferConfig(drafter="d", compile_options={"combo_kernels": True})
+    check_infer_config(ok)
+    bad = InferConfig(drafter="d", compile_options={"combo_kernel": True})
+    with pytest.raises(ConfigError, match="'combo_kernel' is not an inductor setting"):
+        check_infer_config(bad)
