@@ -314,6 +314,35 @@ def test_fused_drafter_projections_serve_what_unfused_ones_do(kind_env, kind):
 
 
 @pytest.mark.parametrize("kind", registered_kinds())
+def test_compiled_greedy_choice_drafts_what_the_eager_one_does(kind_env, kind):
+    """`Proposer.compile` compiles the greedy choice of drafts (`greedy_record`) for every
+    kind (and the kind's own glue). Traced by dynamo with the engine's options (dynamic shapes,
+    `aot_eager`: no compiler needed; fullgraph; the recompile limit an error), the drafter
+    forwards left eager: the same tokens and accepted counts as the eager proposer, with
+    drafts accepted (a wrong draft id would show as fewer)."""
+    from draftinfer.proposer import greedy_record
+
+    env = kind_env(kind)
+    ps = zoo_prompts(3, seed=14)
+    runs = []
+    torch._dynamo.reset()
+    for compile_it in (False, True):
+        dec = SpecDecoder(env["target"], env["drafter"], 3, max_batch=3, max_model_len=MAX_LEN)
+        if compile_it:
+            eager = dict(vars(dec.proposer))
+            dec.proposer.compile(backend="aot_eager", dynamic=True, fullgraph=True)
+            for name, fn in vars(dec.proposer).items():  # only the greedy choice traced
+                if name != "_greedy" and callable(fn) and not isinstance(fn, torch.nn.Module):
+                    setattr(dec.proposer, name, eager[name])
+            assert dec.proposer._greedy is not greedy_record
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            runs.append(dec.generate([Request(p, max_tokens=12) for p in ps])[0])
+    for a, b in zip(*runs):
+        assert (a.token_ids, a.accepted) == (b.token_ids, b.accepted)
+    assert sum(x for o in runs[0] for x in o.accepted) > 0
+
+
+@pytest.mark.parametrize("kind", registered_kinds())
 def test_untrained_random_drafter_is_lossless_with_al_near_one(zoo_target, kind):
     from draftinfer.paths import resolve_path
     from tests.support.tiny_models import untrained_drafter
