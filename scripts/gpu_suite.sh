@@ -25,12 +25,16 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$OUT/
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/suite.log"
 
 rounds="t1 or no_host_sync or b4"
+# INDUCTOR="combo_kernels=True ..." runs the tests with those inductor settings for every
+# compile (tests/conftest.py's --inductor): a candidate runner default's GPU tests.
+inductor=()
+for x in ${INDUCTOR:-}; do inductor+=(--inductor "$x"); done
 if [ "$what" = tests ] || [ "$what" = tests-rounds ] || [ "$what" = all ]; then
-  timeout 560 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu.py \
+  timeout 560 python3 -m pytest -q -p no:cacheprovider -m gpu "${inductor[@]}" tests/gpu/test_gpu.py \
     -k "$rounds" 2>&1 | tee "$OUT/pytest_gpu_rounds.log" | tail -8
 fi
 if [ "$what" = tests ] || [ "$what" = tests-rest ] || [ "$what" = all ]; then
-  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu.py \
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu "${inductor[@]}" tests/gpu/test_gpu.py \
     tests/infer/test_native_target.py tests/kinds/test_dflash_options.py \
     tests/kinds/test_dflash_train.py -k "not ($rounds)" 2>&1 | tee "$OUT/pytest_gpu.log" | tail -8
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_rejection_sampler.py \

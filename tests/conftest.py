@@ -28,6 +28,34 @@ def pytest_addoption(parser):
         action="store_true",
         help="statistical tests run every case with twice the samples (minutes each)",
     )
+    parser.addoption(
+        "--inductor",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an inductor setting (torch._inductor.config) for every compile of the session, "
+        "e.g. combo_kernels=True: the GPU tests of a candidate runner default "
+        "(scripts/gpu_suite.sh's INDUCTOR)",
+    )
+
+
+def pytest_configure(config):
+    import ast
+
+    from torch._inductor import config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    for item in config.getoption("--inductor"):
+        name, eq, value = item.partition("=")
+        if not eq or name not in known:
+            raise pytest.UsageError(
+                f"--inductor {item!r}: expected NAME=VALUE, NAME an inductor setting"
+            )
+        try:
+            parsed = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            parsed = value
+        setattr(inductor_config, name, parsed)
 
 
 # Marks whose tests may skip in CI: no GPU there. Any other skip means a test CI never runs:
