@@ -97,6 +97,8 @@ def check_infer_config(cfg: InferConfig) -> None:
         )
     if cfg.max_model_len < 4:
         raise ConfigError(f"max_model_len must be >= 4, got {cfg.max_model_len}")
+    if cfg.compile_options and not cfg.compile:
+        raise ConfigError("compile_options are inductor settings for compile=true; it is false")
     if cfg.compile_options:
         from torch._inductor import config as inductor_config
 

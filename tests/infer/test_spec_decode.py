@@ -424,8 +424,11 @@ def test_unknown_compile_option_is_a_one_line_error_before_loading():
     from draftinfer.errors import ConfigError
     from draftinfer.run import check_infer_config
 
-    ok = InferConfig(drafter="d", compile_options={"combo_kernels": True})
+    ok = InferConfig(drafter="d", compile=True, compile_options={"combo_kernels": True})
     check_infer_config(ok)
-    bad = InferConfig(drafter="d", compile_options={"combo_kernel": True})
+    bad = InferConfig(drafter="d", compile=True, compile_options={"combo_kernel": True})
     with pytest.raises(ConfigError, match="'combo_kernel' is not an inductor setting"):
         check_infer_config(bad)
+    eager = InferConfig(drafter="d", compile_options={"combo_kernels": True})
+    with pytest.raises(ConfigError, match="compile_options are inductor settings for compile"):
+        check_infer_config(eager)
