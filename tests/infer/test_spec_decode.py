@@ -316,10 +316,10 @@ def test_fused_drafter_projections_serve_what_unfused_ones_do(kind_env, kind):
 @pytest.mark.parametrize("kind", registered_kinds())
 def test_compiled_greedy_choice_drafts_what_the_eager_one_does(kind_env, kind):
     """`Proposer.compile` compiles the greedy choice of drafts (`greedy_record`) for every
-    kind (and the kind's own glue). Traced by dynamo with the engine's options (dynamic shapes,
-    `aot_eager`: no compiler needed; fullgraph; the recompile limit an error), the drafter
-    forwards left eager: the same tokens and accepted counts as the eager proposer, with
-    drafts accepted (a wrong draft id would show as fewer)."""
+    kind. Traced by dynamo with the engine's options (dynamic shapes, `aot_eager`: no compiler
+    needed; fullgraph; the recompile limit an error), every other piece left eager (the kinds'
+    compiled glue has its own tests): the same tokens and accepted counts as the eager
+    proposer, with drafts accepted (a wrong draft id would show as fewer)."""
     from draftinfer.proposer import greedy_record
 
     env = kind_env(kind)
