@@ -32,6 +32,15 @@ def compiled(fn: Callable, **options) -> Callable:
     return _COMPILED[key]
 
 
+def unknown_inductor_settings(names) -> list[str]:
+    """Those of `names` that are not inductor settings (`torch._inductor.config`), sorted: what
+    `torch.compile(options=...)` would reject only at the first compile."""
+    from torch._inductor import config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    return sorted(str(n) for n in names if n not in known)
+
+
 def _frozen(value):
     return tuple(sorted(value.items())) if isinstance(value, dict) else value
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from draftinfer.checkpoint import load_drafter, read_drafter_config
+from draftinfer.compiled import unknown_inductor_settings
 from draftinfer.config import InferConfig
 from draftinfer.engine import Request, SpecDecoder
 from draftinfer.errors import ConfigError
@@ -97,14 +98,10 @@ def check_infer_config(cfg: InferConfig) -> None:
         )
     if cfg.max_model_len < 4:
         raise ConfigError(f"max_model_len must be >= 4, got {cfg.max_model_len}")
-    if cfg.compile_options and not cfg.compile:
-        raise ConfigError("compile_options are inductor settings for compile=true; it is false")
     if cfg.compile_options:
-        from torch._inductor import config as inductor_config
-
-        known = inductor_config.get_config_copy()
-        bad = sorted(str(k) for k in cfg.compile_options if k not in known)
-        if bad:
+        if not cfg.compile:
+            raise ConfigError("compile_options are inductor settings for compile=true; it is false")
+        if bad := unknown_inductor_settings(cfg.compile_options):
             raise ConfigError(
                 f"compile_options: {bad[0]!r} is not an inductor setting (torch._inductor.config)"
             )

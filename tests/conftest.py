@@ -44,10 +44,11 @@ def pytest_configure(config):
 
     from torch._inductor import config as inductor_config
 
-    known = inductor_config.get_config_copy()
+    from draftinfer.compiled import unknown_inductor_settings
+
     for item in config.getoption("--inductor"):
         name, eq, value = item.partition("=")
-        if not eq or name not in known:
+        if not eq or unknown_inductor_settings([name]):
             raise pytest.UsageError(
                 f"--inductor {item!r}: expected NAME=VALUE, NAME an inductor setting"
             )
