@@ -78,6 +78,7 @@ from draftbench.shapes import (
     random_llama_target,
     vl_native_shape,
 )
+from draftinfer.compiled import RUNNER_CUDA_OPTIONS
 
 
 def build_vl_target(hf_kwargs: dict, device, dtype, max_batch: int, max_len: int):
@@ -131,7 +132,7 @@ def plain_step_ms(
 ) -> tuple[float, list]:
     """Median ms of one compiled greedy decode step at advancing positions, and its tokens.
     `mode="reduce-overhead"`: the step replayed as a CUDA graph (the best plain decode)."""
-    from draftinfer.compiled import compiled, target_forward
+    from draftinfer.compiled import compiled, runner_compile_options, target_forward
     from draftinfer.slots import Slots, attn_bucket
 
     rows = torch.arange(batch, device=device)
@@ -153,7 +154,8 @@ def plain_step_ms(
     last = torch.stack(last).float()
     tok = last.argmax(-1)
     attn_len = attn_bucket(context + steps + 16, target.max_seq_len)
-    opts = {} if options is None else {"options": options}
+    options = runner_compile_options(options, device)  # None: the runner's default
+    opts = {"options": options} if options else {}
     if mode is None:
         step = compiled(target_forward, dynamic=False, **opts)
     else:  # CUDA graphs need static cache addresses
@@ -274,20 +276,21 @@ def breakdown_ms(dec, target, k: int, context: int, profile: int = 0) -> dict:
 
 # `--inductor`: settings our compiled round (and plain step) runs with. `default`: the
 # runner's compiled CUDA default, programmatic dependent launch for inductor's kernels and
-# ours (both set by the one switch `draftkernels.runtime.enable_pdl`, so no per-compile
-# options of its own; `InferConfig.pdl`); `nopdl` without it (the default before 2026-11-27's
-# session 16, when `pdl` named what `default` is now: still accepted); `cdt` the default plus
-# coordinate descent tuning; `combo` the default plus inductor's combo kernels (independent
-# kernels, e.g. a layer's query RoPE and its key RoPE + cache write, horizontally fused into
-# one launch).
+# ours (both set by the one switch `draftkernels.runtime.enable_pdl`; `InferConfig.pdl`) and
+# inductor's combo kernels (independent kernels, e.g. a layer's query RoPE and its key RoPE +
+# cache write, horizontally fused into one launch; `draftinfer.compiled.RUNNER_CUDA_OPTIONS`,
+# the default since session 18); `nopdl` without PDL; `nocombo` without combo kernels (the
+# default of sessions 16-17); `cdt` the default plus coordinate descent tuning; `pdl` and
+# `combo` name what `default` is now (still accepted).
 INDUCTOR_OPTIONS = {
     "default": None,
     "nopdl": None,
     "pdl": None,
-    "cdt": {"coordinate_descent_tuning": True},
-    "combo": {"combo_kernels": True},
+    "nocombo": {},
+    "cdt": {**RUNNER_CUDA_OPTIONS, "coordinate_descent_tuning": True},
+    "combo": None,
 }
-KERNEL_PDL = {"default", "pdl", "cdt", "combo"}
+KERNEL_PDL = {"default", "pdl", "nocombo", "cdt", "combo"}
 
 
 def prompts(batch: int, context: int, vocab: int) -> list[list[int]]:
@@ -666,8 +669,8 @@ def main() -> int:
         default="default",
         help="inductor settings of our compiled round and plain step, comma-separated, each "
         f"timed in this process ({', '.join(INDUCTOR_OPTIONS)}; default: the runner's, with "
-        "programmatic dependent launch; nopdl: without it; cdt: plus coordinate descent; combo: "
-        "plus inductor's combo kernels, independent kernels in one launch)",
+        "programmatic dependent launch and inductor's combo kernels; nopdl: without PDL; "
+        "nocombo: without combo kernels; cdt: plus coordinate descent)",
     )
     ap.add_argument(
         "--graph-only",

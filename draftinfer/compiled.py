@@ -22,6 +22,23 @@ from draftinfer.window import TokenEmbeds
 
 _COMPILED: dict[tuple, Callable] = {}
 
+# Inductor settings a CUDA `SpecDecoder` compiles with when it is given none
+# (`compile_options=None`, the runner's `infer.compile_options: null`): inductor's combo kernels
+# (independent kernels, e.g. a layer's query RoPE and its key RoPE + cache write, in one launch:
+# 0.05 ms off dflash's K=7 round on an H100 in each of two processes, sessions 17-18, with
+# every round GPU test passing; docs/results.md). On the CPU, inductor's own defaults. The
+# tests' `--inductor NAME=VALUE` (tests/conftest.py) sets entries here, so a candidate
+# default's GPU tests change the runner's compiles and nothing else (not training's).
+RUNNER_CUDA_OPTIONS: dict = {"combo_kernels": True}
+
+
+def runner_compile_options(options: dict | None, device) -> dict:
+    """The inductor settings of a runner compile on `device`: `options` when given (`{}`:
+    inductor's defaults), else `RUNNER_CUDA_OPTIONS` on CUDA and none elsewhere."""
+    if options is not None:
+        return dict(options)
+    return dict(RUNNER_CUDA_OPTIONS) if torch.device(device).type == "cuda" else {}
+
 
 def compiled(fn: Callable, **options) -> Callable:
     """`torch.compile(fn, **options)`, built once per (function, options); `options=` (the

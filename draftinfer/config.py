@@ -61,9 +61,10 @@ class InferConfig:
     # Compile the target's verify forward and the drafter forward(s) (useful on CUDA).
     compile: bool = False
     # Inductor settings for what `compile` compiles (`torch.compile(options=...)`, names from
-    # `torch._inductor.config`), e.g. `{combo_kernels: true}` (independent kernels in one
-    # launch: 0.06 ms off dflash's K=7 round on one H100, not a default since the rounds' GPU
-    # tests have not run with it; docs/results.md, session 17). null = inductor's defaults.
+    # `torch._inductor.config`). null = the runner's default: on CUDA `{combo_kernels: true}`
+    # (independent kernels in one launch: 0.05 ms off dflash's K=7 round on an H100;
+    # `draftinfer.compiled.RUNNER_CUDA_OPTIONS`), inductor's defaults on the CPU. `{}` =
+    # inductor's defaults everywhere.
     compile_options: dict | None = None
     # Run the target's and the drafter's q/k/v and gate/up projections as one GEMM each
     # (`draftinfer.models.transforms.fuse_projections`, the same weights). null (the default) =

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from draftkernels.chain_inputs import prepare_chain_inputs
 
-from draftinfer.compiled import compiled, target_forward
+from draftinfer.compiled import compiled, runner_compile_options, target_forward
 from draftinfer.graphs import GraphedFunction
 from draftinfer.proposer import FirstPass
 from draftinfer.registry import spec_of
@@ -232,7 +232,8 @@ class SpecDecoder:
         mode = {False: "none", True: "all"}.get(compile, compile)
         if mode not in ("none", "target", "all"):
             raise ValueError(f"compile must be none, target or all, got {compile!r}")
-        opts = {} if compile_options is None else {"options": dict(compile_options)}
+        options = runner_compile_options(compile_options, self.device)
+        opts = {"options": options} if options else {}
         if mode != "none":
             self._target_fwd = compiled(target_forward, dynamic=True, **opts)
         if mode == "all":

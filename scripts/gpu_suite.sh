@@ -25,8 +25,8 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$OUT/
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/suite.log"
 
 rounds="t1 or no_host_sync or b4"
-# INDUCTOR="combo_kernels=True ..." runs the tests with those inductor settings for every
-# compile (tests/conftest.py's --inductor): a candidate runner default's GPU tests.
+# INDUCTOR="name=value ..." runs the tests with those inductor settings added to the runner's
+# CUDA default (combo kernels; tests/conftest.py's --inductor): a candidate default's GPU tests.
 inductor=()
 for x in ${INDUCTOR:-}; do inductor+=(--inductor "$x"); done
 if [ "$what" = tests ] || [ "$what" = tests-rounds ] || [ "$what" = all ]; then

@@ -33,18 +33,17 @@ def pytest_addoption(parser):
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="an inductor setting (torch._inductor.config) for every compile of the session, "
-        "e.g. combo_kernels=True: the GPU tests of a candidate runner default "
-        "(scripts/gpu_suite.sh's INDUCTOR)",
+        help="an inductor setting (torch._inductor.config) for every CUDA SpecDecoder compile "
+        "given no compile_options (added to draftinfer.compiled.RUNNER_CUDA_OPTIONS), e.g. "
+        "combo_kernels=False: the GPU tests of a candidate runner default "
+        "(scripts/gpu_suite.sh's INDUCTOR); training's compiles keep inductor's defaults",
     )
 
 
 def pytest_configure(config):
     import ast
 
-    from torch._inductor import config as inductor_config
-
-    from draftinfer.compiled import unknown_inductor_settings
+    from draftinfer.compiled import RUNNER_CUDA_OPTIONS, unknown_inductor_settings
 
     for item in config.getoption("--inductor"):
         name, eq, value = item.partition("=")
@@ -56,7 +55,7 @@ def pytest_configure(config):
             parsed = ast.literal_eval(value)
         except (ValueError, SyntaxError):
             parsed = value
-        setattr(inductor_config, name, parsed)
+        RUNNER_CUDA_OPTIONS[name] = parsed
 
 
 # Marks whose tests may skip in CI: no GPU there. Any other skip means a test CI never runs:

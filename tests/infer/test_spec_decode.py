@@ -417,6 +417,27 @@ def test_p1_runner_config_reaches_the_decoder(monkeypatch):
     assert seen["compile_options"] is None
 
 
+def test_runner_compiles_with_combo_kernels_on_cuda_only(env, monkeypatch):
+    """`compile_options=None` is the runner's default: inductor's combo kernels on CUDA
+    (`RUNNER_CUDA_OPTIONS`), inductor's own defaults elsewhere; options given replace it (`{}`
+    too), and `SpecDecoder` compiles with what that resolves to."""
+    import draftinfer.engine as engine
+    from draftinfer.compiled import RUNNER_CUDA_OPTIONS, runner_compile_options
+
+    assert runner_compile_options(None, "cuda") == {"combo_kernels": True}
+    assert runner_compile_options(None, torch.device("cpu")) == {}
+    assert runner_compile_options({}, "cuda") == {}
+    assert runner_compile_options({"max_autotune": True}, "cuda:0") == {"max_autotune": True}
+    runner_compile_options(None, "cuda")["combo_kernels"] = False  # a copy
+    assert RUNNER_CUDA_OPTIONS == {"combo_kernels": True}
+    seen = []
+    monkeypatch.setattr(engine, "compiled", lambda fn, **kw: seen.append(kw) or fn)
+    for given in (None, {"max_autotune": True}):
+        d, t = env["drafter"], env["target"]
+        SpecDecoder(t, d, 3, 2, MAX_LEN, compile="target", compile_options=given)
+    assert seen == [{"dynamic": True}, {"dynamic": True, "options": {"max_autotune": True}}]
+
+
 def test_unknown_compile_option_is_a_one_line_error_before_loading():
     """`infer.compile_options` names inductor settings; a misspelt one fails at the config
     check (before any model loads), not at the first compile."""
