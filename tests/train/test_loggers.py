@@ -105,6 +105,12 @@ def test_wandb_offline_run_holds_training_and_runner_results(train_env, tmp_path
     cfg = compose_preset("eagle3", args)
     assert cfg.logger.kind == "wandb" and cfg.logger.mode == "offline"
     summary = run_job(cfg)
+    import wandb
+
+    # The record file is written by wandb's service process: `run.finish()` returned before
+    # its history reached the disk once on a busy CI machine (session 18: the file's header
+    # but no history). `teardown` waits for the service to exit.
+    wandb.teardown()
     runs = list((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 1  # training and runner results in one run
     history = _wandb_history(next(runs[0].glob("run-*.wandb")))
