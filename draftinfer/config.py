@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -61,11 +62,13 @@ class InferConfig:
     # Compile the target's verify forward and the drafter forward(s) (useful on CUDA).
     compile: bool = False
     # Inductor settings for what `compile` compiles (`torch.compile(options=...)`, names from
-    # `torch._inductor.config`). null = the runner's default: on CUDA `{combo_kernels: true}`
+    # `torch._inductor.config`): null = the runner's default, on CUDA `{combo_kernels: true}`
     # (independent kernels in one launch: 0.05 ms off dflash's K=7 round on an H100;
-    # `draftinfer.compiled.RUNNER_CUDA_OPTIONS`), inductor's defaults on the CPU. `{}` =
-    # inductor's defaults everywhere.
-    compile_options: dict | None = None
+    # `draftinfer.compiled.RUNNER_CUDA_OPTIONS`), inductor's defaults on the CPU; a mapping =
+    # exactly those settings (`compile_options={}`: inductor's defaults everywhere,
+    # `compile_options={combo_kernels:true,max_autotune:true}`). Typed `Any` so that the
+    # command line can put a mapping where the default is null.
+    compile_options: Any = None
     # Run the target's and the drafter's q/k/v and gate/up projections as one GEMM each
     # (`draftinfer.models.transforms.fuse_projections`, the same weights). null (the default) =
     # on for CUDA, off on the CPU (where the fp32 lossless check and the golden AL files are

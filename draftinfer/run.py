@@ -98,6 +98,11 @@ def check_infer_config(cfg: InferConfig) -> None:
         )
     if cfg.max_model_len < 4:
         raise ConfigError(f"max_model_len must be >= 4, got {cfg.max_model_len}")
+    if cfg.compile_options is not None and not isinstance(cfg.compile_options, dict):
+        raise ConfigError(
+            f"compile_options must be a mapping of inductor settings (or null), got "
+            f"{cfg.compile_options!r}"
+        )
     if cfg.compile_options:
         if not cfg.compile:
             raise ConfigError("compile_options are inductor settings for compile=true; it is false")

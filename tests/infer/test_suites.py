@@ -300,6 +300,24 @@ def test_config_tree_selects_suites_and_temperatures():
     assert (s.temperature, s.top_p, s.check_reference, s.eval.suites) == (1.0, 0.95, True, [])
 
 
+def test_compile_options_from_the_command_line():
+    """`compile_options` (null by default: the runner's) takes a mapping on the command line,
+    `{}` stays distinct from null, and a non-mapping is a one-line error at the config check."""
+    from draftinfer.errors import ConfigError
+    from draftinfer.run import check_infer_config
+
+    assert _compose(["drafter=x"]).compile_options is None
+    assert _compose(["drafter=x", "compile_options={}"]).compile_options == {}
+    two = "compile_options={combo_kernels:false,max_autotune:true}"
+    assert _compose(["drafter=x", two]).compile_options == {
+        "combo_kernels": False,
+        "max_autotune": True,
+    }
+    bad = _compose(["drafter=x", "compile=true", "compile_options=5"])
+    with pytest.raises(ConfigError, match="compile_options must be a mapping"):
+        check_infer_config(bad)
+
+
 def test_suite_files_are_all_in_the_eval_group():
     groups = {p.stem for p in (SUITE_DIR.parent / "eval").glob("*.yaml")}
     assert set(suite_names()) <= groups and {"standard", "greedy", "sampling"} <= groups
