@@ -78,7 +78,7 @@ from draftbench.shapes import (
     random_llama_target,
     vl_native_shape,
 )
-from draftinfer.compiled import RUNNER_CUDA_OPTIONS
+from draftinfer.compiled import RUNNER_CUDA_OPTIONS, runner_compile_options
 
 
 def build_vl_target(hf_kwargs: dict, device, dtype, max_batch: int, max_len: int):
@@ -132,7 +132,7 @@ def plain_step_ms(
 ) -> tuple[float, list]:
     """Median ms of one compiled greedy decode step at advancing positions, and its tokens.
     `mode="reduce-overhead"`: the step replayed as a CUDA graph (the best plain decode)."""
-    from draftinfer.compiled import compiled, runner_compile_options, target_forward
+    from draftinfer.compiled import compiled, target_forward
     from draftinfer.slots import Slots, attn_bucket
 
     rows = torch.arange(batch, device=device)
