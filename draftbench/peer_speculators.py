@@ -225,17 +225,26 @@ def _optimizers(model, total_steps, optimizer="muon"):
     return opts, scheds
 
 
-def _time_steps(model, batch, call_kwargs, *, device, dtype, steps, warmup, optimizer="muon"):
-    """Runs warmup + steps of `Trainer.train_epoch`'s step on one device-resident batch."""
+def _time_steps(
+    model,
+    batch,
+    call_kwargs,
+    *,
+    device,
+    dtype,
+    steps,
+    warmup,
+    optimizer="muon",
+    floor_into: dict | None = None,
+):
+    """Runs warmup + steps of `Trainer.train_epoch`'s step on one device-resident batch;
+    with `floor_into`, one more step's GEMMs replayed alone (`draftbench.gemm_floor`) go to
+    `floor_into["gemm_floor"]`."""
     opts, scheds = _optimizers(model, warmup + steps, optimizer)
     gpu_batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     cuda = device.type == "cuda"
-    step_ms, peaks, loss_value = [], [], float("nan")
-    for i in range(warmup + steps):
-        if cuda:
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-        t0 = time.perf_counter()
+
+    def one_step() -> torch.Tensor:
         with torch.autocast(device.type, dtype=dtype):
             _draft_tokens, loss, _metrics = model(**gpu_batch, **call_kwargs)
         for opt in opts:
@@ -246,14 +255,26 @@ def _time_steps(model, batch, call_kwargs, *, device, dtype, steps, warmup, opti
             opt.step()
         for sched in scheds:
             sched.step()
+        return loss.detach()
+
+    step_ms, peaks, loss_value = [], [], float("nan")
+    for i in range(warmup + steps):
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        loss = one_step()
         if cuda:
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
         if i >= warmup:
             step_ms.append(dt * 1e3)
             peaks.append(torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0)
-        loss_value = float(loss.detach())
-        del loss, _metrics, _draft_tokens
+        loss_value = float(loss)
+    if floor_into is not None:
+        from draftbench.gemm_floor import floor_of
+
+        floor_into["gemm_floor"] = floor_of(one_step, device)
     return step_ms, max(peaks), loss_value, [type(o).__name__ for o in opts]
 
 
@@ -343,6 +364,7 @@ def eagle3_train_step_bench(
     seed=0,
     sliding_window: int | None = None,
     optimizer: str = "muon",
+    gemm_floor: bool = False,
 ) -> dict[str, Any]:
     """Times speculators 0.9.0's EAGLE-3 training step on one packed sequence of seq_len tokens.
 
@@ -350,7 +372,9 @@ def eagle3_train_step_bench(
     fp32 masters as in its trainer. sliding_window=None is full causal draft attention;
     2048 is the 0.9.0 CLI default. optimizer: the CLI's `--optimizer` ("muon", its default,
     or "adamw"). Returns {"peer", "seq_len", "ttt_steps", "tokens_per_s",
-    "step_ms", "peak_gib", "param_dtype", "notes", ...}, or the same with "oom": True.
+    "step_ms", "peak_gib", "param_dtype", "notes", ...}, or the same with "oom": True;
+    `gemm_floor`: also one more step's GEMMs replayed alone ("gemm_floor",
+    `draftbench.gemm_floor`).
     """
     device = torch.device(device)
     base = {
@@ -409,6 +433,7 @@ def eagle3_train_step_bench(
             ttt_steps=ttt_steps,
             ttt_step_loss_decay=1.0,
         )
+        extra: dict = {}
         step_ms, peak, loss, opt_names = _time_steps(
             model,
             batch,
@@ -418,10 +443,12 @@ def eagle3_train_step_bench(
             steps=steps,
             warmup=warmup,
             optimizer=optimizer,
+            floor_into=extra if gemm_floor else None,
         )
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         return {
             **base,
+            **extra,
             "tokens_per_s": statistics.median(seq_len / (ms / 1e3) for ms in step_ms),
             "step_ms": step_ms,
             "peak_gib": peak,

@@ -54,7 +54,10 @@ as skipped. `--backends flex,flash,cudnn` runs each of our rows once per TTT att
 (`drafter.attention_backend`, `drafttrain/ttt.py`; default: the preset's, `auto`). Results go
 to `--out` (JSON) and a markdown table is printed last. `--profile DIR`
 adds, after each of our rows, one step timed phase by phase and one under `torch.profiler`
-(CUDA kernel time by family and the top kernels) to `DIR/profile_*.txt`.
+(CUDA kernel time by family and the top kernels) to `DIR/profile_*.txt`. `--gemm-floor` adds,
+after each of our rows and the peer's EAGLE-3 rows, one more step's matrix products replayed
+alone (`draftbench/gemm_floor.py`) as the row's `gemm_floor`, and a second table: step ms,
+the GEMM floor, and for EAGLE-3 the step time the issue's speed bar allows (`SPEED_BARS`).
 """
 
 from __future__ import annotations
@@ -431,6 +434,23 @@ def profile_ours(ours: Ours, k: int, seq_len: int, seed: int) -> dict:
     return {"text": "\n".join(lines) + "\n", "summary": summary}
 
 
+def floor_ours(ours: Ours, k: int, seq_len: int, seed: int) -> dict:
+    """One more step of ours, its GEMMs then replayed alone (`draftbench.gemm_floor`)."""
+    from draftbench.gemm_floor import floor_of
+
+    objective = ours.objective(k)
+    batch, tgt = ours.inputs(seq_len, seed)
+    return floor_of(lambda: ours.step(objective, batch, tgt), ours.device)
+
+
+def floor_line(row: dict) -> str:
+    """The row's GEMM floor in one line (or its error)."""
+    from draftbench.gemm_floor import summary
+
+    f = row.get("gemm_floor")
+    return summary(f) if isinstance(f, dict) else f"GEMM floor failed: {f}"
+
+
 def kernel_family(name: str) -> str:
     """A CUDA kernel's family, by its name (for the profile's breakdown)."""
     n = name.lower()
@@ -493,7 +513,9 @@ def peer_row(
         seed=args.seed,
     )
     if kind == "eagle3":
-        out = peer.eagle3_train_step_bench(ttt_steps=k, optimizer=optimizer, **common)
+        out = peer.eagle3_train_step_bench(
+            ttt_steps=k, optimizer=optimizer, gemm_floor=args.gemm_floor, **common
+        )
     elif kind == "dflash":
         out = dflash_peer(k, seq_len, shapes, cfg.drafter, optimizer, common)
     else:
@@ -622,6 +644,42 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# The training bars of issue 25 (EAGLE-3 at seq 8192, TTT 7): our tokens/s over the AdamW
+# peer's, head trained (ours) and head frozen (ours+fh); the floor table's budget column.
+SPEED_BARS = {("eagle3", "ours"): 1.3, ("eagle3", "ours+fh"): 1.4}
+
+
+def floor_table(rows: list[dict]) -> str:
+    """The rows with a GEMM floor: step ms, the floor (ms, TFLOP, TFLOP/s), its share of the
+    step, and for EAGLE-3 the step time the speed bar allows (the AdamW peer's step over
+    the bar's factor, `SPEED_BARS`). Empty when no row has one."""
+    with_floor = [r for r in rows if isinstance(r.get("gemm_floor"), dict)]
+    if not with_floor:
+        return ""
+    adamw = {(r["kind"], r["k"], r["seq_len"]): r for r in rows if r["impl"] == "peer+adamw"}
+    lines = [
+        "| row | K | seq | step ms | GEMM floor ms | floor / step | TFLOP | TFLOP/s "
+        "| bar's step budget ms |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in with_floor:
+        f, step = r["gemm_floor"], r.get("step_ms_median")
+        a = adamw.get((r["kind"], r["k"], r["seq_len"]))
+        bar = SPEED_BARS.get((r["kind"], r["impl"]))
+        budget = "-"
+        if bar and a and a.get("step_ms_median"):
+            budget = f"{a['step_ms_median'] / bar:.1f} ({bar}x AdamW peer)"
+        share = f"{f['floor_ms'] / step:.2f}" if step else "-"
+        rate = f"{f['tflop_per_s']:.0f}" if f.get("tflop_per_s") else "-"
+        tag = f" [{r['backend']}]" if r.get("backend") else ""
+        lines.append(
+            f"| {r['impl']} {r['kind']}{tag} | {r['k']} | {r['seq_len']} "
+            f"| {f'{step:.1f}' if step else '-'} "
+            f"| {f['floor_ms']:.1f} | {share} | {f['tflop']:.1f} | {rate} | {budget} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="JSON results (rewritten after every row)")
@@ -657,6 +715,13 @@ def main() -> None:
         "kernels to DIR/profile_<impl>_<kind><k>_<seq>.txt",
     )
     ap.add_argument(
+        "--gemm-floor",
+        action="store_true",
+        help="after each of our rows and the peer's EAGLE-3 rows, one more step's matrix "
+        "products replayed alone (draftbench/gemm_floor.py): the step's GEMM time, a floor "
+        "under its time; reported per row (gemm_floor) and as a column",
+    )
+    ap.add_argument(
         "--backends",
         help="time each of our rows once per attention backend, comma list (e.g. flex,flash,"
         "cudnn: drafter.attention_backend, drafttrain/ttt.py); default: the preset's",
@@ -669,7 +734,10 @@ def main() -> None:
     )
     args = ap.parse_args()
     if args.table_from:
-        print(markdown(json.loads(Path(args.table_from).read_text())["rows"]))
+        rows = json.loads(Path(args.table_from).read_text())["rows"]
+        print(markdown(rows))
+        if floors := floor_table(rows):
+            print("\n" + floors)
         return
     if not args.out:
         ap.error("--out is required")
@@ -739,6 +807,8 @@ def main() -> None:
             optimizer = "adamw" if impl == "peer+adamw" else "muon"
             fn = partial(peer_row, kind, k, seq, args, shapes, device, optimizer, configs[kind])
             row = guarded(fn, base, device)
+            if "gemm_floor" in row:
+                print(f"{impl} {kind} K={k} seq {seq}: {floor_line(row)}", flush=True)
         else:
             for other in [o for o in ours_by_kind if o != key]:
                 ours_by_kind.pop(other).free()
@@ -790,6 +860,16 @@ def main() -> None:
                     device,
                     cleanup=partial(ours.optimizer.zero_grad, set_to_none=True),
                 )
+                if args.gemm_floor and not row.get("error"):
+                    floor = guarded(
+                        partial(floor_ours, ours, k, seq, args.seed + seq),
+                        {},
+                        device,
+                        cleanup=partial(ours.optimizer.zero_grad, set_to_none=True),
+                    )
+                    floor.pop("oom", None)
+                    row["gemm_floor"] = floor if not floor.get("error") else floor["error"]
+                    print(f"{impl} {kind} K={k} seq {seq}: {floor_line(row)}", flush=True)
                 if args.profile and not row.get("error"):
                     tag = f"_{backend}" if backend else ""
                     name = f"profile_{impl.replace('+', '_')}_{kind}{k}_{seq}{tag}.txt"
@@ -823,6 +903,8 @@ def main() -> None:
         write_result(args, device, shapes, peer_ok, peer_reason, overrides, configs, rows, t_start)
     write_result(args, device, shapes, peer_ok, peer_reason, overrides, configs, rows, t_start)
     print(markdown(rows))
+    if floors := floor_table(rows):
+        print("\n" + floors)
 
 
 def write_result(args, device, shapes, peer_ok, peer_reason, overrides, configs, rows, t_start):

@@ -71,6 +71,24 @@ def test_eagle3_step_on_cpu():
     )  # the CLI's --optimizer adamw: one AdamW over every trainable parameter
     assert math.isfinite(r["loss"]) and r["loss"] > 0  # KL of a random draft is positive
     assert r["trainable_params"] == _eagle3_trainable(64, 128, 4, 2, 16)
+    # Its step's GEMMs replayed alone (draftbench/gemm_floor.py; AdamW: no Newton-Schulz
+    # products). On the CPU its loss is eager, so the head's products are among them: the
+    # verifier's head over the draft vocabulary only (37 rows x 64 -> 256, not the 512-token
+    # vocabulary) once, and in each of the 3 TTT steps the draft head and its input gradient;
+    # no weight gradient (the head is frozen).
+    f = _bench(
+        "eagle3_train_step_bench",
+        seq_len=37,
+        ttt_steps=3,
+        optimizer="adamw",
+        gemm_floor=True,
+        **TINY,
+    )
+    calls = {s["gemm"]: s["calls"] for s in f["gemm_floor"]["by_shape"]}
+    assert f["gemm_floor"]["floor_ms"] > 0 and sum(calls.values()) == f["gemm_floor"]["calls"]
+    assert calls["mm [37,64]x[64,256] NT BFloat16"] == 1 + 3
+    assert calls["mm [37,256]x[256,64] NN BFloat16"] == 3
+    assert not [g for g in calls if "x[64,512]" in g or "[256,37]" in g], calls
 
 
 @pytest.mark.slow  # ~5 s: a subprocess in the speculators venv
