@@ -278,6 +278,23 @@ def test_fused_soft_ce_on_cuda(groups, head):
         torch.testing.assert_close(a.float(), b, rtol=3e-2, atol=2e-3 * b.abs().max().item())
 
 
+def test_weight_gradient_accumulates_in_place_in_fp32_on_cuda():
+    """`_accumulate_mm` adds a chunk's bf16 weight-gradient product into the fp32 accumulator
+    in place (no new `[V, H]` output, no copy of the accumulator) and in fp32 inside the GEMM:
+    equal to the fp32 sum of the exact bf16 products (a 2097-row chunk, the odd row count of
+    2^26 logits of a 32000-token head)."""
+    from drafttrain.fused_ce import _accumulate_mm
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dz = torch.randn(2097, 640, device="cuda", generator=g).bfloat16()
+    h = torch.randn(2097, 256, device="cuda", generator=g).bfloat16()
+    acc = torch.randn(640, 256, device="cuda", generator=g)
+    want = acc + dz.t().double() @ h.double()
+    got = _accumulate_mm(acc, dz.t(), h)
+    assert got.data_ptr() == acc.data_ptr() and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-3)
+
+
 @pytest.mark.parametrize("name", ["kl", "tv", "lk"])
 @pytest.mark.parametrize("groups", [1, 3])
 def test_fused_losses_on_cuda(name, groups):
