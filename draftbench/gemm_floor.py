@@ -1,4 +1,4 @@
-"""The GEMMs of one training step, replayed alone: a measured floor under the step's time.
+"""The GEMMs of one training step, replayed alone: what the step's matrix products cost.
 
     calls = record(step)            # one step under torch.profiler (shapes, strides, dtypes)
     floor = replay(calls, device)   # those GEMMs again, back to back, nothing else
@@ -6,20 +6,21 @@
 `record` runs `step()` once under `torch.profiler` with `record_shapes` and keeps every matrix
 product the dispatcher saw (`aten::mm`, `aten::addmm`, `aten::bmm`, `aten::baddbmm`: eager
 code, and inductor's compiled code, which calls them as extern kernels), each with its
-operands' shapes, strides and dtypes from the profiler's trace. The strides matter: a
-weight gradient's operand is a transposed view whose odd row count would be a misaligned
-row-major matrix, which cuBLAS multiplies several times slower. `replay` allocates one random operand of each recorded (shape, strides, dtype) and runs
-the step's products again in the step's order, nothing between them, timed with CUDA events
-(the host queues ahead, so the GPU runs them back to back): the step's GEMM time at cuBLAS's
-speed with every other kernel (attention, norms, the loss's elementwise work, the optimizer)
-removed. A step cannot take less than that with these products; a bar whose time budget is
-below it cannot be met without doing less GEMM work (`draftbench/train_step.py --gemm-floor`,
-docs/results.md).
+operands' shapes, strides and dtypes from the profiler's trace. The strides matter: a weight
+gradient's operand is a transposed view, and replayed row-major with an odd inner dimension
+(2097 rows of the 8B draft head's chunk) cuBLAS ran it several times slower. `replay`
+allocates one random operand of each recorded (shape, strides, dtype) and runs the step's
+products again in the step's order, nothing between them, timed with CUDA events (the host
+queues ahead, so the GPU runs them back to back): the step's GEMM time at cuBLAS's speed with
+every other kernel (attention, norms, the loss's elementwise work, the optimizer) removed.
+Within the step the same kernels ran up to ~7% faster on an H100 (operands warm in L2; session
+19's profiles, docs/results.md), so it is a floor to within that: a bar whose time budget is
+below the step's GEMMs cannot be met without doing less GEMM work
+(`draftbench/train_step.py --gemm-floor`).
 
 Not seen: products inside fused kernels that are not aten ops (cuDNN's and flash attention's,
-a Triton kernel's `tl.dot`, inductor's Triton GEMM templates under `max_autotune`); the
-report says how many FLOPs the profiler attributes to what was recorded, so a peer whose loss
-is one fused Triton kernel shows a floor without its head.
+a Triton kernel's `tl.dot`, inductor's Triton GEMM templates under `max_autotune`): a peer
+whose loss is one fused Triton kernel would show a floor without its head.
 """
 
 from __future__ import annotations
