@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from draftinfer.baseline import greedy_generate
-from draftinfer.loading import load_native_target
+from draftinfer.decoding.baseline import greedy_generate
+from draftinfer.files.loading import load_native_target
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -15,7 +15,7 @@ length).
   called as there (under the math SDPA backend, `input_pos += 1`, next token cloned), greedy:
   `argmax` in place of its `sample()` (temperature/top-k). Attention reads all `max_len` cache
   positions (masked), as gpt-fast does.
-- ours: `draftinfer.compiled.target_forward` compiled as the runner's plain decode step
+- ours: `draftinfer.decoding.compiled.target_forward` compiled as the runner's plain decode step
   (`dynamic=False, mode="reduce-overhead"`, K/V caches marked static), next token by an eager
   argmax; attention reads `attn_bucket(...)` positions (= `max_len` at the defaults). One
   variant per `--variants` entry, features joined by `+`:
@@ -336,7 +336,7 @@ def our_pdl(on: bool):
 @torch.no_grad()
 def run_ours(model, v: dict, a, device, tok0, rows, attn_len, ref_logits, warm: int) -> dict:
     """Compile our step for variant `v`, check it, time it."""
-    from draftinfer.compiled import target_forward
+    from draftinfer.decoding.compiled import target_forward
 
     patch = {} if v["cdt"] else {"coordinate_descent_tuning": False}
     if v["pdl_inductor"]:
@@ -508,7 +508,7 @@ def main() -> int:
     ours.sort(key=lambda v: (v["qkv"] + v["gateup"], v["gateup"]))  # fusion is not undone
     t_start = time.perf_counter()
 
-    from draftinfer.slots import Slots, attn_bucket
+    from draftinfer.conventions.slots import Slots, attn_bucket
 
     res: dict = {
         "shape": "tiny" if a.tiny else "llama3.1-8b",

@@ -50,7 +50,7 @@ def build(kind: str, target: dict, draft_vocab: int, k_max: int, device, dtype):
 def first_pass(batch: int, start: int, n: int, width: int, shape, device, drafter):
     """A padded first pass: `n` live rows at cache indices start.., padded to `width`, with
     random target features of the drafter's declared width."""
-    from draftinfer.proposer import FirstPass
+    from draftinfer.decoding.proposer import FirstPass
 
     F = drafter.config.features.width(shape["target_hidden_size"])
     dtype = next(drafter.parameters()).dtype
@@ -63,7 +63,7 @@ def first_pass(batch: int, start: int, n: int, width: int, shape, device, drafte
 
 def time_round(proposer, batch: int, context: int, k: int, device, shape, repeats: int):
     """Median ms of one drafting round (first pass of k//2+1 live rows of K+1 + k drafts)."""
-    from draftinfer.slots import attn_bucket
+    from draftinfer.conventions.slots import attn_bucket
 
     d = proposer.drafter
     # Prefix: fill the drafter KV with `context` rows once.
@@ -96,7 +96,7 @@ def profile_round(proposer, batch: int, context: int, k: int, device, shape) -> 
     """The top CUDA kernels (total time over 5 rounds) of a round as `time_round` runs it."""
     from torch.profiler import ProfilerActivity, profile
 
-    from draftinfer.slots import attn_bucket
+    from draftinfer.conventions.slots import attn_bucket
 
     fp = first_pass(batch, context, k // 2 + 1, k + 1, shape, device, proposer.drafter)
     caps = torch.full((batch,), k, dtype=torch.long, device=device)
@@ -114,7 +114,7 @@ def profile_round(proposer, batch: int, context: int, k: int, device, shape) -> 
 
 def check(kind: str, proposer, device, shape) -> bool:
     """Drafts of the cached proposer == its no-cache reference (greedy, one request)."""
-    from draftinfer.proposer import greedy_chooser
+    from draftinfer.decoding.proposer import greedy_chooser
 
     d = proposer.drafter
     n, k = 9, 3

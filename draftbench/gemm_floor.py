@@ -143,7 +143,7 @@ def _tensor(shape, stride, dtype, device, gen) -> torch.Tensor:
 
 def call_of(g: Gemm) -> Callable[..., torch.Tensor]:
     """The torch function that issues `g` again: an added input of another dtype than the
-    matrices (an fp32 accumulator of bf16 products, `drafttrain.fused_ce._accumulate_mm`) is
+    matrices (an fp32 accumulator of bf16 products, `drafttrain.objectives.fused_ce._accumulate_mm`) is
     `addmm(..., out_dtype=)` (CUDA only, as the step that recorded it)."""
     fn = {
         "aten::mm": torch.mm,

@@ -21,8 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-from drafttrain.loggers import read_metrics
-from drafttrain.loss_fns import LOSSES
+from drafttrain.objectives.loss_fns import LOSSES
+from drafttrain.trainer.loggers import read_metrics
 
 # Each kind's CPU preset against the text zoo target and its step count.
 PRESETS = {"eagle3": ("eagle3", 600), "ptd": ("ptd_eagle3", 1500), "mtp": ("mtp3", 600),

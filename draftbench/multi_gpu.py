@@ -9,8 +9,8 @@ and throughput 1 vs 2 GPUs is reported.
 The target is built here with random weights (Llama-3 vocabulary 128256, GQA 4:1, rope theta
 500000; `--hidden/--layers` size it) and the zoo's tokenizer and chat data, so the check runs
 offline. Writes `multi_gpu.json` and each run's metrics under `--out`, prints a table last.
-The engines' launcher files are a checkout's `launch/accelerate/<engine>.yaml` (`--launch-dir`;
-the runs start in the checkout, where their DeepSpeed paths `launch/deepspeed/*.json` resolve).
+The engines' launcher files are a checkout's `conf/launch/accelerate/<engine>.yaml` (`--launch-dir`;
+the runs start in the checkout, where their DeepSpeed paths `conf/launch/deepspeed/*.json` resolve).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from draftinfer.paths import ZOO_DIR
+from draftinfer.files.paths import ZOO_DIR
 
 
 def build_target(path: Path, hidden: int, layers: int) -> None:
@@ -165,14 +165,14 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--work", type=Path, default=Path("/tmp/d1"))
     ap.add_argument("--skip-baseline-resume", action="store_true")
-    ap.add_argument("--launch-dir", type=Path, default=Path("launch/accelerate"))
+    ap.add_argument("--launch-dir", type=Path, default=Path("conf/launch/accelerate"))
     args = ap.parse_args()
     args.launch_dir = args.launch_dir.resolve()
     if not (args.launch_dir / "ddp.yaml").is_file():
         ap.error(
             f"{args.launch_dir} holds no launcher files: run from a checkout or pass --launch-dir"
         )
-    args.checkout = args.launch_dir.parents[1]  # where `launch/deepspeed/*.json` resolve
+    args.checkout = args.launch_dir.parents[2]  # where `conf/launch/deepspeed/*.json` resolve
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
     args.target = args.work / "target"

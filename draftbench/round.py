@@ -23,7 +23,7 @@ vocabulary 32000. Weights are random bf16 (time does not depend on training).
   the drafter forwards) is compiled with dynamic shapes and bucketed attention lengths; with
   `--round-graphs on` (the default; `both` times each configuration both ways) the engine
   replays the whole round from a CUDA graph captured per attention bucket
-  (`SpecDecoder(cuda_graphs=True)`, `draftinfer.graphs`).
+  (`SpecDecoder(cuda_graphs=True)`, `draftinfer.decoding.graphs`).
 - t_gptfast (`--peer-dir`, default `peers/gpt-fast`, fetched by `scripts/fetch_peers.sh`):
   gpt-fast's compiled decode step (`draftbench.decode_peer`: its `model.py`, its generate.py's
   `decode_one_token` and inductor settings, CUDA graphs) at the same batch and context, in the
@@ -43,7 +43,7 @@ vocabulary 32000. Weights are random bf16 (time does not depend on training).
   counts the wait: the sums then exceed the piece's time (a dflash verify's kernels summed to
   9.7 ms of its 5.8 on an H100, session 17); attribute with `--inductor nopdl`.
 - `--fuse`: also time every configuration on the runner's CUDA default GEMMs
-  (`draftinfer.run.serving_transforms`): target's and drafters' q/k/v and gate/up fused
+  (`draftinfer.evaluation.run.serving_transforms`): target's and drafters' q/k/v and gate/up fused
   (`draftinfer.models.transforms.fuse_projections`, the same weights) and GEMMs of <= 16 rows
   of target and drafters by the skinny-GEMM kernel (`use_skinny_gemm`; `--no-skinny`: cuBLAS),
   SwiGLU's product as the gate/up GEMM's epilogue (`--swiglu on`, the runner's default; `off`
@@ -78,7 +78,7 @@ from draftbench.shapes import (
     random_llama_target,
     vl_native_shape,
 )
-from draftinfer.compiled import RUNNER_CUDA_OPTIONS, runner_compile_options
+from draftinfer.decoding.compiled import RUNNER_CUDA_OPTIONS, runner_compile_options
 
 
 def build_vl_target(hf_kwargs: dict, device, dtype, max_batch: int, max_len: int):
@@ -132,8 +132,8 @@ def plain_step_ms(
 ) -> tuple[float, list]:
     """Median ms of one compiled greedy decode step at advancing positions, and its tokens.
     `mode="reduce-overhead"`: the step replayed as a CUDA graph (the best plain decode)."""
-    from draftinfer.compiled import compiled, target_forward
-    from draftinfer.slots import Slots, attn_bucket
+    from draftinfer.conventions.slots import Slots, attn_bucket
+    from draftinfer.decoding.compiled import compiled, target_forward
 
     rows = torch.arange(batch, device=device)
     if reqs is None:
@@ -232,8 +232,8 @@ def breakdown_ms(dec, target, k: int, context: int, profile: int = 0) -> dict:
     torch.profiler), as `kernels_verify` / `kernels_propose`."""
     from draftbench.decode_peer import kernel_table
     from draftbench.timing import captured, graph_ms
-    from draftinfer.proposer import greedy_chooser
-    from draftinfer.slots import attn_bucket
+    from draftinfer.conventions.slots import attn_bucket
+    from draftinfer.decoding.proposer import greedy_chooser
 
     B, dev = dec.max_batch, dec.device
     rows, f = dec.rows, dec.features
@@ -278,7 +278,7 @@ def breakdown_ms(dec, target, k: int, context: int, profile: int = 0) -> dict:
 # runner's compiled CUDA default, programmatic dependent launch for inductor's kernels and
 # ours (both set by the one switch `draftkernels.runtime.enable_pdl`; `InferConfig.pdl`) and
 # inductor's combo kernels (independent kernels, e.g. a layer's query RoPE and its key RoPE +
-# cache write, horizontally fused into one launch; `draftinfer.compiled.RUNNER_CUDA_OPTIONS`,
+# cache write, horizontally fused into one launch; `draftinfer.decoding.compiled.RUNNER_CUDA_OPTIONS`,
 # the default since session 18); `nopdl` without PDL; `nocombo` without combo kernels (the
 # default of sessions 16-17); `cdt` the default plus coordinate descent tuning; `pdl` and
 # `combo` name what `default` is now (still accepted).
@@ -340,7 +340,7 @@ def run_spec(
     options=None,
     pipeline=None,
 ):
-    from draftinfer.engine import Request, SpecDecoder
+    from draftinfer.decoding.engine import Request, SpecDecoder
 
     dec = SpecDecoder(
         target,

@@ -16,9 +16,9 @@ start after 5 minutes (not timed on a GPU yet: the compilations are most of it):
 What one of *our* steps is: the kind's real objective (`drafttrain/kinds/<kind>/objective.py`)
 with the trainer's row loss (`trainer.loss`, else the kind's default) on one sequence of
 `seq_len` tokens (batch 1), backward, gradient clipping, the optimizer step, with the
-trainer's own choices of the 8B presets (`drafttrain/conf/eagle3_llama3_8b.yaml`,
+trainer's own choices of the 8B presets (`conf/drafttrain/eagle3_llama3_8b.yaml`,
 `ptd_eagle3_llama3_8b.yaml`, `dflash_llama3_8b.yaml`: parameter dtype, master weights,
-moment dtype, torch.compile, activation checkpointing; `drafttrain.wrap`, `drafttrain.optim`),
+moment dtype, torch.compile, activation checkpointing; `drafttrain.trainer.wrap`, `drafttrain.trainer.optim`),
 under the trainer's bf16 autocast. The drafter has random weights (1 decoder layer for
 eagle3, the preset's for ptd and dflash; hidden 4096, 32/8 heads, ffn 14336, target vocab
 128256, draft vocab 32000 for eagle3 and ptd, the whole vocabulary for dflash). The target side
@@ -26,7 +26,7 @@ is synthesized: random features for the drafter's taps (`[1, T, 3H]` for eagle3 
 `[1, T, 5H]` for dflash's five) and a random final hidden state `[1, T, H]` with a random bf16
 head `[V, H]`, handed over as the `TrainTargetOutput` a frozen target returns, so the
 target's distribution is computed inside the step exactly as in training
-(`drafttrain.target_head`), while no 8B target forward is timed (the peer also starts from
+(`drafttrain.target.head`), while no 8B target forward is timed (the peer also starts from
 precomputed hidden states). dflash (`--kinds dflash:K`, K = block size - 1 drafts, the
 naming of `draftbench/round.py`: `dflash:15` is the preset's block of 16): the architecture its
 trainer derives from the preset (`TrainSpec.arch`: 5 layers, z-lab's taps [1, 8, 15, 22, 29],
@@ -51,7 +51,7 @@ optimizer state count). An out-of-memory or a failure is a row, not a crash. The
 torch.compile's caches on entry and exit, so its first EAGLE-3 row runs before ours and the
 rest after ours. `--budget-s` bounds the wall time: rows that would start later are reported
 as skipped. `--backends flex,flash,cudnn` runs each of our rows once per TTT attention backend
-(`drafter.attention_backend`, `drafttrain/ttt.py`; default: the preset's, `auto`). Results go
+(`drafter.attention_backend`, `drafttrain/objectives/ttt.py`; default: the preset's, `auto`). Results go
 to `--out` (JSON) and a markdown table is printed last. `--profile DIR`
 adds, after each of our rows, one step timed phase by phase and one under `torch.profiler`
 (CUDA kernel time by family and the top kernels) to `DIR/profile_*.txt`. `--gemm-floor` adds,
@@ -118,7 +118,7 @@ GIB = 2**30
 
 
 def compose(preset: str, overrides: list[str]):
-    """The preset's resolved config (`drafttrain.config.TrainConfig`)."""
+    """The preset's resolved config (`drafttrain.jobs.config.TrainConfig`)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
@@ -198,18 +198,18 @@ class Ours:
 
     def __init__(self, kind: str, cfg, shapes: dict, device: torch.device, seed: int, k: int):
         from draftinfer.registry import drafter_spec
-        from drafttrain.loss_fns import row_loss
-        from drafttrain.optim import build_optimizer
+        from drafttrain.objectives.loss_fns import row_loss
+        from drafttrain.objectives.ttt import pick_backend
         from drafttrain.registry import train_spec
-        from drafttrain.ttt import pick_backend
-        from drafttrain.wrap import apply_training_wrappers
+        from drafttrain.trainer.optim import build_optimizer
+        from drafttrain.trainer.wrap import apply_training_wrappers
 
         torch.manual_seed(seed)
         s, dc, tc = shapes, cfg.drafter, cfg.trainer
         self.kind, self.cfg, self.device, self.shapes = kind, cfg, device, shapes
         self.spec = train_spec(kind)
         # The trainer's row loss (`trainer.loss`, else the kind's default: dpace for eagle3,
-        # ptd and dflash), as `drafttrain.train` builds the objective.
+        # ptd and dflash), as `drafttrain.jobs.train` builds the objective.
         self.loss = row_loss(tc.loss or self.spec.default_loss)
         self.arch = arch = ARCH[kind](kind, dc, s, k)
         dt = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -247,7 +247,7 @@ class Ours:
         return self.spec.objective(self.drafter, dc, self.backend, self.loss)
 
     def inputs(self, seq_len: int, seed: int):
-        from drafttrain.target_head import HeadLogits, TargetHead, TrainTargetOutput
+        from drafttrain.target.head import HeadLogits, TargetHead, TrainTargetOutput
 
         g = torch.Generator(device="cpu").manual_seed(seed)
         s, dev, T = self.shapes, self.device, seq_len
@@ -292,7 +292,7 @@ class Ours:
 def checkpointed(ours: Ours, on: bool):
     """Within: the drafter's blocks under activation checkpointing (wrapping the same,
     already compiled forwards: no new compilation); restored after."""
-    from drafttrain.wrap import apply_activation_checkpointing
+    from drafttrain.trainer.wrap import apply_activation_checkpointing
 
     blocks = ours.spec.blocks(ours.drafter) if on else []
     saved = [b.forward for b in blocks]
@@ -329,7 +329,7 @@ def sync(device: torch.device) -> None:
 
 
 def time_ours(ours: Ours, k: int, seq_len: int, steps: int, warmup: int, seed: int) -> dict:
-    from drafttrain.losses import metric_values
+    from drafttrain.objectives.losses import metric_values
 
     dev = ours.device
     cuda = dev.type == "cuda"
@@ -376,7 +376,7 @@ def profile_ours(ours: Ours, k: int, seq_len: int, seed: int) -> dict:
     kernels, summed by family. Returns {"text": report, "summary": one line}."""
     from torch.profiler import ProfilerActivity, profile
 
-    from drafttrain.target_head import target_distribution
+    from drafttrain.target.head import target_distribution
 
     dev, tc = ours.device, ours.cfg.trainer
     objective = ours.objective(k)
@@ -724,7 +724,7 @@ def main() -> None:
     ap.add_argument(
         "--backends",
         help="time each of our rows once per attention backend, comma list (e.g. flex,flash,"
-        "cudnn: drafter.attention_backend, drafttrain/ttt.py); default: the preset's",
+        "cudnn: drafter.attention_backend, drafttrain/objectives/ttt.py); default: the preset's",
     )
     ap.add_argument(
         "--override",
@@ -817,7 +817,7 @@ def main() -> None:
                 ours_by_kind[key] = Ours(kind, configs[kind], shapes, device, args.seed, k)
             ours = ours_by_kind[key]
             if backend:
-                from drafttrain.ttt import pick_backend
+                from drafttrain.objectives.ttt import pick_backend
 
                 ours.backend = pick_backend(backend, device)
             tc = configs[kind].trainer

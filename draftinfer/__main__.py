@@ -3,11 +3,11 @@
 `python -m draftinfer drafter=DIR eval=<suite>|standard [eval.path=LOCAL] [temperatures=[0,1]]`
 
 `prompts` is chat data in the `messages` format (or a .txt file); for a target with a
-processor (Qwen3-VL) its messages may hold image parts (`draftinfer.prompts`).
+processor (Qwen3-VL) its messages may hold image parts (`draftinfer.evaluation.prompts`).
 
-Thin entry point: compose `draftinfer/conf/infer.yaml` (package data; + the `eval/` group)
-against `draftinfer.config.InferConfig`, convert once, run `run_eval` (the held-out prompts) or
-`run_suites` (acceptance suites, `draftinfer.suite_run`), print the table.
+Thin entry point: compose `conf/draftinfer/infer.yaml` (package data; + the `eval/` group)
+against `draftinfer.evaluation.config.InferConfig`, convert once, run `run_eval` (the held-out prompts) or
+`run_suites` (acceptance suites, `draftinfer.evaluation.suite_run`), print the table.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from draftinfer.config import InferConfig
-from draftinfer.errors import ConfigError, run_or_exit
-from draftinfer.paths import package_dir
+from draftinfer.evaluation.config import InferConfig
+from draftinfer.files.errors import ConfigError, run_or_exit
+from draftinfer.files.paths import conf_dir
 
-CONF_DIR = str(package_dir("draftinfer", "conf"))
+CONF_DIR = str(conf_dir("draftinfer"))
 
 
 def register_configs() -> None:
@@ -33,15 +33,15 @@ def register_configs() -> None:
 def _hydra_main(cfg: DictConfig) -> None:
     icfg: InferConfig = OmegaConf.to_object(cfg)
     if icfg.eval.suites:  # acceptance suites (eval=<suite>|standard)
-        from draftinfer.suite_report import format_suites_table
-        from draftinfer.suite_run import run_suites
+        from draftinfer.evaluation.suite_report import format_suites_table
+        from draftinfer.evaluation.suite_run import run_suites
 
         suites = run_or_exit(run_suites, icfg)
         print(format_suites_table(suites))
         if not suites.lossless:
             sys.exit(3)
         return
-    from draftinfer.run import format_report, run_eval
+    from draftinfer.evaluation.run import format_report, run_eval
 
     if icfg.temperatures is not None:
         run_or_exit(

@@ -1,4 +1,37 @@
-"""Drafter kinds (DESIGN 2.1 seam 1): one `DrafterSpec` per kind, registered from the kind's
+"""The registries of the runner (STYLE rule 5), in one module: named variants, each a folder
+that registers itself when its package is imported.
+
+## Named registries
+Registries of named variants (STYLE rule 5): drafter kinds (`draftinfer.registry`,
+`drafttrain.registry`) and target families (`draftinfer.families`, `drafttrain.families`) are
+each a folder per variant that registers itself when its package is imported.
+
+## Target families
+Target families (DESIGN 2.1): what the runner needs to know about a kind of target, one
+`FamilySpec` per family, registered from the family's own folder under `draftinfer/families/`
+(as drafter kinds are under `draftinfer/kinds/`), looked up by name or by HF architecture.
+
+A family answers:
+- which HF architectures it serves natively (`models`: `config.json` `architectures[0]` ->
+  the native `NativeCausalLM` subclass the runner loads);
+- what it `provides` a drafter (features: `layer_inputs` taps, the `final_hidden` state) and
+  what it `requires` a drafter to handle (`multimodal_window`: rows whose consumed token is an
+  encoder embedding; `mrope_positions`: `[3, N]` RoPE positions);
+- how the runner turns chat prompts into its inputs (`render_prompts`: token ids, plus the
+  family's extra inputs such as pixel values; `prompt_encoder`: the same one conversation at a
+  time) and whether those prompts may hold images (`takes_images`: an image suite such as
+  MMStar needs it).
+
+A drafter kind declares the other side (`DrafterSpec.needs`, `DrafterSpec.handles`);
+`check_pair` refuses a pair that does not fit with a one-line error, before anything is
+loaded or written. The training side (`drafttrain.families`) registers the same names.
+
+An architecture no family claims is served by the default family, `causal_lm` (any HF causal
+LM trains; the runner loads the architectures `causal_lm` lists natively).
+
+
+## Drafter kinds
+Drafter kinds (DESIGN 2.1 seam 1): one `DrafterSpec` per kind, registered from the kind's
 own files under `draftinfer/kinds/<kind>/`, looked up by name (the same name in configs,
 code and checkpoint metadata, STYLE rule 5).
 
@@ -21,14 +54,195 @@ A spec answers:
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
-from draftinfer.errors import CheckpointError
-from draftinfer.families import check_pair, family_spec
-from draftinfer.registries import NamedRegistry
+from draftinfer.files.errors import CheckpointError, ConfigError
+
+
+class NamedRegistry(dict):
+    """Name -> spec (drafter kinds, target families). Filled by the packages under `package`
+    (each registers itself when imported; all are imported once, on first lookup) or by
+    `register` (tests)."""
+
+    def __init__(self, package: str, error: type[Exception], label: str):
+        super().__init__()
+        self.package, self.error, self.label = package, error, label
+        self._loaded = False
+
+    def register(self, spec):
+        if not spec.name:
+            raise ValueError(f"{type(spec).__name__} has no name")
+        self[spec.name] = spec
+        return spec
+
+    def unregister(self, name: str) -> None:
+        self.pop(name, None)
+
+    def load(self) -> NamedRegistry:
+        if not self._loaded:
+            self._loaded = True
+            pkg = importlib.import_module(self.package)
+            for mod in pkgutil.iter_modules(pkg.__path__):
+                importlib.import_module(f"{self.package}.{mod.name}")
+        return self
+
+    def spec(self, kind: str):
+        """The spec of `kind`; a one-line error (of this registry's class) when unknown."""
+        self.load()
+        if kind not in self:
+            raise self.error(f"unknown {self.label} {kind!r} (known: {sorted(self)})")
+        return self[kind]
+
+
+# --- target families ----------------------------------------------------------------------
+
+
+DEFAULT_FAMILY = "causal_lm"
+# The vocabulary of `FamilySpec.provides` / `requires` and `DrafterSpec.needs` / `handles`.
+FEATURES = frozenset({"layer_inputs", "final_hidden"})
+INPUT_FORMS = frozenset({"multimodal_window", "mrope_positions"})
+
+
+class FamilySpec:
+    """Base spec of a target family; a family subclasses it in its own folder."""
+
+    name: ClassVar[str] = ""
+    # HF `architectures[0]` -> native class (`draftinfer.models.decoder.NativeCausalLM`).
+    models: ClassVar[dict[str, type]] = {}
+    provides: ClassVar[frozenset[str]] = FEATURES
+    requires: ClassVar[frozenset[str]] = frozenset()
+    # Whether this family's prompts may hold image parts (its prompt encoder reads them).
+    takes_images: ClassVar[bool] = False
+
+    def decoder_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        """The language decoder's fields of a target `config.json` (vocabulary, hidden size,
+        layers, positions): the whole config for a text family."""
+        return config
+
+    def prompt_encoder(self, target_path: str) -> Any:
+        """An encoder of one conversation at a time, its tokenizer (or processor) loaded once:
+        `.tokenizer`, and `.encode(conv, name, template_kwargs, base_dir) -> Prompt` (the whole
+        prompt, never cut). For runs that render prompts as they go (multi-turn suites)."""
+        from draftinfer.evaluation.prompts import TextPromptEncoder
+
+        return TextPromptEncoder(target_path)
+
+    def render_prompts(
+        self, named: list[tuple[str, list[dict]]], target_path: str, max_len: int, base_dir
+    ) -> tuple[list[Any], Any]:
+        """(prompts, tokenizer): each `(name, conversation)` rendered with the generation
+        prompt into a `draftinfer.evaluation.prompts.Prompt` (token ids and the family's extra inputs)."""
+        from draftinfer.evaluation.prompts import render_text_prompts
+
+        return render_text_prompts(named, target_path, max_len)
+
+
+class FamilyRegistry(NamedRegistry):
+    """Family name -> spec, filled by the packages under `draftinfer.families`."""
+
+    def for_architectures(self, architectures: list[str] | None) -> FamilySpec:
+        """The family claiming the first of `architectures` one claims; the default family
+        otherwise."""
+        self.load()
+        for arch in architectures or ():
+            for fam in self.values():
+                if arch in fam.models:
+                    return fam
+        return self.spec(DEFAULT_FAMILY)
+
+    def native_class(self, config: dict[str, Any]) -> type:
+        """The native class for a parsed `config.json` (by `architectures`, else by
+        `model_type`); a one-line `ConfigError` naming what is supported otherwise."""
+        models = {a: c for fam in self.load().values() for a, c in fam.models.items()}
+        supported = ", ".join(sorted(models))
+        archs = config.get("architectures") or []
+        for arch in archs:
+            if arch in models:
+                return models[arch]
+        if not archs:
+            model_type = config.get("model_type")
+            for cls in models.values():
+                if model_type in cls.hf_model_types:
+                    return cls
+            raise ConfigError(
+                f"unsupported target: config.json has no `architectures` and model_type "
+                f"{model_type!r} is not native (supported: {supported})"
+            )
+        raise ConfigError(
+            f"unsupported target architecture {', '.join(map(str, archs))} "
+            f"(native targets supported: {supported})"
+        )
+
+    def native_architectures(self) -> list[str]:
+        """Every HF architecture the runner loads natively, sorted."""
+        self.load()
+        return sorted(a for fam in self.values() for a in fam.models)
+
+    def is_native(self, architecture: str) -> bool:
+        return architecture in self.native_architectures()
+
+
+FAMILIES = FamilyRegistry("draftinfer.families", ConfigError, "target family")
+
+
+def register_family(spec: FamilySpec) -> FamilySpec:
+    """Register a family (called from the family's own `__init__.py`, or by a test)."""
+    bad = (spec.provides - FEATURES) | (spec.requires - INPUT_FORMS)
+    if bad:
+        raise ValueError(f"{type(spec).__name__}: unknown capabilities {sorted(bad)}")
+    for cls in spec.models.values():
+        if cls.family != spec.name:
+            raise ValueError(f"{cls.__name__}.family is {cls.family!r}, not {spec.name!r}")
+    return FAMILIES.register(spec)
+
+
+def unregister_family(name: str) -> None:
+    FAMILIES.unregister(name)
+
+
+def family_spec(name: str) -> FamilySpec:
+    """The spec registered under `name`; a one-line `ConfigError` when unknown."""
+    return FAMILIES.spec(name)
+
+
+def registered_families() -> list[str]:
+    return sorted(FAMILIES.load())
+
+
+def family_of(name_or_path: str | Path) -> FamilySpec:
+    """The family of a target named by hub id, local path or `zoo:` name, from its
+    `config.json` alone (no weights, no transformers config class)."""
+    from draftinfer.files.target_dir import read_target_config
+
+    return FAMILIES.for_architectures(read_target_config(name_or_path).get("architectures"))
+
+
+def check_pair(drafter_spec, family: FamilySpec) -> None:
+    """One-line `ConfigError` when a drafter kind and a target family do not fit: the kind needs
+    a feature the family does not provide, or the family's inputs take a form the kind does
+    not handle."""
+    missing = sorted(drafter_spec.needs - family.provides)
+    unhandled = sorted(family.requires - drafter_spec.handles)
+    if missing or unhandled:
+        why = []
+        if missing:
+            why.append(f"needs {', '.join(missing)}, which the family does not provide")
+        if unhandled:
+            why.append(f"does not handle {', '.join(unhandled)}")
+        raise ConfigError(
+            f"drafter kind {drafter_spec.name!r} cannot run on a {family.name!r} target: it "
+            + "; it ".join(why)
+        )
+
+
+# --- drafter kinds ------------------------------------------------------------------------
+
 
 # Conventions every kind shares (DESIGN section 3); kinds add their own in `conventions()`.
 BASE_CONVENTIONS: dict[str, str] = {
@@ -53,9 +267,9 @@ class DrafterSpec:
     # Whether one drafter forward yields several drafts (serving facts differ, e.g. vLLM
     # refuses parallel drafting with M-RoPE drafters).
     parallel_drafting: ClassVar[bool] = False
-    # What the kind consumes of a target (`draftinfer.families.FEATURES`) and the target input
-    # forms it copes with (`draftinfer.families.INPUT_FORMS`); a family whose inputs take a
-    # form the kind does not handle is refused (`draftinfer.families.check_pair`).
+    # What the kind consumes of a target (`draftinfer.registry.FEATURES`) and the target input
+    # forms it copes with (`draftinfer.registry.INPUT_FORMS`); a family whose inputs take a
+    # form the kind does not handle is refused (`draftinfer.registry.check_pair`).
     needs: ClassVar[frozenset[str]] = frozenset()
     handles: ClassVar[frozenset[str]] = frozenset()
 
@@ -126,7 +340,7 @@ class DrafterSpec:
 
     def check_fit(self, arch: Any, info: Any) -> None:
         """One-line `CheckpointError` when the drafter was not made for a target with these
-        facts (`draftinfer.target.TargetInfo`)."""
+        facts (`draftinfer.models.target.TargetInfo`)."""
         if arch.vocab_size != info.vocab_size:
             raise CheckpointError(
                 f"drafter vocabulary {arch.vocab_size} does not match the target's "

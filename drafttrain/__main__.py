@@ -1,8 +1,8 @@
 """`python -m drafttrain conf=<preset> key=value ...`
 
 A thin entry point (STYLE rule 9): rewrite argv (`conf=X` -> Hydra's `--config-name X`, drop
-a launcher's `--local_rank`), compose the config tree `drafttrain/conf/` (package data) against
-the dataclass schema of `drafttrain.config` (each registered kind's config under
+a launcher's `--local_rank`), compose the config tree `conf/drafttrain/` (package data) against
+the dataclass schema of `drafttrain.jobs.config` (each registered kind's config under
 `drafter/<kind>_schema`), convert once, and call `run_job(cfg)` (train -> export -> verify).
 Hydra's own flags work: `--cfg job` prints the resolved config, `--help` lists the groups.
 """
@@ -15,13 +15,13 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from draftinfer.errors import DraftError, run_or_exit
-from draftinfer.paths import package_dir
-from draftinfer.threads import resolve_cli_threads
-from drafttrain.config import TrainConfig
+from draftinfer.evaluation.threads import resolve_cli_threads
+from draftinfer.files.errors import DraftError, run_or_exit
+from draftinfer.files.paths import conf_dir
+from drafttrain.jobs.config import TrainConfig
 from drafttrain.registry import load_train_kinds
 
-CONF_DIR = str(package_dir("drafttrain", "conf"))
+CONF_DIR = str(conf_dir("drafttrain"))
 DEFAULT_PRESET = "ptd_eagle3"
 
 
@@ -61,7 +61,7 @@ def to_train_config(cfg: DictConfig) -> TrainConfig:
 
 @hydra.main(config_path=CONF_DIR, config_name=DEFAULT_PRESET, version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
-    from drafttrain.job import run_job
+    from drafttrain.jobs.job import run_job
 
     config = to_train_config(cfg)
     config.trainer.num_threads = resolve_cli_threads(config.trainer.num_threads, "trainer")

@@ -1,4 +1,9 @@
-"""Training side of a drafter kind: one `TrainSpec` per kind, registered from the kind's own
+"""The registries of training (STYLE rule 5), in one module: the training side of each drafter
+kind and of each target family, registered from their own folders under `drafttrain/kinds/`
+and `drafttrain/families/` (`draftinfer.registry.NamedRegistry`).
+
+## Drafter kinds
+Training side of a drafter kind: one `TrainSpec` per kind, registered from the kind's own
 files under `drafttrain/kinds/<kind>/` (the same names as `draftinfer.registry.DRAFTERS`; a
 test asserts both registries name the same kinds).
 
@@ -13,27 +18,55 @@ A spec answers what `train(cfg)` needs and nothing in `train.py` names a kind:
   `(batch, TargetOutput) -> (loss, metrics)` with `checkpoint_meta()` (what the export
   records, incl. `serving_k`, the draft length it advertises) and
   `anchor_logits(ids, features, rope_pos, anchor, k)` (the train/serve parity test S9); its
-  rows are scored with `loss` (`trainer.loss`, `drafttrain.loss_fns`), passed to the fused
+  rows are scored with `loss` (`trainer.loss`, `drafttrain.objectives.loss_fns`), passed to the fused
   head + loss call;
 - `blocks(drafter)`: the decoder blocks `trainer.compile` and
-  `trainer.activation_checkpointing` wrap (`drafttrain.wrap`).
+  `trainer.activation_checkpointing` wrap (`drafttrain.trainer.wrap`).
+
+
+## Target families
+Target families on the training side (DESIGN 2.1): one `TrainFamily` per family, registered
+from its own folder under `drafttrain/families/` with the same name as the runner's
+`draftinfer.families` spec (a test pins the two registries together). Which family a target
+belongs to is the runner's answer, from the architecture in its `config.json`
+(`draftinfer.registry.FAMILIES.for_architectures`; an unclaimed architecture is a `causal_lm`).
+
+A `TrainFamily` gives
+- `target(cfg, device)`: the frozen target (a `drafttrain.target.frozen.FrozenTarget` subclass);
+- `data(target_name, tokenizer)`: the data adapter: tokenized splits with their collate
+  function (text chat, or image+text chat through a processor);
+- `feature_cache`: whether the offline feature cache (`drafttrain.cache`) can stand in for
+  the target (it stores text features only);
+- `pipeline_tag`: the Hub pipeline tag of its drafters' model cards;
+- `export_fields(target_config)`: extra top-level `config.json` fields of an exported drafter,
+  and `card_notes(spec, arch)`: serving facts the model card states for a drafter of kind
+  `spec`.
+
+    family = target_family("zoo:qwen3-vl-tiny")      # reads config.json only
+    target = family.target(cfg.target, device)
+    train_split = family.data(cfg.target.name_or_path, tokenizer).tokenize(cfg.data)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from draftinfer.errors import ConfigError
-from draftinfer.registries import NamedRegistry
-from draftinfer.target import FeatureSpec
-from drafttrain.loss_fns import SOFT_CE, RowLoss
+import torch
+
+from draftinfer.files.errors import ConfigError
+from draftinfer.models.target import FeatureSpec
+from draftinfer.registry import FAMILIES, NamedRegistry, check_pair
+from drafttrain.objectives.loss_fns import SOFT_CE, RowLoss
+
+if TYPE_CHECKING:  # annotations only
+    from drafttrain.jobs.config import TargetConfig
 
 
 @dataclass
 class InitContext:
-    target: Any  # drafttrain.target.FrozenTarget
+    target: Any  # drafttrain.target.frozen.FrozenTarget
     tokenizer: Any
     data: Any  # the tokenized training set (`input_ids`, `loss_mask` columns)
     cache_dir: Path
@@ -60,7 +93,7 @@ class TrainSpec:
 
     def blocks(self, drafter) -> list:
         """The drafter's decoder blocks: the modules the trainer compiles and checkpoints from
-        outside (`drafttrain.wrap`). Default: `drafter.layers`."""
+        outside (`drafttrain.trainer.wrap`). Default: `drafter.layers`."""
         return list(drafter.layers)
 
 
@@ -82,3 +115,64 @@ def load_train_kinds() -> dict[str, TrainSpec]:
 
 def train_spec(kind: str) -> TrainSpec:
     return TRAIN_SPECS.spec(kind)
+
+
+# --- target families ----------------------------------------------------------------------
+
+
+class TrainFamily:
+    """Base of a family's training side; the default family uses it as is."""
+
+    name: ClassVar[str] = ""
+    feature_cache: ClassVar[bool] = True
+    pipeline_tag: ClassVar[str] = "text-generation"
+
+    def target(self, cfg: TargetConfig, device: torch.device):
+        from drafttrain.target.frozen import FrozenTarget
+
+        return FrozenTarget(cfg, device)
+
+    def data(self, target_name: str, tokenizer):
+        from drafttrain.data.batching import ChatData
+
+        return ChatData(tokenizer)
+
+    def export_fields(self, target_config: Any) -> dict[str, Any]:
+        return {}
+
+    def card_notes(self, spec, arch) -> list[str]:
+        """Serving facts for the model card of a drafter of kind `spec` (a `DrafterSpec`) with
+        architecture `arch` (its config object)."""
+        return []
+
+    def check_kind(self, spec) -> None:
+        """One-line `ConfigError` when drafter kind `spec` cannot train on this family."""
+        check_pair(spec, FAMILIES.spec(self.name))
+
+
+TRAIN_FAMILIES = NamedRegistry("drafttrain.families", ConfigError, "target family")
+
+
+def register_train_family(family: TrainFamily) -> TrainFamily:
+    return TRAIN_FAMILIES.register(family)
+
+
+def unregister_train_family(name: str) -> None:
+    TRAIN_FAMILIES.unregister(name)
+
+
+def train_family(name: str) -> TrainFamily:
+    return TRAIN_FAMILIES.spec(name)
+
+
+def target_family(name_or_path: str) -> TrainFamily:
+    """The family of a target named by hub id, local path or `zoo:` name (its config only)."""
+    from drafttrain.target.frozen import load_target_config
+
+    archs = getattr(load_target_config(name_or_path), "architectures", None)
+    return family_for(list(archs or []))
+
+
+def family_for(architectures: list[str]) -> TrainFamily:
+    """The family serving the first of `architectures` one claims (`causal_lm` otherwise)."""
+    return train_family(FAMILIES.for_architectures(architectures).name)

@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from draftinfer.checkpoint import read_drafter_config
-from draftinfer.errors import DraftError
-from draftinfer.files import resolve_checkpoint_dir
+from draftinfer.files.checkpoint import read_drafter_config
+from draftinfer.files.errors import DraftError
+from draftinfer.files.target_dir import resolve_checkpoint_dir
 
 
 def main(argv: list[str] | None = None) -> int:

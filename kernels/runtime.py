@@ -49,7 +49,7 @@ def check_tensor(t: torch.Tensor, name: str, dtypes: tuple[torch.dtype, ...], sh
 # `DRAFTKERNELS_PDL=1` turns it on for these kernels and inductor's together (ours alone,
 # between inductor's kernels launched the usual way, measured slower: docs/results.md), and
 # the runner does so for its job when it compiles on CUDA
-# (`draftinfer.config.InferConfig.pdl`).
+# (`draftinfer.evaluation.config.InferConfig.pdl`).
 PDL = {"on": False}
 
 

@@ -376,7 +376,7 @@ def skinny_swiglu_ref(
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm as the models compute it (`draftinfer.layers.RMSNorm`, HF Llama/Qwen): fp32
+    """RMSNorm as the models compute it (`draftinfer.models.layers.RMSNorm`, HF Llama/Qwen): fp32
     statistics, the normalised row rounded to x's dtype, then times the weight (none: a
     weight folded into the next GEMM's)."""
     xf = x.float()

@@ -1,7 +1,7 @@
 """TTT attention's diagonal, merged into a causal block by log-sum-exp (training, forward and
 backward).
 
-At training-time-test step `S` (`drafttrain/ttt.py`) query row `n` of head `h` sees the causal
+At training-time-test step `S` (`drafttrain/objectives/ttt.py`) query row `n` of head `h` sees the causal
 block of the step-0 keys, which a dense attention kernel computes (its output `out_c[n, h]`
 and log-sum-exp `lse_c[n, h]`), plus one key per later step on its own row: `ks[n, j, s]`,
 `vs[n, j, s]` for `s < S`, `j = h // g` its kv head (GQA, `g` query heads per kv head). With

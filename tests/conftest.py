@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from draftinfer.threads import retain_freed_memory
+from draftinfer.evaluation.threads import retain_freed_memory
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "disabled")
@@ -14,7 +14,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 # Large CPU tensors reuse the heap instead of being mapped and faulted in afresh on every op
 # (the runner's [rows, vocab] temporaries): the statistical sampling tests run about twice
-# as fast (`draftinfer.threads.retain_freed_memory`).
+# as fast (`draftinfer.evaluation.threads.retain_freed_memory`).
 retain_freed_memory()
 # On a CPU-only machine every Triton kernel runs through the interpreter (DESIGN section 5);
 # this must be set before any `@triton.jit` module is imported.
@@ -34,7 +34,7 @@ def pytest_addoption(parser):
         default=[],
         metavar="NAME=VALUE",
         help="an inductor setting (torch._inductor.config) for every CUDA SpecDecoder compile "
-        "given no compile_options (added to draftinfer.compiled.RUNNER_CUDA_OPTIONS), e.g. "
+        "given no compile_options (added to draftinfer.decoding.compiled.RUNNER_CUDA_OPTIONS), e.g. "
         "combo_kernels=False: the GPU tests of a candidate runner default "
         "(scripts/gpu_suite.sh's INDUCTOR); training's compiles keep inductor's defaults",
     )
@@ -43,7 +43,7 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     import ast
 
-    from draftinfer.compiled import RUNNER_CUDA_OPTIONS, unknown_inductor_settings
+    from draftinfer.decoding.compiled import RUNNER_CUDA_OPTIONS, unknown_inductor_settings
 
     for item in config.getoption("--inductor"):
         name, eq, value = item.partition("=")
@@ -163,8 +163,8 @@ ZOO_KIND_OVERRIDES: dict[str, list[str]] = {
 
 @pytest.fixture(scope="session")
 def zoo_target():
-    from draftinfer.loading import load_native_target
-    from draftinfer.paths import resolve_path
+    from draftinfer.files.loading import load_native_target
+    from draftinfer.files.paths import resolve_path
 
     return load_native_target(resolve_path("zoo:llama-tiny"), max_batch=16, max_seq_len=384)
 
@@ -172,7 +172,7 @@ def zoo_target():
 @pytest.fixture(scope="session")
 def zoo_run(tmp_path_factory):
     """`zoo_run(kind)` -> the job summary of the zoo recipe for `kind` (trained once)."""
-    from drafttrain.job import run_job
+    from drafttrain.jobs.job import run_job
     from tests.support.presets import compose_preset, text_preset_of
 
     runs: dict[str, dict] = {}
@@ -197,8 +197,8 @@ def preset_run(tmp_path_factory):
     """`preset_run(name)` -> the job summary of CPU preset `name`'s shortened recipe
     (`tests.support.presets.SHORT_RECIPE`), run once per session with one intra-op thread for
     the whole job (training, export and the runner's check), so its numbers are deterministic."""
-    from draftinfer.threads import torch_threads
-    from drafttrain.job import run_job
+    from draftinfer.evaluation.threads import torch_threads
+    from drafttrain.jobs.job import run_job
     from tests.support.presets import SHORT_RECIPE, compose_preset
 
     runs: dict[str, dict] = {}
@@ -218,7 +218,7 @@ def preset_run(tmp_path_factory):
 def kind_env(zoo_run, zoo_target):
     """`kind_env(kind)` -> {"target", "drafter", "export", "summary"}: the zoo recipe's export
     of `kind` loaded from disk against the native zoo target."""
-    from draftinfer.checkpoint import load_drafter
+    from draftinfer.files.checkpoint import load_drafter
 
     def get(kind: str) -> dict:
         summary = zoo_run(kind)

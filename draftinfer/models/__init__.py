@@ -1,4 +1,3 @@
-"""Building blocks of the native targets the runner owns: the shared decoder every target family
-subclasses (`decoder`) and the serving transforms applied from outside (`transforms`). The
-families themselves live in `draftinfer/families/`, loading in `draftinfer.loading`, the
-plain decode baseline in `draftinfer.baseline`."""
+"""The models' shared pieces: the native decoder every target family subclasses, the layers
+and rotary embeddings drafters and targets share, the target interface (seam 2) and the
+serving transforms."""

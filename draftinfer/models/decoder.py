@@ -7,9 +7,9 @@ rule 3). Module names equal Hugging Face's (`model.layers.N.self_attn.q_proj.wei
 an HF safetensors checkpoint loads by name with no renaming table.
 
 `forward(inputs, slots, features) -> TargetOutput` is the target interface of
-`draftinfer.target`; `Slots` (cache rows, cache index, RoPE position, attention length) and
+`draftinfer.models.target`; `Slots` (cache rows, cache index, RoPE position, attention length) and
 the KV-cache design (scratch column for padding slots, no rollback ever needed) are described
-in `draftinfer.slots` and `draftinfer.kv_cache`.
+in `draftinfer.conventions.slots` and `draftinfer.decoding.kv_cache`.
 """
 
 from __future__ import annotations
@@ -21,17 +21,17 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from draftinfer.errors import ConfigError
-from draftinfer.kv_cache import (
+from draftinfer.conventions.slots import Slots
+from draftinfer.decoding.kv_cache import (
     default_attention,
     resolve_attn_len,
     visibility_mask,
     write_index,
 )
-from draftinfer.layers import RMSNorm, SwiGLU
-from draftinfer.rope import RotaryEmbedding, apply_rope, rope_axes, rope_from_hf
-from draftinfer.slots import Slots
-from draftinfer.target import FeatureSpec, TargetInfo, TargetInputs, TargetOutput, as_inputs
+from draftinfer.files.errors import ConfigError
+from draftinfer.models.layers import RMSNorm, SwiGLU
+from draftinfer.models.rope import RotaryEmbedding, apply_rope, rope_axes, rope_from_hf
+from draftinfer.models.target import FeatureSpec, TargetInfo, TargetInputs, TargetOutput, as_inputs
 
 
 @dataclass
@@ -70,7 +70,7 @@ class CachedAttention(nn.Module):
     no boolean indexing (no host sync); no query ever reads it (reads stop at `max_seq_len`).
 
     Serving transforms swap two pieces from outside (`draftinfer.models.transforms`): `project`
-    (one fused q/k/v GEMM) and `attention` (a backend of `draftinfer.kv_cache.ATTENTION`).
+    (one fused q/k/v GEMM) and `attention` (a backend of `draftinfer.decoding.kv_cache.ATTENTION`).
     """
 
     # How this forward's K/V are written to the cache and attended; an instance may hold
@@ -281,7 +281,7 @@ class NativeCausalLM(nn.Module):
         return self.model.embed_tokens
 
     def shared_weights(self) -> dict[str, torch.Tensor]:
-        """The weights drafters share with their target, by role (`draftinfer.checkpoint`)."""
+        """The weights drafters share with their target, by role (`draftinfer.files.checkpoint`)."""
         return {
             "input_embeddings": self.model.embed_tokens.weight,
             "output_embeddings": self.lm_head.weight,
@@ -293,7 +293,7 @@ class NativeCausalLM(nn.Module):
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
 
-    # ---- forward (the target interface, `draftinfer.target`) -------------------------
+    # ---- forward (the target interface, `draftinfer.models.target`) -------------------------
     def _check_rows(self, slots: Slots) -> None:
         lo, hi, pmin = torch.stack(
             [slots.rows.min(), slots.rows.max(), slots.cache_pos.min()]
@@ -353,7 +353,7 @@ class NativeCausalLM(nn.Module):
 
         Returns `TargetOutput`: logits `[B, T, V]` fp32 (or `[B, T', V]`), features
         `[B, T, F]` in the model dtype (None without `features`), the RoPE positions used and
-        the input embeddings. Why no KV rollback is needed: `draftinfer.kv_cache`.
+        the input embeddings. Why no KV rollback is needed: `draftinfer.decoding.kv_cache`.
         """
         if self.max_seq_len == 0:
             raise RuntimeError("call setup_caches(max_batch, max_seq_len) before forward")

@@ -4,10 +4,10 @@
     python -m drafttrain conf=<preset> [same overrides] data.cache=DIR   # train from it
 
 The writer (`drafttrain.cache.writer.write_cache`; not imported here, because it runs the job
-setup of `drafttrain.setup`, which opens caches through `reader`) stores, per token, the
+setup of `drafttrain.jobs.setup`, which opens caches through `reader`) stores, per token, the
 features the drafter kind declares (its `FeatureSpec`) and the target's final hidden state from
 which its distribution is recomputed, in sharded, checksummed safetensors with a manifest
-(`format`; files, manifest and resume rules are `drafttrain.shards`, shared with checkpoints
+(`format`; files, manifest and resume rules are `drafttrain.trainer.shards`, shared with checkpoints
 and regeneration). Training reads it through `reader.CachedTarget`, which answers the same
 `batch_output(batch, features)` call as the live `FrozenTarget`, so the objectives do not know
 which one they got.
@@ -18,6 +18,6 @@ different things; docs/training.md, "Offline feature cache", has the whole story
 
 from drafttrain.cache.format import Layout, bytes_per_token, decode, encode
 from drafttrain.cache.reader import CachedTarget
-from drafttrain.target_head import TargetHead
+from drafttrain.target.head import TargetHead
 
 __all__ = ["CachedTarget", "Layout", "TargetHead", "bytes_per_token", "decode", "encode"]

@@ -12,8 +12,8 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from draftinfer.errors import run_or_exit
-from draftinfer.threads import resolve_cli_threads
+from draftinfer.evaluation.threads import resolve_cli_threads
+from draftinfer.files.errors import run_or_exit
 from drafttrain.__main__ import (
     CONF_DIR,
     DEFAULT_PRESET,

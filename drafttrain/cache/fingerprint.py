@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from drafttrain.config import TrainConfig
+from drafttrain.jobs.config import TrainConfig
 
 # transformers writes these into a config without changing the model.
 _VOLATILE = {"transformers_version", "_name_or_path", "_commit_hash", "torch_dtype", "dtype"}

@@ -1,12 +1,12 @@
 """On-disk format of the offline feature cache: segments, storage dtypes (fp8 with per-row
 scales), shard plans, bytes per token. The files are written, listed, checked and resumed by
-`drafttrain.shards` (the layout every sharded output of the project shares).
+`drafttrain.trainer.shards` (the layout every sharded output of the project shares).
 
 A cache directory:
 
     DIR/manifest.json                 # fingerprint, layout, per-split sizes and fingerprints,
                                       # one entry per finished shard: its split, samples [a, b),
-                                      # tokens, bytes, sha256 (`drafttrain.shards`)
+                                      # tokens, bytes, sha256 (`drafttrain.trainer.shards`)
     DIR/train/shard_00000.safetensors # the training split, contiguous sample ranges
     DIR/eval/shard_00000.safetensors  # the rows held-out evaluation runs (if data.eval_split)
 
@@ -42,11 +42,11 @@ from typing import Any
 
 import torch
 
-from draftinfer.target import FeatureSpec
-from drafttrain.errors import ConfigError, DataError
-from drafttrain.shards import ManifestFormat, first_difference
+from draftinfer.models.target import FeatureSpec
+from drafttrain.jobs.errors import ConfigError, DataError
+from drafttrain.trainer.shards import ManifestFormat, first_difference
 
-# Version 2: the manifest layout of `drafttrain.shards` (one list of finished shards, each with
+# Version 2: the manifest layout of `drafttrain.trainer.shards` (one list of finished shards, each with
 # its split); version 1 listed them per split.
 FORMAT = ManifestFormat(
     "drafttrain-feature-cache",

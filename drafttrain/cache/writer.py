@@ -5,7 +5,7 @@ held-out evaluation runs) and store what training would ask of it, in the format
 For each shard of the plan (contiguous samples, `cache.shard_tokens` each): forward the
 target over the shard's samples in length-sorted batches (`cache.batch_size`) through the
 target interface, asking for the drafter's `FeatureSpec` plus the head input; keep the real
-tokens; encode (`cache.dtype`); serialize; commit it (`drafttrain.shards.ShardedOutput`:
+tokens; encode (`cache.dtype`); serialize; commit it (`drafttrain.trainer.shards.ShardedOutput`:
 written atomically, then listed in `manifest.json` with its size, sha256, split, sample range
 and token count; the manifest itself is replaced atomically). A rerun with the same settings
 keeps every shard whose file matches its manifest entry and writes the rest, so a killed write
@@ -33,13 +33,13 @@ from drafttrain.cache.format import (
     shard_name,
     storage_dtype,
 )
-from drafttrain.config import TrainConfig
 from drafttrain.data import collate, held_out_batches
-from drafttrain.errors import ConfigError, TargetError
-from drafttrain.setup import job_device, setup_drafter_job, single_process
-from drafttrain.shards import ShardedOutput, remove_temp_files
-from drafttrain.target import FrozenTarget, batch_slots
-from drafttrain.target_head import TargetHead
+from drafttrain.jobs.config import TrainConfig
+from drafttrain.jobs.errors import ConfigError, TargetError
+from drafttrain.jobs.setup import job_device, setup_drafter_job, single_process
+from drafttrain.target.frozen import FrozenTarget, batch_slots
+from drafttrain.target.head import TargetHead
+from drafttrain.trainer.shards import ShardedOutput, remove_temp_files
 
 
 def cache_root(cfg: TrainConfig) -> Path:
@@ -112,7 +112,7 @@ def _check_head(head: TargetHead, out, real: torch.Tensor, layout: Layout) -> No
 def write_cache(cfg: TrainConfig) -> dict[str, Any]:
     """Write (or finish) the feature cache of `cfg` into `cache.dir`. Returns a summary:
     `dir`, `bytes_per_token` (from the layout) and per split `samples`, `tokens`, `bytes`."""
-    from draftinfer.threads import torch_threads
+    from draftinfer.evaluation.threads import torch_threads
 
     with torch_threads(cfg.trainer.num_threads):
         return _write_cache(cfg)

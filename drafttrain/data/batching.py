@@ -94,7 +94,7 @@ class TokenizedSplit:
     held_out: Callable[[Any, int], tuple[TokenizedSplit, list[list[int]]]]
     # Batch keys whose first axis is not the batch row (a multimodal family's images), and
     # how the batch rows `rows [n]` (ascending) take theirs: shard_items(batch, rows) ->
-    # {key: tensor} (`drafttrain.distributed.shard_batch`).
+    # {key: tensor} (`drafttrain.trainer.distributed.shard_batch`).
     item_keys: tuple[str, ...] = ()
     shard_items: Callable[[dict, torch.Tensor], dict[str, torch.Tensor]] | None = None
 

@@ -1,9 +1,9 @@
 """Chat data for training: the assistant-only loss mask (loading conversations lives in
-`draftinfer.chat`, shared with the runner's prompts).
+`draftinfer.evaluation.chat`, shared with the runner's prompts).
 
 Terms used here and in the rest of `drafttrain.data`:
 
-- **conversation**: a list of messages `{"role": ..., "content": str}` (`draftinfer.chat`).
+- **conversation**: a list of messages `{"role": ..., "content": str}` (`draftinfer.evaluation.chat`).
 - **rendered text** `F`: the whole conversation rendered by the tokenizer's own chat template
   (`apply_chat_template(messages, tokenize=False)`).
 - **end-of-turn marker**: the text the template appends after an assistant message's content
@@ -35,9 +35,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from draftinfer.chat import load_chat_dataset, normalize_messages
-from drafttrain.config import DataConfig
-from drafttrain.errors import DataError
+from draftinfer.evaluation.chat import load_chat_dataset, normalize_messages
+from drafttrain.jobs.errors import DataError
 
 __all__ = [
     "assistant_spans",
@@ -52,13 +51,15 @@ __all__ = [
 if TYPE_CHECKING:
     import datasets
 
+    from drafttrain.jobs.config import DataConfig  # annotations only
+
 # Probe conversation used to learn the end-of-turn marker of a template.
 _PROBE_USER = "PROBE_U"
 _PROBE_ASSISTANT = "PROBE_A"
 
 
 def load_data(cfg: DataConfig) -> datasets.Dataset:
-    """The conversations `cfg` names (`draftinfer.chat.load_chat_dataset`)."""
+    """The conversations `cfg` names (`draftinfer.evaluation.chat.load_chat_dataset`)."""
     return load_chat_dataset(
         cfg.path,
         cfg.split,

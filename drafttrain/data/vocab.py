@@ -15,7 +15,7 @@ the rest. Chosen ids are sorted ascending, so draft id order follows target id o
 `d2t` is non-decreasing.
 
 The mapping itself (`draft_to_target_ids`, `map_draft_logits_to_target`) is defined once, in
-`draftinfer.vocab`; this module only builds it from data.
+`draftinfer.conventions.vocab`; this module only builds it from data.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from draftinfer.vocab import draft_to_target_ids, map_draft_logits_to_target
-from drafttrain.errors import DataError
-from drafttrain.shards import write_atomic
+from draftinfer.conventions.vocab import draft_to_target_ids, map_draft_logits_to_target
+from drafttrain.jobs.errors import DataError
+from drafttrain.trainer.shards import write_atomic
 
 __all__ = [
     "build_draft_vocab",

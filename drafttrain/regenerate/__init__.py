@@ -1,5 +1,5 @@
 """Regeneration: rewrite the assistant turns of a chat dataset with the target's own responses
-(`python -m drafttrain.regenerate`, `drafttrain/conf/regenerate.yaml`).
+(`python -m drafttrain.regenerate`, `conf/drafttrain/regenerate.yaml`).
 
 - `config`: the typed schema (`target:` and `data:` as in training, plus `regenerate:`);
 - `job`: `regenerate(cfg)`, the conversation logic (which turns, prompts, skips);

@@ -1,6 +1,6 @@
 """`python -m drafttrain.regenerate [target=...] [data=...] [regenerate.KEY=VALUE ...]`
 
-Thin entry point (STYLE rule 9): compose `drafttrain/conf/regenerate.yaml` (the `target/`
+Thin entry point (STYLE rule 9): compose `conf/drafttrain/regenerate.yaml` (the `target/`
 and `data/` groups of training plus a `regenerate:` section) against `RegenConfig`, convert once, call
 `regenerate(cfg)`, print the summary. Errors are one line (`error: ...`, exit 2). Hydra's
 own flags work (`--cfg job`, `--help`); Hydra writes no files of its own here.
@@ -14,12 +14,12 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from draftinfer.errors import DraftError, run_or_exit
-from draftinfer.paths import package_dir
-from draftinfer.threads import resolve_cli_threads
+from draftinfer.evaluation.threads import resolve_cli_threads
+from draftinfer.files.errors import DraftError, run_or_exit
+from draftinfer.files.paths import conf_dir
 from drafttrain.regenerate.config import RegenConfig
 
-CONF_DIR = str(package_dir("drafttrain", "conf"))
+CONF_DIR = str(conf_dir("drafttrain"))
 CONFIG_NAME = "regenerate"
 
 

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from draftinfer.sampling import SamplingParams
-from drafttrain.errors import ConfigError, TargetError
+from draftinfer.decoding.sampling import SamplingParams
+from drafttrain.jobs.errors import ConfigError, TargetError
 
 # A backend's answer for one prompt: (new token ids, finish reason).
 Generation = tuple[list[int], str]
@@ -42,9 +42,9 @@ def native_supported(target_path: str) -> bool:
     import json
     from pathlib import Path
 
-    from draftinfer.errors import ConfigError as InferConfigError
-    from draftinfer.files import resolve_checkpoint_dir
-    from draftinfer.loading import native_class_for
+    from draftinfer.files.errors import ConfigError as InferConfigError
+    from draftinfer.files.loading import native_class_for
+    from draftinfer.files.target_dir import resolve_checkpoint_dir
 
     try:
         ckpt = resolve_checkpoint_dir(target_path)
@@ -66,7 +66,7 @@ class NativeBackend:
         max_model_len: int,
         stop_ids: list[int],
     ):
-        from draftinfer.loading import load_native_target
+        from draftinfer.files.loading import load_native_target
 
         self.model = load_native_target(
             target_path, device, dtype, max_batch=batch_size, max_seq_len=max_model_len
@@ -77,7 +77,7 @@ class NativeBackend:
     def generate(
         self, prompts: list[list[int]], params: list[SamplingParams], max_new_tokens: int
     ) -> list[Generation]:
-        from draftinfer.baseline import greedy_generate, sample_generate
+        from draftinfer.decoding.baseline import greedy_generate, sample_generate
 
         if all(p.is_greedy for p in params):
             outs = greedy_generate(self.model, prompts, max_new_tokens, self.stop_ids)
@@ -93,7 +93,7 @@ class HFBackend:
     def __init__(
         self,
         target_path: str,
-        tcfg: Any,  # drafttrain.config.TargetConfig
+        tcfg: Any,  # drafttrain.jobs.config.TargetConfig
         device: torch.device,
         dtype: torch.dtype,
         max_model_len: int,
@@ -182,7 +182,7 @@ def pick_backend(name: str, target_path: str, trust_remote_code: bool, revision:
         return "hf"
     native = not trust_remote_code and revision is None and native_supported(target_path)
     if name == "native" and not native:
-        from draftinfer.families import FAMILIES
+        from draftinfer.registry import FAMILIES
 
         if trust_remote_code:
             why = "target.trust_remote_code is set"

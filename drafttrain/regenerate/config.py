@@ -1,6 +1,6 @@
-"""Typed schema of `python -m drafttrain.regenerate` (`drafttrain/conf/regenerate.yaml`).
+"""Typed schema of `python -m drafttrain.regenerate` (`conf/drafttrain/regenerate.yaml`).
 
-The `target:` and `data:` sections are the training schema's own (`drafttrain.config`), so
+The `target:` and `data:` sections are the training schema's own (`drafttrain.jobs.config`), so
 the existing `target/` and `data/` choices compose here unchanged; `regenerate:`
 holds what is specific to regeneration. Hydra validates every key against these classes
 (a misspelled key is an error naming it) and `__main__` converts once.
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from drafttrain.config import DataConfig, TargetConfig
-from drafttrain.errors import ConfigError
+from drafttrain.jobs.config import DataConfig, TargetConfig
+from drafttrain.jobs.errors import ConfigError
 
 TURNS = ("all", "last")
 BACKENDS = ("auto", "native", "hf")

@@ -35,10 +35,11 @@ from typing import Any
 
 import torch
 
-from draftinfer.chat import normalize_messages
-from draftinfer.sampling import SamplingParams
+from draftinfer.decoding.sampling import SamplingParams
+from draftinfer.evaluation.chat import normalize_messages
 from drafttrain.data.chat import end_of_turn_marker, load_data
-from drafttrain.errors import DataError
+from drafttrain.jobs.errors import DataError
+from drafttrain.jobs.setup import job_device, setup_target, single_process
 from drafttrain.regenerate.backends import (
     HFBackend,
     NativeBackend,
@@ -47,9 +48,8 @@ from drafttrain.regenerate.backends import (
 )
 from drafttrain.regenerate.config import RegenConfig, check_regen_config
 from drafttrain.regenerate.manifest import Manifest
-from drafttrain.setup import job_device, setup_target, single_process
-from drafttrain.shards import sha256_bytes
-from drafttrain.target import resolve_dtype
+from drafttrain.target.frozen import resolve_dtype
+from drafttrain.trainer.shards import sha256_bytes
 
 OUTPUT_FIELD = "messages"
 META_FIELD = "regen"
@@ -206,7 +206,7 @@ def regenerate(cfg: RegenConfig) -> dict[str, Any]:
     Bad input (config, target, tokenizer without a chat template, data, a different config
     against an existing output) fails with a one-line `DraftError` before anything is written.
     """
-    from draftinfer.threads import torch_threads
+    from draftinfer.evaluation.threads import torch_threads
 
     check_regen_config(cfg)
     with torch_threads(cfg.regenerate.num_threads):

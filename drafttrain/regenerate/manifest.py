@@ -8,7 +8,7 @@ split from a bare directory):
     <output_dir>/data/<split>-00001-of-00004.jsonl   # source rows [S, 2S)  ...
 
 Shard `i` holds the regenerated source rows `[i*S, min((i+1)*S, N))` in source order (minus
-the skipped ones). Files, manifest and resume follow `drafttrain.shards` (shared with the
+the skipped ones). Files, manifest and resume follow `drafttrain.trainer.shards` (shared with the
 feature cache and checkpoints): a shard is written to a hidden temp file (`datasets` ignores
 dot files), fsynced, renamed into place; then the manifest, rewritten the same way, lists it
 with its size and sha256. So after a kill at any instant every file a loader sees is complete,
@@ -18,7 +18,7 @@ does not list (a shard renamed but not yet listed is rewritten with the same row
 The manifest records a fingerprint of every setting that changes the output rows (target,
 source data and its row count, decoding settings, shard and batch size, resolved backend and
 dtype); a rerun with other settings against the same directory is a one-line `ConfigError`
-naming the first setting that differs. Version 2 is the layout of `drafttrain.shards`;
+naming the first setting that differs. Version 2 is the layout of `drafttrain.trainer.shards`;
 version 1 (`"format": "drafttrain.regenerate/1"`) outputs are refused in one line.
 """
 
@@ -28,9 +28,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from draftinfer.chat import REGEN_FORMAT, REGEN_FORMAT_V1, REGEN_VERSION
-from drafttrain.errors import ConfigError, DataError
-from drafttrain.shards import (
+from draftinfer.evaluation.chat import REGEN_FORMAT, REGEN_FORMAT_V1, REGEN_VERSION
+from drafttrain.jobs.errors import ConfigError, DataError
+from drafttrain.trainer.shards import (
     MANIFEST,
     ManifestFormat,
     ShardedOutput,

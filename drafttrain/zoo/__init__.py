@@ -9,7 +9,7 @@ resolves there) and are committed: rebuilding them changes the golden numbers.
   `vl_caption/`.
 
 Both targets train on the project's trainer (`target_train`: the optimizer loop of drafter
-training, `drafttrain.loop`, with the zoo's next-token objective and token-budget batches).
+training, `drafttrain.trainer.loop`, with the zoo's next-token objective and token-budget batches).
 
 `python -m drafttrain.zoo.build_text --out DIR` / `build_vl --out DIR`; `draftinfer/zoo/README.md`
 gives the recipes and what each build measured.

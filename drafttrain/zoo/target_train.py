@@ -1,7 +1,7 @@
 """Training the zoo's target models on the project's trainer: the optimizer loop of drafter
-training (`drafttrain.loop.run_loop`, through `accelerate`), its optimizer
-(`drafttrain.optim.build_optimizer`: AdamW with param groups) and its warmup + cosine schedule
-(`drafttrain.loop.warmup_cosine`). What is the zoo's own is here:
+training (`drafttrain.trainer.loop.run_loop`, through `accelerate`), its optimizer
+(`drafttrain.trainer.optim.build_optimizer`: AdamW with param groups) and its warmup + cosine schedule
+(`drafttrain.trainer.loop.warmup_cosine`). What is the zoo's own is here:
 
 - the objective, `NextTokenLM`: next-token cross-entropy on the tokens a batch's `labels`
   mark (the assistant tokens: -100 elsewhere), averaged over those tokens in the batch;
@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafttrain.config import TrainerConfig
-from drafttrain.distributed import make_accelerator
-from drafttrain.loop import DeviceBatches, LoopHook, run_loop, warmup_cosine
-from drafttrain.optim import build_optimizer
+from drafttrain.jobs.config import TrainerConfig
+from drafttrain.trainer.distributed import make_accelerator
+from drafttrain.trainer.loop import DeviceBatches, LoopHook, run_loop, warmup_cosine
+from drafttrain.trainer.optim import build_optimizer
 
 LOG_EVERY = 25  # optimizer steps per build-log row
 BETAS = [0.9, 0.95]

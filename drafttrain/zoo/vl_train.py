@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from drafttrain.loop import LoopHook
+from drafttrain.trainer.loop import LoopHook
 from drafttrain.zoo import vl_data as vd
 from drafttrain.zoo.target_train import TokenBudgetBatches, decay_groups, train_target
 

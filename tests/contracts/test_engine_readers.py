@@ -1,6 +1,6 @@
 """Exports read from outside (issue 21 item 1): every layout of every registered kind's trained
 zoo export, read by a small reader written from its engine's documented rule with plain `json`
-and `safetensors` (`tests/support/engine_readers.py`, never `draftinfer.checkpoint`), checked
+and `safetensors` (`tests/support/engine_readers.py`, never `draftinfer.files.checkpoint`), checked
 against the run's own record; values shared between layouts are identical; the layer taps an
 engine feeds are checked against HF's `output_hidden_states`, not against our mapping; and no
 file an engine or loader reads names a path of the training machine.
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftinfer.paths import ZOO_DIR
+from draftinfer.conventions.slots import Slots
+from draftinfer.files.paths import ZOO_DIR
 from draftinfer.registry import drafter_spec, registered_kinds
-from draftinfer.slots import Slots
 from tests.support.engine_readers import LAYOUTS, files_naming, machine_paths, run_record
 
 pytestmark = pytest.mark.slow
@@ -63,8 +63,8 @@ def test_layouts_read_as_engines_read_them(zoo_run, kind):
 def _training_features(rec, kind, ids):
     """What training fed the drafter: the training target's features for the drafter's
     `FeatureSpec` as the run recorded its architecture."""
-    from drafttrain.config import TargetConfig
-    from drafttrain.target import FrozenTarget
+    from drafttrain.jobs.config import TargetConfig
+    from drafttrain.target.frozen import FrozenTarget
 
     arch = drafter_spec(kind).config_class(**rec.arch)
     target = FrozenTarget(TargetConfig(name_or_path=str(rec.target_dir)), torch.device("cpu"))

@@ -2,8 +2,8 @@
 how the graph is read: `tests/support/import_graph.py`). Dependencies between the packages
 point one way: `draftbench -> drafttrain -> draftinfer -> draftkernels`.
 
-The jobs share one setup without a circle: `drafttrain.train`, `drafttrain.cache.writer` and
-`drafttrain.regenerate.job` import `drafttrain.setup`, which opens a feature cache through
+The jobs share one setup without a circle: `drafttrain.jobs.train`, `drafttrain.cache.writer` and
+`drafttrain.regenerate.job` import `drafttrain.jobs.setup`, which opens a feature cache through
 `drafttrain.cache.reader`; the cache package does not import its writer.
 """
 
@@ -25,11 +25,11 @@ def test_graph_reads_our_packages():
     edges = {(e.source, e.target) for e in import_edges()}
     assert ("drafttrain.cache.__main__", "drafttrain.cache.writer") in edges  # function-local
     assert ("drafttrain.regenerate", "drafttrain.regenerate.job") in edges  # function-local
-    for job in ("drafttrain.train", "drafttrain.cache.writer", "drafttrain.regenerate.job"):
-        assert (job, "drafttrain.setup") in edges, job
-    assert ("drafttrain.setup", "drafttrain.cache.reader") in edges
-    assert ("drafttrain.setup", "drafttrain.cache") in edges  # the package's __init__ runs
-    assert ("draftinfer.engine", "draftkernels.chain_inputs") in edges
+    for job in ("drafttrain.jobs.train", "drafttrain.cache.writer", "drafttrain.regenerate.job"):
+        assert (job, "drafttrain.jobs.setup") in edges, job
+    assert ("drafttrain.jobs.setup", "drafttrain.cache.reader") in edges
+    assert ("drafttrain.jobs.setup", "drafttrain.cache") in edges  # the package's __init__ runs
+    assert ("draftinfer.decoding.engine", "draftkernels.chain_inputs") in edges
 
 
 def test_checker_finds_a_function_local_circle(tmp_path):

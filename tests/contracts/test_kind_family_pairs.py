@@ -8,16 +8,19 @@ from dataclasses import dataclass
 
 import pytest
 
-from draftinfer.errors import ConfigError
-from draftinfer.families import (
+from draftinfer.files.errors import ConfigError
+from draftinfer.kinds.eagle3 import Eagle3Config, Eagle3Spec
+from draftinfer.registry import (
     FEATURES,
     INPUT_FORMS,
     check_pair,
+    drafter_spec,
     family_spec,
+    register_drafter,
     registered_families,
+    registered_kinds,
+    unregister_drafter,
 )
-from draftinfer.kinds.eagle3 import Eagle3Config, Eagle3Spec
-from draftinfer.registry import drafter_spec, register_drafter, registered_kinds, unregister_drafter
 from drafttrain.kinds.eagle3 import Eagle3TrainConfig, Eagle3TrainSpec
 from drafttrain.registry import register_train_kind, unregister_train_kind
 from tests.support.kind_factories import kinds_for_family
@@ -93,7 +96,7 @@ def test_unfit_pair_is_a_one_line_error(text_only_kind):
 
 
 def test_unfit_pair_fails_training_before_anything_is_written(text_only_kind, tmp_path):
-    from drafttrain.train import train
+    from drafttrain.jobs.train import train
     from tests.support.presets import compose_preset
 
     out = tmp_path / "run"

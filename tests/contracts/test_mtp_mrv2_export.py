@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftinfer.checkpoint import load_drafter, read_drafter_config, write_drafter
-from draftinfer.errors import CheckpointError
+from draftinfer.files.checkpoint import load_drafter, read_drafter_config, write_drafter
+from draftinfer.files.errors import CheckpointError
 from draftinfer.registry import drafter_spec
 from drafttrain.registry import train_spec
 from tests.support.kind_factories import small_drafter, small_embeddings, small_target_dir

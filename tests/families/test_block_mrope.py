@@ -6,7 +6,7 @@ prefix), rotated by transformers' Qwen3-VL rotary (`tests/support/block_position
 runner (the engine's rounds on an image prompt) and in training (the objective's block
 forward). Wrong positions fail the same checks (1-D cache-index positions, shown below).
 
-Also the runner option `drafter_positions=1d` (`draftinfer.rope.serve_positions_1d`): plain
+Also the runner option `drafter_positions=1d` (`draftinfer.models.rope.serve_positions_1d`): plain
 RoPE at the T row, as an engine that strips `mrope_section` serves the drafter (vLLM's
 `positions[0]`), against transformers' plain Llama rotary; `run_eval` measures the AL of both.
 """
@@ -16,10 +16,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftinfer.engine import Request, SpecDecoder
-from draftinfer.errors import ConfigError
-from draftinfer.loading import load_native_target
-from draftinfer.rope import serve_positions_1d
+from draftinfer.decoding.engine import Request, SpecDecoder
+from draftinfer.files.errors import ConfigError
+from draftinfer.files.loading import load_native_target
+from draftinfer.models.rope import serve_positions_1d
 from tests.support.block_positions import (
     AttentionCapture,
     hf_plain_rope,
@@ -222,12 +222,12 @@ def test_run_eval_measures_the_1d_positions_cost(tmp_path):
     output), the 1-D run labelled in its report and table."""
     from dataclasses import replace
 
-    from draftinfer.baseline import greedy_generate
-    from draftinfer.checkpoint import write_drafter
-    from draftinfer.config import InferConfig
-    from draftinfer.families import family_spec
-    from draftinfer.prompts import load_prompts
-    from draftinfer.run import format_report, run_eval
+    from draftinfer.decoding.baseline import greedy_generate
+    from draftinfer.evaluation.config import InferConfig
+    from draftinfer.evaluation.prompts import load_prompts
+    from draftinfer.evaluation.run import format_report, run_eval
+    from draftinfer.files.checkpoint import write_drafter
+    from draftinfer.registry import family_spec
     from tests.support.vl_data_fixtures import make_vl_target, write_vl_chat
     from tests.support.vl_drafters import train
 

@@ -1,6 +1,6 @@
 """M-RoPE where it is applied (issue 21 item 2): for every kind that pairs with Qwen3-VL, the
 queries and keys its attention layers rotate, captured where each layer hands them to its
-attention function (a pre-hook on every `draftinfer.layers.Attention` that wraps the `attn_fn`
+attention function (a pre-hook on every `draftinfer.models.layers.Attention` that wraps the `attn_fn`
 it is called with), equal an oracle built from transformers' own Qwen3-VL rotary
 (`Qwen3VLTextRotaryEmbedding` + `apply_rotary_pos_emb`) with the drafter's `mrope_section`, at
 the `[3, N]` positions of an image prompt; and moving only the H/W rows of those positions
@@ -14,10 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftinfer.layers import Attention
-from draftinfer.proposer import FirstPass
+from draftinfer.conventions.slots import Slots
+from draftinfer.decoding.proposer import FirstPass
+from draftinfer.models.layers import Attention
 from draftinfer.registry import drafter_spec
-from draftinfer.slots import Slots
 from drafttrain.registry import train_spec
 from tests.support.block_positions import hf_rotate
 from tests.support.kind_factories import config_and_drafter_for, kinds_for_family, small_vl_dir

@@ -16,16 +16,16 @@ import inspect
 import pytest
 import torch
 
-from draftinfer.baseline import greedy_generate
-from draftinfer.families import FAMILIES
+from draftinfer.conventions.slots import Slots
+from draftinfer.decoding.baseline import greedy_generate
 from draftinfer.families.qwen3_vl.model import (
     Qwen3VLForConditionalGeneration,
     encode_images,
     rope_index,
 )
-from draftinfer.loading import load_native_target
-from draftinfer.slots import Slots
-from draftinfer.target import FeatureSpec, TargetInputs
+from draftinfer.files.loading import load_native_target
+from draftinfer.models.target import FeatureSpec, TargetInputs
+from draftinfer.registry import FAMILIES
 from tests.support.utils import assert_close
 from tests.support.vl_fixtures import IMG, N_DS, N_LAYERS, PATCH_DIM, H, image_tokens, save_tiny_vl
 

@@ -26,16 +26,15 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from draftinfer.baseline import greedy_generate
-from draftinfer.engine import Request, SpecDecoder
-from draftinfer.families import family_spec
-from draftinfer.loading import load_native_target
-from draftinfer.metrics import acceptance_length
-from draftinfer.proposer import FirstPass
-from draftinfer.reference import reference_generate
-from draftinfer.registry import drafter_spec
-from draftinfer.sampling import SamplingParams
-from draftinfer.window import TokenEmbeds
+from draftinfer.conventions.metrics import acceptance_length
+from draftinfer.conventions.window import TokenEmbeds
+from draftinfer.decoding.baseline import greedy_generate
+from draftinfer.decoding.engine import Request, SpecDecoder
+from draftinfer.decoding.proposer import FirstPass
+from draftinfer.decoding.reference import reference_generate
+from draftinfer.decoding.sampling import SamplingParams
+from draftinfer.files.loading import load_native_target
+from draftinfer.registry import drafter_spec, family_spec
 from tests.support.kind_factories import kinds_for_family, randomized, servable
 from tests.support.round_logits import compare_round_logits, record_fast, record_reference
 from tests.support.utils import assert_close
@@ -595,10 +594,10 @@ def test_run_eval_with_image_prompts(tmp_path):
     `messages` data with a Qwen3-VL target that ships a processor: prompts rendered through
     it, the exported drafter read from disk, lossless against plain greedy and the reference
     loop, drafts accepted."""
-    from draftinfer.checkpoint import write_drafter
-    from draftinfer.config import InferConfig
-    from draftinfer.prompts import load_prompts
-    from draftinfer.run import format_report, run_eval
+    from draftinfer.evaluation.config import InferConfig
+    from draftinfer.evaluation.prompts import load_prompts
+    from draftinfer.evaluation.run import format_report, run_eval
+    from draftinfer.files.checkpoint import write_drafter
     from tests.support.vl_data_fixtures import make_vl_target, write_vl_chat
 
     tdir = make_vl_target(tmp_path / "target")

@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftinfer.chat import normalize_messages, row_messages
-from draftinfer.errors import ConfigError, DataError
+from draftinfer.evaluation.chat import normalize_messages, row_messages
 from draftinfer.families.qwen3_vl.processor import conversation_inputs, load_processor
-from draftinfer.target import FeatureSpec
-from drafttrain.config import DataConfig, TargetConfig
-from drafttrain.target_head import target_logits
+from draftinfer.files.errors import ConfigError, DataError
+from draftinfer.models.target import FeatureSpec
+from drafttrain.jobs.config import DataConfig, TargetConfig
+from drafttrain.target.head import target_logits
 from tests.support.utils import assert_close
 from tests.support.vl_data_fixtures import (
     IM_END,
@@ -94,9 +94,9 @@ def conversation(*images: str, system: bool = True) -> list[dict]:
 
 
 def test_family_is_chosen_by_architecture(vl, tiny_llama3_dir):
-    from drafttrain.families import target_family
     from drafttrain.families.causal_lm import CausalLMTrainFamily
     from drafttrain.families.qwen3_vl import Qwen3VLTrainFamily
+    from drafttrain.registry import target_family
 
     assert isinstance(target_family(vl["target"]), Qwen3VLTrainFamily)
     text_family = target_family(str(tiny_llama3_dir))
@@ -338,7 +338,7 @@ def test_split_lengths_count_vision_tokens_and_collate(vl):
 
 @functools.lru_cache(maxsize=1)
 def _source(path: str):
-    from draftinfer.chat import load_chat_dataset
+    from draftinfer.evaluation.chat import load_chat_dataset
 
     return load_chat_dataset(path, "train")
 
@@ -348,7 +348,7 @@ def vl_source(vl):
 
 
 def test_shard_batch_keeps_images_with_their_rows(vl):
-    from drafttrain.distributed import shard_batch
+    from drafttrain.trainer.distributed import shard_batch
 
     split = vl_split(vl)
     rows = list(range(5))
@@ -622,7 +622,7 @@ class HandEmbedding(torch.nn.Module):
 
 @pytest.mark.parametrize("kind", ["eagle3", "ptd"])
 def test_s9_image_rows_use_the_shifted_vision_embedding(vl, target_out, kind):
-    from draftinfer.window import TokenEmbeds
+    from draftinfer.conventions.window import TokenEmbeds
     from drafttrain.registry import InitContext, train_spec
 
     target, batch, rows, out = target_out
@@ -678,7 +678,7 @@ def test_s9_image_rows_use_the_shifted_vision_embedding(vl, target_out, kind):
 @pytest.fixture(scope="module")
 def vl_run(vl, tmp_path_factory):
     """`vl_run(kind)` -> a short train + export job of `kind` on the tiny VL target."""
-    from drafttrain.job import run_job
+    from drafttrain.jobs.job import run_job
     from tests.support.presets import compose_preset
 
     runs: dict[str, dict] = {}
@@ -735,7 +735,7 @@ def test_export_carries_what_vllm_reads(vl_run, kind):
         assert c["dflash_config"]["target_layer_ids"] == [0, 1, 2]
         assert "block slot s at the anchor's position + s on all three axes" in card
     # The runner reads the export back (rope strictly parsed, M-RoPE kept).
-    from draftinfer.checkpoint import read_drafter_config
+    from draftinfer.files.checkpoint import read_drafter_config
 
     _, arch, meta = read_drafter_config(export)
     assert arch.rope_scaling == rope and meta["drafter_kind"] == kind
@@ -744,7 +744,7 @@ def test_export_carries_what_vllm_reads(vl_run, kind):
 
 def test_feature_cache_refuses_vl_targets(vl, tmp_path):
     from drafttrain.cache.writer import write_cache
-    from drafttrain.train import train
+    from drafttrain.jobs.train import train
     from tests.support.presets import compose_preset
 
     base = [
@@ -766,7 +766,7 @@ def test_feature_cache_refuses_vl_targets(vl, tmp_path):
 
 
 def test_bad_image_fails_training_before_anything_is_written(vl, tmp_path):
-    from drafttrain.train import train
+    from drafttrain.jobs.train import train
     from tests.support.presets import compose_preset
 
     data = write_vl_chat(tmp_path / "bad", n_train=5, n_test=1)

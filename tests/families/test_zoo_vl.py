@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftinfer.paths import ZOO_DIR as ZOO
+from draftinfer.files.paths import ZOO_DIR as ZOO
 from drafttrain.zoo import vl_data as vd
 
 MODEL = ZOO / "qwen3-vl-tiny"

@@ -13,12 +13,12 @@ import math
 import pytest
 import torch
 
-from draftinfer.baseline import greedy_generate
-from draftinfer.engine import Request, SpecDecoder
-from draftinfer.loading import load_native_target
+from draftinfer.conventions.slots import Slots
+from draftinfer.decoding.baseline import greedy_generate
+from draftinfer.decoding.engine import Request, SpecDecoder
+from draftinfer.decoding.sampling import SamplingParams
+from draftinfer.files.loading import load_native_target
 from draftinfer.registry import registered_kinds
-from draftinfer.sampling import SamplingParams
-from draftinfer.slots import Slots
 from tests.support.prompts import random_prompts as prompts
 
 KINDS = registered_kinds()
@@ -112,8 +112,8 @@ def test_b4_graph_replay_equals_eager(zoo_run, kind, dtype):
     finishing mid-batch and a fifth one admitted into a freed row (admission writes into the
     graph's outputs). Both run one round ahead (`pipeline`, the CUDA default); a third run
     that reads every round back first (`pipeline=False`) emits the same (P1 on CUDA)."""
-    from draftinfer.checkpoint import load_drafter
-    from draftinfer.paths import resolve_path
+    from draftinfer.files.checkpoint import load_drafter
+    from draftinfer.files.paths import resolve_path
     from tests.support.prompts import zoo_prompts
 
     target = load_native_target(
@@ -156,7 +156,7 @@ def test_b4_graph_replay_equals_eager(zoo_run, kind, dtype):
 
 
 def test_flex_ttt_attention_matches_eager_on_cuda():
-    from drafttrain.ttt import ttt_attention_eager, ttt_attention_flex
+    from drafttrain.objectives.ttt import ttt_attention_eager, ttt_attention_flex
     from tests.support.ttt_cases import grads_of, ttt_inputs
 
     torch.manual_seed(0)
@@ -176,7 +176,7 @@ def test_dense_kernel_ttt_attention_matches_eager_on_cuda(kernel):
     gradients compiled) against the explicit softmax in fp32 on the same rounded inputs:
     values and every input's gradient, at a GQA shape with head_dim 128 and a length that is
     not a multiple of any tile."""
-    from drafttrain.ttt import ttt_attention_eager, ttt_attention_lse
+    from drafttrain.objectives.ttt import ttt_attention_eager, ttt_attention_lse
     from tests.support.ttt_cases import grads_of, ttt_inputs
 
     torch.manual_seed(0)
@@ -197,7 +197,7 @@ def test_dense_kernel_ttt_attention_matches_eager_on_cuda(kernel):
 def test_dense_kernel_backends_fall_back_to_flex_for_fp32_on_cuda():
     """fp32 queries (training without autocast) are not the dense kernels' to take: the
     cudnn / flash backends run flex for them, same values as the explicit softmax."""
-    from drafttrain.ttt import dense_kernel_fits, ttt_attention_eager, ttt_attention_lse
+    from drafttrain.objectives.ttt import dense_kernel_fits, ttt_attention_eager, ttt_attention_lse
 
     torch.manual_seed(1)
     q = torch.randn(1, 200, 8, 64, device="cuda")
@@ -222,8 +222,8 @@ def test_training_steps_on_cuda_with_the_auto_backend_and_bf16(train_env, tmp_pa
     """The GPU training path: bf16 target, bf16 autocast, the auto attention backend (cudnn's
     causal block and the merge kernel for EAGLE-3's TTT on Hopper, flex elsewhere; ptd's and
     dflash's masks always flex)."""
-    from drafttrain.loggers import read_metrics
-    from drafttrain.train import train
+    from drafttrain.jobs.train import train
+    from drafttrain.trainer.loggers import read_metrics
     from tests.support.presets import compose_preset
 
     cfg = compose_preset(
@@ -255,7 +255,7 @@ def test_fused_soft_ce_on_cuda(groups, head):
     gradients made in forward (one group, or a frozen head) and recomputed in backward
     (several groups with a trained head) agree with the fp32 plain formula within bf16
     rounding."""
-    from drafttrain.fused_ce import linear_soft_ce, linear_soft_ce_ref
+    from drafttrain.objectives.fused_ce import linear_soft_ce, linear_soft_ce_ref
 
     g = torch.Generator(device="cuda").manual_seed(0)
     N, H, V, M = 3000, 256, 4000, 3100
@@ -283,7 +283,7 @@ def test_weight_gradient_accumulates_in_place_in_fp32_on_cuda():
     in place (no new `[V, H]` output, no copy of the accumulator) and in fp32 inside the GEMM:
     equal to the fp32 sum of the exact bf16 products (a 2097-row chunk, the odd row count of
     2^26 logits of a 32000-token head)."""
-    from drafttrain.fused_ce import _accumulate_mm
+    from drafttrain.objectives.fused_ce import _accumulate_mm
 
     g = torch.Generator(device="cuda").manual_seed(0)
     dz = torch.randn(2097, 640, device="cuda", generator=g).bfloat16()
@@ -302,8 +302,8 @@ def test_fused_losses_on_cuda(name, groups):
     fp32: the closed forms, not bf16 rounding, are under test), with D-PACE-style row weights,
     against autograd through the plain formula; and the memory bound: the peak stays far below
     the `[N, V]` fp32 logits the plain formula would hold."""
-    from drafttrain.fused_ce import linear_soft_ce, linear_soft_ce_ref
-    from drafttrain.loss_fns import LOSSES
+    from drafttrain.objectives.fused_ce import linear_soft_ce, linear_soft_ce_ref
+    from drafttrain.objectives.loss_fns import LOSSES
 
     g = torch.Generator(device="cuda").manual_seed(0)
     N, H, V, M = 12000, 256, 4000, 3100
@@ -345,7 +345,7 @@ def test_target_distribution_on_cuda_equals_plain_formula():
     logits: identical argmaxes and membership, labels within bf16 rounding."""
     import torch.nn.functional as F
 
-    from drafttrain.target_head import (
+    from drafttrain.target.head import (
         HeadLogits,
         TargetHead,
         TrainTargetOutput,
@@ -378,7 +378,7 @@ def test_mixed_adamw_compiled_on_cuda_equals_eager_cpu():
     no recompilation after the first step (the step-dependent scalars are tensors)."""
     from torch._dynamo.utils import counters
 
-    from drafttrain.optim import MixedAdamW
+    from drafttrain.trainer.optim import MixedAdamW
 
     torch.manual_seed(0)
     shapes = [(64, 48), (48,)]

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftinfer.errors import ConfigError
-from draftinfer.positions import draft_step_positions
-from draftinfer.rope import RotaryEmbedding, parse_rope, rope_from_hf, rope_inv_freq
+from draftinfer.conventions.positions import draft_step_positions
+from draftinfer.files.errors import ConfigError
+from draftinfer.models.rope import RotaryEmbedding, parse_rope, rope_from_hf, rope_inv_freq
 from tests.support.tiny_models import llama3_config, qwen3_config
 
 

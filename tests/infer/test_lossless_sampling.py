@@ -22,12 +22,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from draftinfer.engine import Request
-from draftinfer.loading import load_native_target
-from draftinfer.paths import resolve_path
+from draftinfer.decoding.engine import Request
+from draftinfer.decoding.sampling import SamplingParams
+from draftinfer.decoding.verify import Verifier
+from draftinfer.files.loading import load_native_target
+from draftinfer.files.paths import resolve_path
 from draftinfer.registry import drafter_spec, registered_kinds
-from draftinfer.sampling import SamplingParams
-from draftinfer.verify import Verifier
 from tests.support.kind_factories import drafter_for
 from tests.support.sampling_harness import (
     ADVERSARIAL,

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from draftinfer.metrics import acceptance_length, per_position_acceptance
+from draftinfer.conventions.metrics import acceptance_length, per_position_acceptance
 
 
 def test_acceptance_length():

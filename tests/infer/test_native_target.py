@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftinfer.baseline import greedy_generate
-from draftinfer.errors import CheckpointError, ConfigError
-from draftinfer.families import FAMILIES
-from draftinfer.loading import load_native_target
-from draftinfer.slots import Slots
-from draftinfer.target import FeatureSpec
+from draftinfer.conventions.slots import Slots
+from draftinfer.decoding.baseline import greedy_generate
+from draftinfer.files.errors import CheckpointError, ConfigError
+from draftinfer.files.loading import load_native_target
+from draftinfer.models.target import FeatureSpec
+from draftinfer.registry import FAMILIES
 
 ATOL = 1e-4  # fp32 logits, our SDPA vs HF eager attention
 TARGETS = ["tiny_llama3_dir", "tiny_qwen3_dir"]

@@ -1,5 +1,5 @@
 """The runner's report is one typed record: written as JSON and read back by the same schema
-(`draftinfer.report.RunReport`); a file that is not a report is a one-line error."""
+(`draftinfer.evaluation.report.RunReport`); a file that is not a report is a one-line error."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from draftinfer.errors import CheckpointError
-from draftinfer.report import RunReport
+from draftinfer.evaluation.report import RunReport
+from draftinfer.files.errors import CheckpointError
 
 
 def _report(**kw) -> RunReport:
@@ -59,7 +59,7 @@ def test_a_file_that_is_not_a_report_is_one_line_error(tmp_path):
 
 
 def test_format_report_reads_attributes():
-    from draftinfer.run import format_report
+    from draftinfer.evaluation.run import format_report
 
     text = format_report(_report(image_prompts=2))
     assert "1.850" in text and "(2 with images)" in text and "1.50x" in text

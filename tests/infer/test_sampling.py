@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from draftinfer import sampling
-from draftinfer.sampling import (
+from draftinfer.decoding import sampling
+from draftinfer.decoding.sampling import (
     STREAM_ACCEPT,
     STREAM_RECOVERY,
     STREAM_SAMPLE,
@@ -252,7 +252,7 @@ def test_argmax_ids_is_torch_argmax_with_ties_and_nan(V):
     """The two-pass argmax (`argmax_ids`) against `torch.argmax` (documented: the first maximal
     index): many exact ties (a few distinct values), ties across chunk boundaries, -inf rows,
     NaN, a strided slice of a `[B, k, V]` block, leading dims."""
-    from draftinfer.sampling import _argmax_chunk, argmax_ids
+    from draftinfer.decoding.sampling import _argmax_chunk, argmax_ids
 
     g = torch.Generator().manual_seed(V)
     x = torch.randint(0, 7, (3, 4, V), generator=g).to(torch.bfloat16)  # ties everywhere
@@ -274,7 +274,7 @@ def test_record_all_picks_what_step_by_step_picks():
     other `GreedyChooser` writes through the generic path."""
     from types import SimpleNamespace
 
-    from draftinfer.proposer import GreedyChooser, Proposer, greedy_chooser, greedy_record
+    from draftinfer.decoding.proposer import GreedyChooser, Proposer, greedy_chooser, greedy_record
 
     g = torch.Generator().manual_seed(0)
     B, k, Dd = 3, 4, 50

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftinfer.baseline import greedy_generate
-from draftinfer.kv_cache import (
+from draftinfer.conventions.slots import Slots
+from draftinfer.decoding.baseline import greedy_generate
+from draftinfer.decoding.kv_cache import (
     ATTENTION,
     cached_attention,
     decode_attention,
@@ -17,8 +18,9 @@ from draftinfer.kv_cache import (
     visibility_mask,
     write_index,
 )
-from draftinfer.loading import load_native_target, load_weights
+from draftinfer.files.loading import load_native_target, load_weights
 from draftinfer.models.decoder import DecoderLayer, NativeCausalLM, NativeConfig
+from draftinfer.models.target import FeatureSpec
 from draftinfer.models.transforms import (
     FusedQKVAttention,
     FusedSwiGLU,
@@ -29,8 +31,6 @@ from draftinfer.models.transforms import (
     use_attention,
     use_skinny_gemm,
 )
-from draftinfer.slots import Slots
-from draftinfer.target import FeatureSpec
 
 ATOL = 1e-5  # fp32, the same maths in another order
 
@@ -238,8 +238,8 @@ def test_the_runner_launches_with_pdl_when_it_compiles_on_cuda(
     import torch._inductor.config as inductor_config
     from draftkernels import runtime
 
-    from draftinfer.config import InferConfig
-    from draftinfer.run import serving_transforms
+    from draftinfer.evaluation.config import InferConfig
+    from draftinfer.evaluation.run import serving_transforms
 
     monkeypatch.setitem(runtime.PDL, "on", before)
     monkeypatch.setattr(inductor_config.triton, "enable_pdl", before)

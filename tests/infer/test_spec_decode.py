@@ -10,12 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftinfer.baseline import greedy_generate
-from draftinfer.checkpoint import load_drafter
-from draftinfer.engine import Request, SpecDecoder
-from draftinfer.metrics import acceptance_length
+from draftinfer.conventions.metrics import acceptance_length
+from draftinfer.decoding.baseline import greedy_generate
+from draftinfer.decoding.engine import Request, SpecDecoder
+from draftinfer.decoding.sampling import SamplingParams
+from draftinfer.files.checkpoint import load_drafter
 from draftinfer.registry import registered_kinds
-from draftinfer.sampling import SamplingParams
 from tests.support.prompts import random_prompts, zoo_prompts
 
 MAX_LEN = 384
@@ -80,8 +80,8 @@ def test_l2_context_past_drafter_max_position_embeddings(env, tmp_path, zoo_targ
     import json
     import shutil
 
-    from draftinfer.checkpoint import read_drafter_config
-    from draftinfer.errors import CheckpointError
+    from draftinfer.files.checkpoint import read_drafter_config
+    from draftinfer.files.errors import CheckpointError
 
     short = tmp_path / "short"
     shutil.copytree(env["export"], short)
@@ -119,7 +119,7 @@ def test_l3_eos_inside_accepted_run(env):
 def test_l3_stop_string(env):
     from transformers import AutoTokenizer
 
-    from draftinfer.paths import resolve_path
+    from draftinfer.files.paths import resolve_path
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_path("zoo:llama-tiny"))
     p = zoo_prompts(1, seed=10)[0]
@@ -242,9 +242,9 @@ def test_cli_report_and_plot(env, tmp_path):
 
 
 def test_drafter_target_mismatch_is_one_line_error(env, tiny_qwen3_dir):
-    from draftinfer.config import InferConfig
-    from draftinfer.errors import CheckpointError
-    from draftinfer.run import run_eval
+    from draftinfer.evaluation.config import InferConfig
+    from draftinfer.evaluation.run import run_eval
+    from draftinfer.files.errors import CheckpointError
 
     cfg = InferConfig(
         drafter=env["export"],
@@ -263,8 +263,8 @@ def test_fused_projections_serve_the_same_tokens(env):
     """`fuse_projections=true` (the default on CUDA) runs the same target: lossless, and the
     drafter accepts as it does on the unfused target (fp32: the fused GEMM sums in another
     order, so equal tokens rather than equal bits)."""
-    from draftinfer.config import InferConfig
-    from draftinfer.run import run_eval
+    from draftinfer.evaluation.config import InferConfig
+    from draftinfer.evaluation.run import run_eval
 
     reps = []
     for fuse in (False, True):
@@ -292,7 +292,7 @@ def test_fused_drafter_projections_serve_what_unfused_ones_do(kind_env, kind):
     counts as the unfused drafter, with drafts accepted, and the HF-named weights unchanged."""
     import copy
 
-    from draftinfer.layers import Attention
+    from draftinfer.models.layers import Attention
     from draftinfer.models.transforms import FusedAttention, fuse_projections
 
     env = kind_env(kind)
@@ -320,7 +320,7 @@ def test_compiled_greedy_choice_drafts_what_the_eager_one_does(kind_env, kind):
     needed; fullgraph; the recompile limit an error), every other piece left eager (the kinds'
     compiled glue has its own tests): the same tokens and accepted counts as the eager
     proposer, with drafts accepted (a wrong draft id would show as fewer)."""
-    from draftinfer.proposer import greedy_record
+    from draftinfer.decoding.proposer import greedy_record
 
     env = kind_env(kind)
     ps = zoo_prompts(3, seed=14)
@@ -344,7 +344,7 @@ def test_compiled_greedy_choice_drafts_what_the_eager_one_does(kind_env, kind):
 
 @pytest.mark.parametrize("kind", registered_kinds())
 def test_untrained_random_drafter_is_lossless_with_al_near_one(zoo_target, kind):
-    from draftinfer.paths import resolve_path
+    from draftinfer.files.paths import resolve_path
     from tests.support.tiny_models import untrained_drafter
 
     d = untrained_drafter(kind, resolve_path("zoo:llama-tiny"), zoo_target)
@@ -399,9 +399,9 @@ def test_p1_one_round_ahead_serves_what_one_at_a_time_does(kind_env, kind):
 
 def test_p1_runner_config_reaches_the_decoder(monkeypatch):
     """`infer.pipeline` (null: on for CUDA) and the other decoder settings of the runner's
-    config reach `SpecDecoder` in `run_eval` and the suites (`draftinfer.run.spec_decoder`)."""
-    import draftinfer.run as run
-    from draftinfer.config import InferConfig
+    config reach `SpecDecoder` in `run_eval` and the suites (`draftinfer.evaluation.run.spec_decoder`)."""
+    import draftinfer.evaluation.run as run
+    from draftinfer.evaluation.config import InferConfig
 
     seen = {}
     monkeypatch.setattr(run, "SpecDecoder", lambda *a, **kw: seen.update(kw, args=a))
@@ -421,8 +421,8 @@ def test_runner_compiles_with_combo_kernels_on_cuda_only(env, monkeypatch):
     """`compile_options=None` is the runner's default: inductor's combo kernels on CUDA
     (`RUNNER_CUDA_OPTIONS`), inductor's own defaults elsewhere; options given replace it (`{}`
     too), and `SpecDecoder` compiles with what that resolves to."""
-    import draftinfer.engine as engine
-    from draftinfer.compiled import RUNNER_CUDA_OPTIONS, runner_compile_options
+    import draftinfer.decoding.engine as engine
+    from draftinfer.decoding.compiled import RUNNER_CUDA_OPTIONS, runner_compile_options
 
     assert runner_compile_options(None, "cuda") == {"combo_kernels": True}
     assert runner_compile_options(None, torch.device("cpu")) == {}
@@ -441,9 +441,9 @@ def test_runner_compiles_with_combo_kernels_on_cuda_only(env, monkeypatch):
 def test_unknown_compile_option_is_a_one_line_error_before_loading():
     """`infer.compile_options` names inductor settings; a misspelt one fails at the config
     check (before any model loads), not at the first compile."""
-    from draftinfer.config import InferConfig
-    from draftinfer.errors import ConfigError
-    from draftinfer.run import check_infer_config
+    from draftinfer.evaluation.config import InferConfig
+    from draftinfer.evaluation.run import check_infer_config
+    from draftinfer.files.errors import ConfigError
 
     ok = InferConfig(drafter="d", compile=True, compile_options={"combo_kernels": True})
     check_infer_config(ok)

@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from draftinfer.errors import ConfigError, DataError
-from draftinfer.metrics import acceptance_length, macro_acceptance_length
-from draftinfer.suites import (
+from draftinfer.conventions.metrics import acceptance_length, macro_acceptance_length
+from draftinfer.evaluation.suites import (
     SUITE_DIR,
     SuiteRow,
     load_suite,
@@ -24,6 +23,7 @@ from draftinfer.suites import (
     suite_rows,
     suite_source,
 )
+from draftinfer.files.errors import ConfigError, DataError
 from tests.support.suite_data import TEXT_SUITES, write_mmstar, write_suite_copies, zoo_questions
 
 REPO = Path(__file__).resolve().parents[2]
@@ -223,8 +223,8 @@ def test_preset_asks_datasets_for_the_hub_dataset(name, copies, monkeypatch):
 def test_enable_thinking_reaches_the_chat_template(tmp_path):
     """Qwen3 templates close an empty think block when `enable_thinking` is false (the
     released template's generation-prompt tail, copied here as the oracle)."""
-    from draftinfer.families import DEFAULT_FAMILY, family_spec
-    from draftinfer.suite_decode import PromptRenderer
+    from draftinfer.evaluation.suite_decode import PromptRenderer
+    from draftinfer.registry import DEFAULT_FAMILY, family_spec
     from tests.support.tiny_tokenizers import QWEN3_TEMPLATE, make_qwen3_tokenizer
 
     tok = make_qwen3_tokenizer(tmp_path / "tok")
@@ -243,8 +243,8 @@ def test_enable_thinking_reaches_the_chat_template(tmp_path):
 
 def test_mmstar_prompts_render_through_the_vl_processor(copies):
     """The target's family renders image prompts (its `prompt_encoder`: the processor)."""
-    from draftinfer.families import family_of
-    from draftinfer.suite_decode import PromptRenderer
+    from draftinfer.evaluation.suite_decode import PromptRenderer
+    from draftinfer.registry import family_of
 
     rows = _rows("mmstar", copies)
     family = family_of("zoo:qwen3-vl-tiny")
@@ -303,8 +303,8 @@ def test_config_tree_selects_suites_and_temperatures():
 def test_compile_options_from_the_command_line():
     """`compile_options` (null by default: the runner's) takes a mapping on the command line,
     `{}` stays distinct from null, and a non-mapping is a one-line error at the config check."""
-    from draftinfer.errors import ConfigError
-    from draftinfer.run import check_infer_config
+    from draftinfer.evaluation.run import check_infer_config
+    from draftinfer.files.errors import ConfigError
 
     assert _compose(["drafter=x"]).compile_options is None
     assert _compose(["drafter=x", "compile_options={}"]).compile_options == {}
@@ -332,8 +332,8 @@ def test_macro_and_micro_acceptance_length():
 
 
 def test_suite_run_settings_are_checked_before_loading():
-    from draftinfer.config import EvalConfig, InferConfig
-    from draftinfer.suite_run import check_suites_config
+    from draftinfer.evaluation.config import EvalConfig, InferConfig
+    from draftinfer.evaluation.suite_run import check_suites_config
 
     def cfg(**kw):
         return InferConfig(drafter="x", eval=EvalConfig(suites=["gsm8k"]), **kw)

@@ -14,16 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from draftinfer.config import EvalConfig, InferConfig
-from draftinfer.errors import ConfigError
-from draftinfer.suite_report import (
+from draftinfer.evaluation.config import EvalConfig, InferConfig
+from draftinfer.evaluation.suite_report import (
     CARD_HEADING,
     PLOT_NAME,
     REPORT_NAME,
     SuitesReport,
     format_suites_table,
 )
-from draftinfer.suite_run import run_suites
+from draftinfer.evaluation.suite_run import run_suites
+from draftinfer.files.errors import ConfigError
 from tests.support.suite_data import TEXT_SUITES, write_suite_copies
 
 pytestmark = pytest.mark.slow
@@ -176,12 +176,12 @@ def test_mmstar_image_prompts_on_a_vl_target(tmp_path):
     a drafter trained on the target's continuations of these prompts accepts drafts."""
     import torch
 
-    from draftinfer.baseline import greedy_generate
-    from draftinfer.checkpoint import write_drafter
-    from draftinfer.families import family_of
-    from draftinfer.loading import load_native_target
-    from draftinfer.suite_decode import PromptRenderer
-    from draftinfer.suites import load_suite, suite_rows
+    from draftinfer.decoding.baseline import greedy_generate
+    from draftinfer.evaluation.suite_decode import PromptRenderer
+    from draftinfer.evaluation.suites import load_suite, suite_rows
+    from draftinfer.files.checkpoint import write_drafter
+    from draftinfer.files.loading import load_native_target
+    from draftinfer.registry import family_of
     from tests.support.suite_data import write_mmstar, zoo_questions
     from tests.support.vl_data_fixtures import make_vl_target
     from tests.support.vl_drafters import build_drafter, train

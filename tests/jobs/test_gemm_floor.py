@@ -2,7 +2,7 @@
 matrix products of a step recorded with their shapes, layouts and FLOPs, and replayed alone.
 FLOPs are checked against 2 M N K written out from the shapes the test chose, and the
 training step's against the GEMMs its loss is documented to issue
-(`drafttrain/position_loss.py`)."""
+(`drafttrain/objectives/position_loss.py`)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from draftinfer.registry import registered_kinds
-from drafttrain.loss_fns import LOSSES
+from drafttrain.objectives.loss_fns import LOSSES
 from tests.support.presets import compose_preset, text_preset_of
 
 pytestmark = pytest.mark.slow
@@ -33,8 +33,8 @@ KINDS = [k for k in registered_kinds() if text_preset_of(k)]
 
 
 def _per_step_losses(kind: str, loss: str, out: Path) -> list[float]:
-    from draftinfer.threads import torch_threads
-    from drafttrain.train import train
+    from draftinfer.evaluation.threads import torch_threads
+    from drafttrain.jobs.train import train
 
     overrides = [
         f"output_dir={out}",

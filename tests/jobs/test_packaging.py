@@ -21,13 +21,16 @@ from tests.support.wheel_install import REPO, installed_wheel, run_installed, so
 pytestmark = pytest.mark.slow
 
 KERNELS_DIR, KERNELS = "kernels", "draftkernels"
-DATA_DIRS = ("drafttrain/conf", "draftinfer/conf", "draftinfer/zoo")  # package data, whole
+CONF_DIR, CONF = "conf", "draftconf"
+RENAMED = {KERNELS_DIR: KERNELS, CONF_DIR: CONF}  # folder -> import name (setup.py)
+DATA_DIRS = ("conf", "draftinfer/zoo")  # package data, whole
 
 
 def _installed_name(rel: str) -> str:
-    """A source path as the wheel names it (`kernels/x.py` -> `draftkernels/x.py`)."""
+    """A source path as the wheel names it (`kernels/x.py` -> `draftkernels/x.py`,
+    `conf/drafttrain/base.yaml` -> `draftconf/drafttrain/base.yaml`)."""
     head, sep, rest = rel.partition("/")
-    return KERNELS + sep + rest if head == KERNELS_DIR else rel
+    return RENAMED[head] + sep + rest if head in RENAMED else rel
 
 
 def _source_packages(files: list[str]) -> set[str]:
@@ -57,7 +60,7 @@ def test_source_tree_is_what_this_test_expects():
     assert {"drafttrain", "drafttrain.cache", "draftinfer", "draftinfer.kinds.eagle3"} <= {
         p.replace("/", ".") for p in pkgs
     }
-    assert "drafttrain/conf/eagle3.yaml" in files and "draftinfer/conf/infer.yaml" in files
+    assert "conf/drafttrain/eagle3.yaml" in files and "conf/draftinfer/infer.yaml" in files
     assert "draftinfer/zoo/llama-tiny/model.safetensors" in files
     assert len([f for f in files if f.startswith("draftinfer/zoo/")]) > 2000
 
@@ -72,10 +75,10 @@ def test_wheel_holds_every_package_preset_and_zoo_file():
         assert f"{pkg}/__init__.py" in got, pkg
     assert {n.split("/")[0] for n in got} == {p.split("/")[0] for p in pkgs}
     yamls = {f for f in got if f.endswith(".yaml")}
-    assert {"drafttrain/conf/base.yaml", "drafttrain/conf/ptd_eagle3.yaml"} <= yamls
-    assert {"drafttrain/conf/drafter/mtp.yaml", "draftinfer/conf/eval/greedy.yaml"} <= yamls
-    # The acceptance suites (data, read by `draftinfer.suites` from the installed package).
-    assert {"draftinfer/conf/eval/standard.yaml", "draftinfer/conf/suite/gsm8k.yaml"} <= yamls
+    assert {"conf/drafttrain/base.yaml", "conf/drafttrain/ptd_eagle3.yaml"} <= yamls
+    assert {"conf/drafttrain/drafter/mtp.yaml", "conf/draftinfer/eval/greedy.yaml"} <= yamls
+    # The acceptance suites (data, read by `draftinfer.evaluation.suites` from the installed package).
+    assert {"conf/draftinfer/eval/standard.yaml", "conf/draftinfer/suite/gsm8k.yaml"} <= yamls
     with zipfile.ZipFile(wheel) as z:
         for name in (
             "draftinfer/zoo/llama-tiny/model.safetensors",
@@ -90,7 +93,7 @@ def test_installed_packages_find_presets_and_zoo_from_any_directory(tmp_path):
     code = """
 import json
 import drafttrain, drafttrain.cache, draftinfer, draftkernels.runtime, draftbench
-from draftinfer.paths import ZOO_DIR, resolve_path
+from draftinfer.files.paths import ZOO_DIR, resolve_path
 from drafttrain.__main__ import CONF_DIR
 from draftinfer.__main__ import CONF_DIR as INFER_CONF_DIR
 from transformers import AutoConfig, AutoTokenizer
@@ -121,7 +124,7 @@ print(json.dumps({
     suites = run_installed(
         [
             "-c",
-            "from draftinfer.suites import SUITE_DIR, load_suite; "
+            "from draftinfer.evaluation.suites import SUITE_DIR, load_suite; "
             "print(SUITE_DIR, load_suite('gsm8k').dataset)",
         ],
         cwd=tmp_path,

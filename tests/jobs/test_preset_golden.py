@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from draftinfer.checkpoint import SPECULATORS_DIR
+from draftinfer.files.checkpoint import SPECULATORS_DIR
 from draftinfer.registry import registered_kinds
 from tests.support.engine_readers import LAYOUTS, files_naming, machine_paths, run_record
 from tests.support.presets import cpu_presets, text_preset_of

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftinfer.checkpoint import SPECULATORS_DIR
-from draftinfer.layers import causal_attention
-from draftinfer.proposer import FirstPass
+from draftinfer.decoding.proposer import FirstPass
+from draftinfer.files.checkpoint import SPECULATORS_DIR
+from draftinfer.models.layers import causal_attention
 from draftinfer.registry import drafter_spec
 from tests.support.engine_readers import speculators_kinds
 from tests.support.speculators_env import (

@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from draftinfer.paths import ZOO_DIR as ZOO
+from draftinfer.files.paths import ZOO_DIR as ZOO
 
 MODEL = ZOO / "llama-tiny"
 SPECIALS = [

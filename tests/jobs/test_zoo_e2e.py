@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from draftinfer.registry import registered_kinds
-from drafttrain.loggers import read_metrics
+from drafttrain.trainer.loggers import read_metrics
 
 pytestmark = pytest.mark.slow
 GOLDEN = Path(__file__).parents[1] / "golden"

@@ -11,7 +11,7 @@ import pytest
 import torch
 from draftkernels.runtime import use_triton
 
-from draftinfer.sampling import (
+from draftinfer.decoding.sampling import (
     exponential_noise,
     logits_to_probs,
     sample_from_probs,

@@ -398,12 +398,12 @@ def test_norm_with_the_swiglu_epilogue(case, dtype):
 
 
 def test_norm_and_add_off_the_kernel_are_the_modules_maths():
-    """`rms_norm_ref` is the RMSNorm module's maths (`draftinfer.layers.RMSNorm`, the same
+    """`rms_norm_ref` is the RMSNorm module's maths (`draftinfer.models.layers.RMSNorm`, the same
     bits, with a weight and with a unit one for a folded weight); on the CPU `rms_linear`,
     `rms_swiglu` and `linear_add` are that norm with unit weight, `F.linear`, the product
     and the add: the same bits (what the norm-fused decoder layer runs at prefill); a
     residual of the wrong shape raises."""
-    from draftinfer.layers import RMSNorm
+    from draftinfer.models.layers import RMSNorm
 
     x, w, b = make(5, 40, 64, torch.float32, bias=True)
     x, w, b = x.cpu().bfloat16() * 4, w.cpu().bfloat16(), b.cpu().bfloat16()

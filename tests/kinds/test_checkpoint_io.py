@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from draftinfer.checkpoint import load_drafter, read_drafter_config, write_drafter
-from draftinfer.errors import CheckpointError
+from draftinfer.files.checkpoint import load_drafter, read_drafter_config, write_drafter
+from draftinfer.files.errors import CheckpointError
 from tests.support.eagle3_small import small_drafter
 
 

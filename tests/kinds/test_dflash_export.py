@@ -12,8 +12,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from draftinfer.checkpoint import SPECULATORS_DIR, load_drafter, write_drafter, write_speculators
-from draftinfer.errors import CheckpointError
+from draftinfer.files.checkpoint import (
+    SPECULATORS_DIR,
+    load_drafter,
+    write_drafter,
+    write_speculators,
+)
+from draftinfer.files.errors import CheckpointError
 from tests.support.dflash import VARIANTS, variant_drafter
 from tests.support.kind_factories import small_embeddings
 
@@ -209,7 +214,7 @@ def test_configs_this_code_cannot_serve_exactly_are_refused(tmp_path, edit, need
 def test_engine_written_is_causal_is_read(tmp_path):
     """An engine-written checkpoint says causal at the top level (vLLM reads it first)."""
     d = _edited(tmp_path, lambda c: c.update(is_causal=True))
-    from draftinfer.checkpoint import read_drafter_config
+    from draftinfer.files.checkpoint import read_drafter_config
 
     _, arch, _ = read_drafter_config(tmp_path)
     assert arch.causal_block is True and d.config.causal_block is False

@@ -17,15 +17,15 @@ import dataclasses
 import pytest
 import torch
 
-from draftinfer.baseline import greedy_generate
-from draftinfer.engine import Request, SpecDecoder
+from draftinfer.conventions.slots import Slots
+from draftinfer.decoding.baseline import greedy_generate
+from draftinfer.decoding.engine import Request, SpecDecoder
+from draftinfer.decoding.proposer import FirstPass
+from draftinfer.files.loading import load_native_target
 from draftinfer.kinds.dflash import DFlashDrafter, DFlashProposer
 from draftinfer.kinds.dflash.attention import CONTEXT, mask_flags, visible
 from draftinfer.kinds.dflash.proposer import dflash_block_forward, dflash_write_context
-from draftinfer.loading import load_native_target
-from draftinfer.proposer import FirstPass
 from draftinfer.registry import drafter_spec
-from draftinfer.slots import Slots
 from drafttrain.registry import train_spec
 from tests.support.dflash import VARIANTS, runner_logits, variant_drafter
 from tests.support.kind_factories import drafter_for
@@ -286,7 +286,7 @@ def test_compiled_glue_drafts_and_writes_what_the_eager_proposer_does(rope):
 def test_every_option_rounds_without_host_sync_and_replay_from_graphs(tiny_llama3_dir, variant):
     """Every option's round (the selector's top-k walk and sampled q included) makes no host
     sync, compiled; rounds replayed from CUDA graphs emit what the eager rounds emit."""
-    from draftinfer.sampling import SamplingParams
+    from draftinfer.decoding.sampling import SamplingParams
     from tests.support.prompts import random_prompts
 
     target = load_native_target(

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import tests.support.sampling_harness as harness
-from draftinfer.engine import Request
-from draftinfer.sampling import SamplingParams
-from draftinfer.verify import Verifier
+from draftinfer.decoding.engine import Request
+from draftinfer.decoding.sampling import SamplingParams
+from draftinfer.decoding.verify import Verifier
 from tests.support.dflash import VARIANTS
 from tests.support.kind_factories import drafter_for
 from tests.support.sampling_harness import (
@@ -52,7 +52,7 @@ def _drafter():
 
 
 def _target(rows: int):
-    from draftinfer.loading import load_native_target
+    from draftinfer.files.loading import load_native_target
 
     return load_native_target(harness_target_dir(), max_batch=rows, max_seq_len=16)
 
@@ -147,9 +147,9 @@ def test_selector_support_with_close_drafts_keeps_sampling_exact(monkeypatch):
 def test_selector_q_is_a_distribution_over_its_candidates():
     """At temperature 1 the proposer's q of every slot sums to 1 over at most the 8
     candidates, and the draft is one of them."""
-    from draftinfer.proposer import FirstPass
-    from draftinfer.sampling import SamplingState
-    from draftinfer.verify import Verifier
+    from draftinfer.decoding.proposer import FirstPass
+    from draftinfer.decoding.sampling import SamplingState
+    from draftinfer.decoding.verify import Verifier
 
     d = _drafter()
     from draftinfer.kinds.dflash import DFlashProposer

@@ -15,8 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftinfer.checkpoint import load_drafter, write_drafter
-from draftinfer.errors import ConfigError
+from draftinfer.conventions.slots import Slots
+from draftinfer.files.checkpoint import load_drafter, write_drafter
+from draftinfer.files.errors import ConfigError
 from draftinfer.kinds.dflash import DFlashConfig, DFlashDrafter
 from draftinfer.kinds.dflash.taps import (
     check_dflash_ids,
@@ -24,8 +25,7 @@ from draftinfer.kinds.dflash.taps import (
     dflash_id_of_tap,
     tap_of_dflash_id,
 )
-from draftinfer.slots import Slots
-from draftinfer.target import FeatureSpec
+from draftinfer.models.target import FeatureSpec
 from tests.support.dflash import (
     read_export,
     runner_logits,

@@ -11,11 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from draftinfer.target import TargetOutput
-from drafttrain.fused_ce import linear_soft_ce_rows, linear_soft_ce_rows_ref
+from draftinfer.models.target import TargetOutput
 from drafttrain.kinds.dflash import objective as dflash_objective
 from drafttrain.kinds.dflash.objective import sample_anchors
-from drafttrain.loss_weights import dpace_weights, exp_decay_weights
+from drafttrain.objectives.fused_ce import linear_soft_ce_rows, linear_soft_ce_rows_ref
+from drafttrain.objectives.loss_weights import dpace_weights, exp_decay_weights
 from drafttrain.registry import train_spec
 from tests.support.dflash import VARIANTS, variant_drafter
 
@@ -177,7 +177,7 @@ def test_per_row_fused_loss_equals_plain_formula_values_and_gradients():
 
 @pytest.mark.parametrize("weights", ["exp_decay", "dpace", "uniform"])
 def test_activation_checkpointing_keeps_loss_and_grads(weights):
-    from drafttrain.wrap import apply_activation_checkpointing
+    from drafttrain.trainer.wrap import apply_activation_checkpointing
 
     spec = train_spec("dflash")
     cfg = spec.config_class(loss_weights=weights, dflash2=True, num_anchors=3)
@@ -213,7 +213,7 @@ def test_flex_equals_eager_on_cuda_values_and_gradients(variant, kernel, monkeyp
     the padding to 128 rows is exercised (inductor's decoding kernel has no backward). All
     variants in one process: a compiled mask reused across (causal, window) keys once failed
     exactly here (fixed by `mask_flags`)."""
-    import drafttrain.ttt as ttt
+    import drafttrain.objectives.ttt as ttt
 
     if kernel == "math":
         from torch.nn.attention.flex_attention import flex_attention

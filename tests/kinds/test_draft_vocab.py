@@ -14,7 +14,7 @@ from drafttrain.data import (
     load_or_build_draft_vocab,
     map_draft_logits_to_target,
 )
-from drafttrain.errors import DataError
+from drafttrain.jobs.errors import DataError
 
 V = 53  # prime, so nothing lines up by accident
 

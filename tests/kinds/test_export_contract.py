@@ -11,10 +11,10 @@ import pytest
 import yaml
 from safetensors import safe_open
 
-from draftinfer.checkpoint import FORMAT_VERSION, SPECULATORS_DIR, read_drafter_config
-from draftinfer.paths import resolve_path
+from draftinfer.files.checkpoint import FORMAT_VERSION, SPECULATORS_DIR, read_drafter_config
+from draftinfer.files.paths import resolve_path
+from draftinfer.models.rope import rope_from_hf
 from draftinfer.registry import registered_kinds
-from draftinfer.rope import rope_from_hf
 
 pytestmark = pytest.mark.slow
 
@@ -120,7 +120,7 @@ def test_export_contract_against_its_target(zoo_run, zoo_target, kind):
         spec_cfg = json.loads((export / SPECULATORS_DIR / "config.json").read_text())
         verifier = spec_cfg["speculators_config"]["verifier"]
         # A zoo target has no hub id: the verifier is a copy inside the folder, named by a
-        # relative path (drafttrain.export.speculators_verifier).
+        # relative path (drafttrain.export.directory.speculators_verifier).
         assert verifier == {"name_or_path": "verifier", "architectures": tc.architectures}
         assert (export / SPECULATORS_DIR / "verifier" / "model.safetensors").is_file()
         assert spec_cfg["transformer_layer_config"]["vocab_size"] == V

@@ -15,17 +15,17 @@ from dataclasses import replace
 import pytest
 import torch
 
-from draftinfer.baseline import greedy_generate
-from draftinfer.checkpoint import load_drafter, write_drafter
-from draftinfer.engine import Request, SpecDecoder, _Active
-from draftinfer.errors import CheckpointError
-from draftinfer.loading import load_native_target
-from draftinfer.paths import resolve_path
-from draftinfer.proposer import FirstPass
-from draftinfer.reference import reference_generate
+from draftinfer.conventions.slots import Slots
+from draftinfer.decoding.baseline import greedy_generate
+from draftinfer.decoding.engine import Request, SpecDecoder, _Active
+from draftinfer.decoding.proposer import FirstPass
+from draftinfer.decoding.reference import reference_generate
+from draftinfer.decoding.sampling import SamplingParams
+from draftinfer.files.checkpoint import load_drafter, write_drafter
+from draftinfer.files.errors import CheckpointError
+from draftinfer.files.loading import load_native_target
+from draftinfer.files.paths import resolve_path
 from draftinfer.registry import drafter_spec, load_kinds, registered_kinds
-from draftinfer.sampling import SamplingParams
-from draftinfer.slots import Slots
 from drafttrain.registry import load_train_kinds, train_spec
 from tests.support.kind_factories import servable, small_drafter, small_embeddings
 from tests.support.prompts import zoo_prompts
@@ -98,7 +98,7 @@ def test_fast_path_equals_reference_loop(kind_env, kind, verify, temperature, mo
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("verify", ["onehot", "full"])
 def test_t5_mixed_greedy_and_sampling_batch(kind_env, kind, verify, monkeypatch):
-    import draftinfer.verify as verify_module
+    import draftinfer.decoding.verify as verify_module
 
     env = kind_env(kind)
     # Every distribution the round samples from or verifies against: neither NaN nor Inf.

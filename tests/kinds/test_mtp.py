@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftinfer.baseline import greedy_generate
-from draftinfer.checkpoint import load_drafter, read_drafter_config, write_drafter
-from draftinfer.engine import Request, SpecDecoder
-from draftinfer.errors import CheckpointError
-from draftinfer.proposer import FirstPass
+from draftinfer.decoding.baseline import greedy_generate
+from draftinfer.decoding.engine import Request, SpecDecoder
+from draftinfer.decoding.proposer import FirstPass
+from draftinfer.files.checkpoint import load_drafter, read_drafter_config, write_drafter
+from draftinfer.files.errors import CheckpointError
 from draftinfer.registry import drafter_spec
 from tests.support.kind_factories import small_drafter, small_embeddings
 from tests.support.prompts import zoo_prompts
@@ -93,7 +93,7 @@ def test_s7_continued_chunked_prefill_equals_one_prefill(split):
 # ---- N = 1 at K = 1, and module reuse ------------------------------------------------------
 @pytest.fixture(scope="module")
 def mtp1(tmp_path_factory, zoo_target):
-    from drafttrain.job import run_job
+    from drafttrain.jobs.job import run_job
     from tests.conftest import ZOO_RECIPE
     from tests.support.presets import compose_preset
 
@@ -154,7 +154,7 @@ def test_k_must_be_a_multiple_of_n(kind_env):
 
 
 def test_family_and_hidden_size_must_match_the_target(kind_env, tiny_qwen3_dir, tiny_llama3_dir):
-    from draftinfer.loading import load_native_target
+    from draftinfer.files.loading import load_native_target
 
     spec, arch, _ = read_drafter_config(kind_env("mtp")["export"])
     for path, needle in (
@@ -170,8 +170,8 @@ def test_family_and_hidden_size_must_match_the_target(kind_env, tiny_qwen3_dir, 
 def test_stitch_round_trip_and_missing_layer(kind_env, zoo_target, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from draftinfer.loading import load_native_target
-    from draftinfer.paths import resolve_path
+    from draftinfer.files.loading import load_native_target
+    from draftinfer.files.paths import resolve_path
 
     export = kind_env("mtp")["export"]
     out = tmp_path / "stitched"
@@ -193,7 +193,7 @@ def test_stitch_round_trip_and_missing_layer(kind_env, zoo_target, tmp_path):
     # The stitched target still loads as the target (MTP layers ignored), unchanged ...
     t = load_native_target(out, max_batch=1, max_seq_len=64)
     ids = torch.tensor([zoo_prompts(1, seed=4)[0][:20]])
-    from draftinfer.slots import Slots
+    from draftinfer.conventions.slots import Slots
 
     s = Slots(torch.tensor([0]), torch.arange(ids.shape[1])[None])
     ref = load_native_target(resolve_path("zoo:llama-tiny"), max_batch=1, max_seq_len=64)
@@ -231,7 +231,7 @@ def test_transformers_deepseek_v3_mtp_loads_our_stitched_modules(tmp_path):
     mtp_model = getattr(pytest.importorskip("transformers.modeling_layers"), "MtpModel", None)
     if mtp_model is None:
         pytest.skip(f"transformers {transformers.__version__} has no MtpModel")
-    from drafttrain.job import run_job
+    from drafttrain.jobs.job import run_job
     from tests.support.presets import compose_preset
     from tests.support.tiny_models import write_counting_chat
     from tests.support.tiny_tokenizers import make_llama3_tokenizer
@@ -306,7 +306,7 @@ def test_transformers_deepseek_v3_mtp_loads_our_stitched_modules(tmp_path):
     torch.manual_seed(1)
     ids = torch.randint(3, len(tok), (2, 12))
     pos = torch.arange(12)[None].expand(2, -1)
-    from draftinfer.proposer import causal_attn
+    from draftinfer.decoding.proposer import causal_attn
 
     with torch.no_grad():
         h = main(ids, output_hidden_states=True).hidden_states[-1]  # post-norm (feature tap)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from draftinfer.decoding.proposer import FirstPass
 from draftinfer.kinds.mtp.proposer import cached_mtp_forward, mtp_window_module
-from draftinfer.proposer import FirstPass
 from draftinfer.registry import drafter_spec
 from drafttrain.registry import train_spec
 from tests.support.kind_factories import small_drafter
@@ -199,7 +199,7 @@ def test_s9_each_module_trained_as_served(layout, rope, anchor):
 
 
 def test_mrv2_layout_refuses_module_reuse():
-    from draftinfer.errors import CheckpointError
+    from draftinfer.files.errors import CheckpointError
 
     d = _drafter("mrv2")
     with pytest.raises(CheckpointError, match="mrv2 layout") as e:
@@ -211,8 +211,8 @@ def test_mrv2_layout_refuses_module_reuse():
 @pytest.fixture(scope="module")
 def mrv2_zoo(tmp_path_factory, zoo_target):
     """The zoo recipe's MTP trained in the mrv2 layout, loaded from its export."""
-    from draftinfer.checkpoint import load_drafter
-    from drafttrain.job import run_job
+    from draftinfer.files.checkpoint import load_drafter
+    from drafttrain.jobs.job import run_job
     from tests.conftest import ZOO_RECIPE
     from tests.support.presets import compose_preset
 
@@ -232,10 +232,10 @@ def _forced_engine_rounds(target, d, r: int) -> None:
     accepted, and after
     every round every module's KV at committed rows equals a fresh prefill with the target's
     features."""
-    from draftinfer.baseline import greedy_generate
-    from draftinfer.engine import Request, SpecDecoder, _Active
-    from draftinfer.sampling import SamplingParams
-    from draftinfer.slots import Slots
+    from draftinfer.conventions.slots import Slots
+    from draftinfer.decoding.baseline import greedy_generate
+    from draftinfer.decoding.engine import Request, SpecDecoder, _Active
+    from draftinfer.decoding.sampling import SamplingParams
     from tests.support.prompts import zoo_prompts
 
     dec = SpecDecoder(target, d, N, max_batch=1, max_model_len=256)

@@ -14,9 +14,9 @@ from dataclasses import fields, replace
 import pytest
 import torch
 
-from draftinfer.proposer import FirstPass, greedy_chooser
+from draftinfer.conventions.slots import Slots
+from draftinfer.decoding.proposer import FirstPass, greedy_chooser
 from draftinfer.registry import drafter_spec, registered_kinds
-from draftinfer.slots import Slots
 from drafttrain.registry import train_spec
 from tests.support.kind_factories import (
     config_and_drafter_for,

@@ -9,12 +9,12 @@ import json
 import pytest
 import torch
 
-from draftinfer.baseline import greedy_generate
-from draftinfer.checkpoint import load_drafter, write_drafter
-from draftinfer.engine import Request, SpecDecoder
-from draftinfer.errors import CheckpointError
+from draftinfer.decoding.baseline import greedy_generate
+from draftinfer.decoding.engine import Request, SpecDecoder
+from draftinfer.decoding.proposer import FirstPass
+from draftinfer.files.checkpoint import load_drafter, write_drafter
+from draftinfer.files.errors import CheckpointError
 from draftinfer.kinds.ptd import ParallelProposer, PTDConfig, PTDDrafter
-from draftinfer.proposer import FirstPass
 from drafttrain.kinds.ptd.objective import ptd_dense_mask, sample_slots
 from tests.support.eagle3_small import SMALL, randomized
 from tests.support.prompts import zoo_prompts

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from hydra.core.config_store import ConfigStore
 
-from draftinfer.checkpoint import load_drafter
+from draftinfer.files.checkpoint import load_drafter
 from draftinfer.registry import DRAFTERS
 from drafttrain.registry import TRAIN_SPECS
 from tests.support import toy_mlp_kind as toy
@@ -26,14 +26,14 @@ pytestmark = pytest.mark.slow
 @pytest.fixture
 def toy_kind():
     toy.register()
-    # What `drafttrain/conf/drafter/<kind>.yaml` would be for a kind shipped in the package.
+    # What `conf/drafttrain/drafter/<kind>.yaml` would be for a kind shipped in the package.
     ConfigStore.instance().store(group="drafter", name=toy.KIND, node=toy.ToyMLPTrainConfig)
     yield toy.KIND
     toy.unregister()
 
 
 def test_toy_kind_trains_exports_loads_and_is_lossless(toy_kind, tmp_path, zoo_target):
-    from drafttrain.job import run_job
+    from drafttrain.jobs.job import run_job
     from tests.support.presets import compose_preset
 
     assert toy.KIND in DRAFTERS and toy.KIND in TRAIN_SPECS
@@ -67,9 +67,8 @@ def test_toy_kind_trains_exports_loads_and_is_lossless(toy_kind, tmp_path, zoo_t
 
 
 def test_toy_kind_refuses_a_multimodal_family_in_one_line(toy_kind):
-    from draftinfer.errors import CheckpointError, ConfigError
-    from draftinfer.families import check_pair, family_spec
-    from draftinfer.registry import drafter_spec
+    from draftinfer.files.errors import CheckpointError, ConfigError
+    from draftinfer.registry import check_pair, drafter_spec, family_spec
 
     with pytest.raises((CheckpointError, ConfigError)) as e:
         check_pair(drafter_spec(toy.KIND), family_spec("qwen3_vl"))

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from draftinfer.kinds.eagle3 import Eagle3Drafter
-from draftinfer.layers import expand_kv
-from drafttrain.errors import ConfigError
+from draftinfer.models.layers import expand_kv
+from drafttrain.jobs.errors import ConfigError
 from drafttrain.kinds.eagle3 import Eagle3Objective, Eagle3TrainConfig
-from drafttrain.ttt import (
+from drafttrain.objectives.ttt import (
     dense_kernel_fits,
     pick_backend,
     ttt_attention_eager,
@@ -152,7 +152,7 @@ def test_a_dense_kernel_that_raises_gives_way_to_flex_once(monkeypatch):
     """A torch / cuDNN build whose kernel refuses the inputs: the first call warns and runs
     flex, later calls run flex without trying the kernel again. (On the CPU, which has no flex
     backward, the stand-ins here: the eager backend for flex, the CPU treated as a flex device.)"""
-    from drafttrain import ttt
+    from drafttrain.objectives import ttt
 
     calls = []
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from draftinfer.layers import Attention
+from draftinfer.models.layers import Attention
 
 
 def hf_table(hf_config, ids: list[int], grids: list[list[int]]) -> torch.Tensor:
@@ -72,7 +72,7 @@ def hf_plain_rope(head_dim: int, theta: float, pos: torch.Tensor):
 
 
 class AttentionCapture:
-    """Every `draftinfer.layers.Attention` call of a drafter: the layer's input `x`, and the
+    """Every `draftinfer.models.layers.Attention` call of a drafter: the layer's input `x`, and the
     q and k it rotated, taken from the `attn_fn` the layer calls (where RoPE has been applied)."""
 
     def __init__(self, d):

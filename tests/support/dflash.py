@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from draftinfer.proposer import FirstPass
+from draftinfer.decoding.proposer import FirstPass
 from draftinfer.registry import drafter_spec
 from tests.support.kind_factories import small_drafter
 

@@ -1,6 +1,6 @@
 """Independent readers of exported drafters: each reads one export layout the way its engine's
 documented rule reads it (`../shared/REFERENCES.md`; docs/training.md names the engine files
-checked), with plain `json` and `safetensors`, never through `draftinfer.checkpoint`, and
+checked), with plain `json` and `safetensors`, never through `draftinfer.files.checkpoint`, and
 checks every engine-facing field and tensor against what training recorded in the run
 directory (`RunRecord`: the latest checkpoint's `state.json` and `drafter.safetensors`, the
 draft-vocabulary cache, the target's own `config.json` and weights). A writer and a loader of
@@ -111,7 +111,7 @@ class RunRecord:
 def run_record(run_dir: str | Path) -> RunRecord:
     import yaml
 
-    from draftinfer.paths import resolve_path
+    from draftinfer.files.paths import resolve_path
 
     run = Path(run_dir)
     ckpts = run / "checkpoints"
@@ -303,7 +303,7 @@ def _verifier_dir(folder: Path, name: str) -> Path | None:
 
 def _check_verifier(folder: Path, cfg: dict[str, Any], rec: RunRecord) -> None:
     """speculators' verifier: a hub id, or the copy inside the folder that is the target."""
-    from drafttrain.target import is_hub_id
+    from drafttrain.target.frozen import is_hub_id
 
     verifier = cfg["speculators_config"]["verifier"]
     assert verifier["architectures"] == rec.target_config["architectures"]
@@ -605,7 +605,7 @@ REPO = Path(__file__).resolve().parents[2]
 # launch commands, the runner's reports of where it ran) and pictures; every other exported
 # file is read by an engine or a loader.
 # The acceptance suites' report and resume records (`suites/*.json`,
-# `suites/requests/<suite>/t<T>/*.json`, written into the export by `draftinfer.suite_run`)
+# `suites/requests/<suite>/t<T>/*.json`, written into the export by `draftinfer.evaluation.suite_run`)
 # name the drafter, data and target they ran on, as the runner's reports do.
 OWN_RECORD = (
     "training_args.yaml",
@@ -636,7 +636,7 @@ def files_naming(folder: Path, paths: list[str]) -> list[str]:
 
 
 def _zoo_dir() -> Path:
-    from draftinfer.paths import ZOO_DIR
+    from draftinfer.files.paths import ZOO_DIR
 
     return ZOO_DIR
 

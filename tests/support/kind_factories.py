@@ -59,8 +59,8 @@ def small_vl_dir() -> str:
 @functools.lru_cache(maxsize=8)
 def _frozen(target_dir: str):
     """The training target of `target_dir`, as its target family builds it."""
-    from drafttrain.config import TargetConfig
-    from drafttrain.families import target_family
+    from drafttrain.jobs.config import TargetConfig
+    from drafttrain.registry import target_family
 
     cfg = TargetConfig(name_or_path=target_dir)
     return target_family(target_dir).target(cfg, torch.device("cpu"))
@@ -100,7 +100,7 @@ def drafter_for(kind: str, target_dir: str, seed: int = 0, **train_overrides):
 
 
 def small_target(rope: str = "1d"):
-    """The small target as training runs it (`drafttrain.target.FrozenTarget`)."""
+    """The small target as training runs it (`drafttrain.target.frozen.FrozenTarget`)."""
     return _frozen(small_target_dir(rope))
 
 
@@ -116,7 +116,7 @@ def small_embeddings(d: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def servable(kind: str, arch, k: int) -> bool:
     """Whether a drafter of `kind` with architecture `arch` drafts `k` tokens per round."""
-    from draftinfer.errors import CheckpointError
+    from draftinfer.files.errors import CheckpointError
     from draftinfer.registry import drafter_spec
 
     try:
@@ -129,9 +129,8 @@ def servable(kind: str, arch, k: int) -> bool:
 def kinds_for_family(family: str) -> list[str]:
     """The registered kinds that pair with target family `family` (`check_pair`): the kind x
     family pairs the catalogue runs."""
-    from draftinfer.errors import ConfigError
-    from draftinfer.families import check_pair, family_spec
-    from draftinfer.registry import drafter_spec, registered_kinds
+    from draftinfer.files.errors import ConfigError
+    from draftinfer.registry import check_pair, drafter_spec, family_spec, registered_kinds
 
     fits = []
     for kind in registered_kinds():

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draftinfer.proposer import FirstPass
+from draftinfer.decoding.proposer import FirstPass
 from draftinfer.registry import drafter_spec
 
 

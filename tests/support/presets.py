@@ -9,7 +9,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 
 from drafttrain.__main__ import CONF_DIR, register_configs, to_train_config
-from drafttrain.config import TrainConfig
+from drafttrain.jobs.config import TrainConfig
 
 
 def compose_preset(name: str, overrides: list[str] | None = None) -> TrainConfig:

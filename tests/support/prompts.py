@@ -11,8 +11,8 @@ import random
 def _zoo_prompt_pool() -> tuple[tuple[int, ...], ...]:
     from transformers import AutoTokenizer
 
-    from draftinfer.paths import resolve_path
-    from draftinfer.prompts import load_conversations, render_prompts
+    from draftinfer.evaluation.prompts import load_conversations, render_prompts
+    from draftinfer.files.paths import resolve_path
 
     tok = AutoTokenizer.from_pretrained(resolve_path("zoo:llama-tiny"))
     convs = load_conversations("zoo:chat", "test", 200)

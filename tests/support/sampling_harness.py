@@ -44,9 +44,9 @@ from pathlib import Path
 
 import torch
 
-from draftinfer.engine import Request, SpecDecoder
-from draftinfer.sampling import SamplingParams, logits_to_probs, sampling_tensors
-from draftinfer.verify import Verifier
+from draftinfer.decoding.engine import Request, SpecDecoder
+from draftinfer.decoding.sampling import SamplingParams, logits_to_probs, sampling_tensors
+from draftinfer.decoding.verify import Verifier
 
 ALPHA = 1e-4  # significance of every test (seeded: a correct sampler passes deterministically)
 MIN_EXPECTED = 5.0  # cells expected to hold fewer samples are pooled into one

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from draftinfer.paths import resolve_path
+from draftinfer.files.paths import resolve_path
 
 TEXT_SUITES = (
     "mt_bench",

@@ -142,9 +142,9 @@ def tiny_recipe(kind: str, env: dict[str, str], out: Path, steps: int, *extra: s
 def train_tiny_export(kind: str, train_env: dict[str, str], out: Path, steps: int, *extra: str):
     """Briefly train a drafter of `kind` on the tiny target, export it (no runner verification),
     and load target + export back natively: (native target, drafter, meta, export dir, summary)."""
-    from draftinfer.checkpoint import load_drafter
-    from draftinfer.loading import load_native_target
-    from drafttrain.job import run_job
+    from draftinfer.files.checkpoint import load_drafter
+    from draftinfer.files.loading import load_native_target
+    from drafttrain.jobs.job import run_job
     from tests.support.presets import compose_preset
 
     summary = run_job(compose_preset("eagle3", tiny_recipe(kind, train_env, out, steps, *extra)))

@@ -20,19 +20,25 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from draftinfer.checkfields import require
-from draftinfer.errors import CheckpointError
-from draftinfer.layers import RMSNorm
-from draftinfer.proposer import DraftChooser, FirstPass, Proposer, greedy_chooser, last_valid
+from draftinfer.conventions.window import shift_left
+from draftinfer.decoding.proposer import (
+    DraftChooser,
+    FirstPass,
+    Proposer,
+    greedy_chooser,
+    last_valid,
+)
+from draftinfer.files.checkfields import require
+from draftinfer.files.errors import CheckpointError
+from draftinfer.models.layers import RMSNorm
+from draftinfer.models.target import FeatureSpec
 from draftinfer.registry import DrafterSpec, register_drafter, unregister_drafter
-from draftinfer.target import FeatureSpec
-from draftinfer.window import shift_left
-from drafttrain.config import DrafterTrainConfig
-from drafttrain.fused_ce import linear_soft_ce
-from drafttrain.loss_fns import SOFT_CE
-from drafttrain.losses import DraftLoss
+from drafttrain.jobs.config import DrafterTrainConfig
+from drafttrain.objectives.fused_ce import linear_soft_ce
+from drafttrain.objectives.loss_fns import SOFT_CE
+from drafttrain.objectives.losses import DraftLoss
 from drafttrain.registry import TrainSpec, register_train_kind, unregister_train_kind
-from drafttrain.target_head import target_distribution
+from drafttrain.target.head import target_distribution
 
 KIND = "toymlp"
 

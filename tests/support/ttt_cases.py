@@ -1,4 +1,4 @@
-"""Random TTT attention inputs (`drafttrain.ttt`'s backends' contract) with gradients on."""
+"""Random TTT attention inputs (`drafttrain.objectives.ttt`'s backends' contract) with gradients on."""
 
 from __future__ import annotations
 

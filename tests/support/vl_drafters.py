@@ -8,7 +8,7 @@ import dataclasses
 
 import torch
 
-from draftinfer.slots import Slots
+from draftinfer.conventions.slots import Slots
 from drafttrain.registry import InitContext, train_spec
 
 TRAIN_STEPS = 60

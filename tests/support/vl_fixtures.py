@@ -91,7 +91,7 @@ def image_pixels(grids: list[list[int]], seed: int) -> torch.Tensor | None:
 
 
 def mm_inputs(ids: list[int], grids: list[list[int]], seed: int) -> dict | None:
-    """A request's multimodal inputs in the runner's format (`draftinfer.engine.Request`):
+    """A request's multimodal inputs in the runner's format (`draftinfer.decoding.engine.Request`):
     pixel patches, grids and `mm_token_type_ids` (1 at image placeholders); None without
     images."""
     if not grids:

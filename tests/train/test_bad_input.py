@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftinfer.checkpoint import write_drafter
-from draftinfer.config import InferConfig
-from draftinfer.errors import DraftError
-from draftinfer.loading import load_native_target
-from draftinfer.run import run_eval
-from drafttrain.export import export_run
-from drafttrain.job import run_job
+from draftinfer.evaluation.config import InferConfig
+from draftinfer.evaluation.run import run_eval
+from draftinfer.files.checkpoint import write_drafter
+from draftinfer.files.errors import DraftError
+from draftinfer.files.loading import load_native_target
+from drafttrain.export.directory import export_run
+from drafttrain.jobs.job import run_job
 from tests.support.presets import compose_preset
 from tests.support.tiny_models import untrained_drafter
 

@@ -23,14 +23,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import drafttrain.shards as shards_mod
+import drafttrain.trainer.shards as shards_mod
 from drafttrain.cache import CachedTarget, bytes_per_token, decode, encode
 from drafttrain.cache.format import FORMAT
 from drafttrain.cache.writer import write_cache
-from drafttrain.errors import ConfigError, DataError
-from drafttrain.shards import MANIFEST, temp_path
-from drafttrain.target import FrozenTarget
-from drafttrain.train import train
+from drafttrain.jobs.errors import ConfigError, DataError
+from drafttrain.jobs.train import train
+from drafttrain.target.frozen import FrozenTarget
+from drafttrain.trainer.shards import MANIFEST, temp_path
 from tests.support.presets import compose_preset
 
 REPO = Path(__file__).resolve().parents[2]
@@ -304,10 +304,10 @@ def test_fp8_cache_reads_close_to_float32_cache(cache_of, tmp_path):
     """What training gets from a float8 cache, against a float32 cache of the same data:
     features within the fp8 bound (per segment scales, also for segments asked for out of
     order), the same positions and padding, and nearly the same target distribution."""
-    from draftinfer.target import FeatureSpec
+    from draftinfer.models.target import FeatureSpec
     from drafttrain.data import BatchStream
-    from drafttrain.setup import setup_training
-    from drafttrain.target_head import target_logits
+    from drafttrain.jobs.setup import setup_training
+    from drafttrain.target.head import target_logits
 
     exact, fp8 = cache_of("eagle3", "float32", *EVAL), cache_of("eagle3", "float8")
     H, S = 256, 4  # zoo:llama-tiny; eagle3 stores 3 taps + the pre-norm final hidden
@@ -387,7 +387,7 @@ def test_cached_target_frees_the_target_body(kind, cache_of, tmp_path, monkeypat
     import gc
     import weakref
 
-    from drafttrain.setup import setup_training
+    from drafttrain.jobs.setup import setup_training
 
     refs = []
     init = FrozenTarget.__init__

@@ -12,7 +12,7 @@ from hydra.errors import ConfigCompositionException
 
 from draftinfer.registry import registered_kinds
 from drafttrain.__main__ import CONF_DIR, rewrite_argv
-from drafttrain.config import DrafterTrainConfig, TrainConfig
+from drafttrain.jobs.config import DrafterTrainConfig, TrainConfig
 from tests.support.presets import compose_preset
 
 # Top-level configs that are not training presets: the shared base, and the regeneration

@@ -16,7 +16,6 @@ import json
 import datasets
 import pytest
 
-from drafttrain.config import DataConfig
 from drafttrain.data import (
     assistant_spans,
     end_of_turn_marker,
@@ -24,7 +23,8 @@ from drafttrain.data import (
     tokenize_conversation,
     tokenize_dataset,
 )
-from drafttrain.errors import DataError
+from drafttrain.jobs.config import DataConfig
+from drafttrain.jobs.errors import DataError
 from tests.support.tiny_tokenizers import (
     make_llama3_tokenizer,
     make_qwen3_tokenizer,
@@ -227,11 +227,11 @@ def test_load_directory_split_and_max_samples(tmp_path):
 
 
 def test_zoo_path_is_resolved(tmp_path, monkeypatch):
-    import draftinfer.paths
+    import draftinfer.files.paths
 
     (tmp_path / "chat").mkdir()
     _write(tmp_path / "chat" / "train.jsonl", _rows(2), "jsonl")
-    monkeypatch.setattr(draftinfer.paths, "ZOO_DIR", tmp_path)
+    monkeypatch.setattr(draftinfer.files.paths, "ZOO_DIR", tmp_path)
     ds = load_data(DataConfig(path="zoo:chat", cache_dir=str(tmp_path / "cache")))
     assert len(ds) == 3
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from drafttrain.distributed import shard_batch
-from drafttrain.loggers import read_metrics
-from drafttrain.train import train
+from drafttrain.jobs.train import train
+from drafttrain.trainer.distributed import shard_batch
+from drafttrain.trainer.loggers import read_metrics
 from tests.support.presets import compose_preset, small_overrides
 
 REPO = Path(__file__).resolve().parents[2]
@@ -119,7 +119,7 @@ def test_zero3_config_does_not_partition_the_target():
     from accelerate.utils import DeepSpeedPlugin
     from transformers.integrations import is_deepspeed_zero3_enabled, unset_hf_deepspeed_config
 
-    from drafttrain.distributed import replicated_loading
+    from drafttrain.trainer.distributed import replicated_loading
 
     plugin = DeepSpeedPlugin(hf_ds_config=str(REPO / "launch" / "deepspeed" / "zero3.json"))
     plugin.set_deepspeed_weakref()
@@ -133,11 +133,12 @@ def test_zero3_config_does_not_partition_the_target():
 
 
 def test_deepspeed_on_cpu_is_a_one_line_error(train_env, tmp_path):
-    from drafttrain.errors import ConfigError
+    from drafttrain.jobs.errors import ConfigError
 
     cfg = compose_preset(
         "eagle3",
-        _overrides(train_env, tmp_path / "ds") + ["trainer.deepspeed=launch/deepspeed/zero2.json"],
+        _overrides(train_env, tmp_path / "ds")
+        + ["trainer.deepspeed=conf/launch/deepspeed/zero2.json"],
     )
     with pytest.raises(ConfigError, match="needs CUDA GPUs") as e:
         train(cfg)

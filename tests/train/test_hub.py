@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from drafttrain.errors import ConfigError
-from drafttrain.job import run_job
+from drafttrain.jobs.errors import ConfigError
+from drafttrain.jobs.job import run_job
 from tests.support.presets import compose_preset
 from tests.support.tiny_models import tiny_recipe
 
@@ -304,7 +304,7 @@ def test_job_refuses_local_target_without_hub_base_model(train_env, tmp_path):
 def test_suites_resume_store_stays_local(tmp_path):
     """The suites' report is uploaded with the export; their per-request resume store (this
     machine's paths, one file per batch of requests) and the local card are not."""
-    from drafttrain.hub import staged_files
+    from drafttrain.export.hub import staged_files
 
     export = tmp_path / "export"
     for rel in [

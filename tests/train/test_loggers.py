@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from drafttrain.card import runner_reports
-from drafttrain.config import LoggerConfig
-from drafttrain.job import run_job
-from drafttrain.loggers import MetricLogger, read_metrics
+from drafttrain.export.card import runner_reports
+from drafttrain.jobs.config import LoggerConfig
+from drafttrain.jobs.job import run_job
+from drafttrain.trainer.loggers import MetricLogger, read_metrics
 from tests.support.presets import compose_preset
 from tests.support.tiny_models import tiny_recipe
 

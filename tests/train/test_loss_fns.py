@@ -1,4 +1,4 @@
-"""`trainer.loss` (`drafttrain.loss_fns`): each loss against a hand computation on a 3-token
+"""`trainer.loss` (`drafttrain.objectives.loss_fns`): each loss against a hand computation on a 3-token
 vocabulary (values and logit gradients, worked out below on paper), the fused chunked head +
 loss against the plain autograd formula for every loss (groups, masked rows, row weights, a
 trained head), D-PACE's row weights by hand, every kind's objective with every loss, and bad
@@ -11,16 +11,16 @@ import math
 import pytest
 import torch
 
-from drafttrain.errors import ConfigError
-from drafttrain.fused_ce import (
+from drafttrain.jobs.errors import ConfigError
+from drafttrain.objectives.fused_ce import (
     linear_soft_ce,
     linear_soft_ce_ref,
     linear_soft_ce_rows,
     linear_soft_ce_rows_ref,
 )
-from drafttrain.loss_fns import LOSSES, row_loss
-from drafttrain.losses import DraftLoss, metric_values
-from drafttrain.position_loss import RowPart, score_positions
+from drafttrain.objectives.loss_fns import LOSSES, row_loss
+from drafttrain.objectives.losses import DraftLoss, metric_values
+from drafttrain.objectives.position_loss import RowPart, score_positions
 from drafttrain.registry import train_spec
 from tests.support.kind_factories import small_drafter, small_target
 from tests.support.utils import assert_close
@@ -119,7 +119,7 @@ def test_dpace_with_a_frozen_head_is_one_pass_over_the_head(monkeypatch):
     metrics and hidden gradients as the two-pass form (run here with the head trainable)."""
     import torch.nn.functional as F
 
-    from drafttrain import fused_ce
+    from drafttrain.objectives import fused_ce
 
     g = torch.Generator().manual_seed(5)
     N, H, V, K = 23, 8, 19, 3
@@ -238,7 +238,7 @@ def test_every_kind_trains_with_every_loss(kind, frozen_target):
     """Each loss gives a finite loss and finite gradients; `kl` logs soft_ce minus the
     target's entropy per position (>= 0) with soft_ce's gradient; `dpace` logs soft_ce's
     per-position values but weighs the rows differently."""
-    from drafttrain.target import batch_slots
+    from drafttrain.target.frozen import batch_slots
 
     spec = train_spec(kind)
     cfg = spec.config_class(**KIND_CFG[kind])

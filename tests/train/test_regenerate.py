@@ -21,11 +21,11 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
-from draftinfer.paths import resolve_path
-from draftinfer.sampling import SamplingParams
-from drafttrain.config import DataConfig
+from draftinfer.decoding.sampling import SamplingParams
+from draftinfer.files.paths import resolve_path
 from drafttrain.data import load_data, tokenize_dataset
-from drafttrain.errors import ConfigError, DataError
+from drafttrain.jobs.config import DataConfig
+from drafttrain.jobs.errors import ConfigError, DataError
 from drafttrain.regenerate import RegenConfig, regenerate
 from drafttrain.regenerate.__main__ import CONF_DIR, register_configs, to_regen_config
 from drafttrain.regenerate.backends import HFBackend, NativeBackend
@@ -201,7 +201,7 @@ def test_native_sampling_is_seeded_per_turn_not_per_batch(tokenizer):
     assert a == b
     assert run(4, 1) != a  # another seed samples other text
     # Sampled plain decoding at temperature 0 is greedy decoding, token for token.
-    from draftinfer.baseline import greedy_generate, sample_generate
+    from draftinfer.decoding.baseline import greedy_generate, sample_generate
 
     prompts = [render_prompt(tokenizer, c[:1]) for c in convs]
     greedy = [SamplingParams(0.0, seed=i) for i in range(5)]
@@ -398,8 +398,8 @@ def test_output_loads_with_datasets_and_load_data(reference_run, tokenizer):
 def test_eval_path_points_verification_at_the_original_data(monkeypatch, tmp_path):
     """`data.eval_path` moves the job's verification prompts (and held-out evaluation) off
     `data.path`, so a run on a regenerated train split verifies on the original test split."""
-    import draftinfer.run as runner
-    from drafttrain.job import verify
+    import draftinfer.evaluation.run as runner
+    from drafttrain.jobs.job import verify
     from tests.support.presets import compose_preset
 
     seen = {}

@@ -1,4 +1,4 @@
-"""The one sharded, atomically written output (`drafttrain/shards.py`) and its three users:
+"""The one sharded, atomically written output (`drafttrain/trainer/shards.py`) and its three users:
 atomic files survive a kill, a manifest of another format or an old version is one line,
 resume keeps exactly the shards that verify, a checkpoint lists and checks its files, and the
 old on-disk versions of the feature cache and regeneration are refused in one line."""
@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import drafttrain.shards as shards_mod
-from drafttrain.checkpoint import begin_checkpoint, finish_checkpoint, load_checkpoint
-from drafttrain.errors import CheckpointError, ConfigError, DataError
-from drafttrain.shards import (
+import drafttrain.trainer.shards as shards_mod
+from drafttrain.jobs.errors import CheckpointError, ConfigError, DataError
+from drafttrain.trainer.checkpoint import begin_checkpoint, finish_checkpoint, load_checkpoint
+from drafttrain.trainer.shards import (
     MANIFEST,
     ManifestFormat,
     ShardedOutput,

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftinfer.slots import Slots
-from draftinfer.target import FeatureSpec
-from drafttrain.config import TargetConfig
-from drafttrain.errors import ConfigError, TargetError
+from draftinfer.conventions.slots import Slots
+from draftinfer.models.target import FeatureSpec
+from drafttrain.jobs.config import TargetConfig
+from drafttrain.jobs.errors import ConfigError, TargetError
 from drafttrain.kinds.eagle3.objective import default_aux_layer_ids
-from drafttrain.target import FrozenTarget
+from drafttrain.target.frozen import FrozenTarget
 
 
 def _batch():

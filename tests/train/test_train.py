@@ -15,11 +15,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from draftinfer.checkpoint import load_drafter
-from drafttrain.errors import ConfigError, DataError
-from drafttrain.job import run_job
-from drafttrain.loggers import read_metrics
-from drafttrain.train import train
+from draftinfer.files.checkpoint import load_drafter
+from drafttrain.jobs.errors import ConfigError, DataError
+from drafttrain.jobs.job import run_job
+from drafttrain.jobs.train import train
+from drafttrain.trainer.loggers import read_metrics
 from tests.support.presets import compose_preset, small_overrides
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""The runner's real AL during training (`eval.every_n_steps`, `drafttrain.runner_eval`):
+"""The runner's real AL during training (`eval.every_n_steps`, `drafttrain.jobs.runner_eval`):
 the in-memory snapshot is the export (tensor for tensor, every kind); the hook logs runner AL
 beside the simulated AL without changing training; its AL equals the runner's on the exported
 files; the simulated AL at K is DraftLoss's; bad settings fail before anything is written."""
@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftinfer.checkpoint import load_drafter, snapshot_drafter, write_drafter
-from draftinfer.paths import resolve_path
+from draftinfer.files.checkpoint import load_drafter, snapshot_drafter, write_drafter
+from draftinfer.files.paths import resolve_path
 from draftinfer.registry import registered_kinds
-from drafttrain.errors import ConfigError
-from drafttrain.job import run_job
-from drafttrain.loggers import read_metrics
-from drafttrain.losses import DraftLoss
-from drafttrain.runner_eval import read_runner_eval, simulated_acceptance
-from drafttrain.train import train
+from drafttrain.jobs.errors import ConfigError
+from drafttrain.jobs.job import run_job
+from drafttrain.jobs.runner_eval import read_runner_eval, simulated_acceptance
+from drafttrain.jobs.train import train
+from drafttrain.objectives.losses import DraftLoss
+from drafttrain.trainer.loggers import read_metrics
 from tests.support.presets import compose_preset
 from tests.support.tiny_models import tiny_recipe, untrained_drafter
 
@@ -119,9 +119,9 @@ def test_runner_al_in_training_equals_the_runner_on_the_export(zoo_run):
     the training loop hands it), measures exactly the AL `python -m draftinfer` measured on
     the exported files (same prompts, K and tokens), and the drafter clearly accepts drafts."""
     from draftinfer.registry import drafter_spec
-    from drafttrain.checkpoint import latest_checkpoint, load_checkpoint
-    from drafttrain.config import load_train_config
-    from drafttrain.runner_eval import RunnerEval
+    from drafttrain.jobs.config import load_train_config
+    from drafttrain.jobs.runner_eval import RunnerEval
+    from drafttrain.trainer.checkpoint import latest_checkpoint, load_checkpoint
 
     summary = zoo_run("eagle3")
     run = Path(summary["run_dir"])

@@ -1,15 +1,15 @@
 """The training step's memory design, each piece against its plain formula (issue 10 item 3):
 
-- the fused linear + soft cross-entropy (`drafttrain.fused_ce`) against the materialized
+- the fused linear + soft cross-entropy (`drafttrain.objectives.fused_ce`) against the materialized
   logits, values and gradients, with groups, masked rows and awkward chunk sizes;
 - the target distribution computed from the final hidden state and head in chunks
-  (`drafttrain.target_head`) against the target's own logits, and no logits in a training
+  (`drafttrain.target.head`) against the target's own logits, and no logits in a training
   target's output;
 - every kind's objective against its previous formulation (full-vocabulary logits, shifted
   copies, per-row cross-entropy): loss, metrics and gradients;
 - no host sync inside an objective's forward and backward (eagle3, mtp);
 - `DraftLoss` metrics bit-equal to the host arithmetic they replaced;
-- activation checkpointing from outside the model (`drafttrain.wrap`): same loss, same grads;
+- activation checkpointing from outside the model (`drafttrain.trainer.wrap`): same loss, same grads;
 - `MixedAdamW` (bf16 parameters, fp32 masters) against `torch.optim.AdamW`;
 - the ptd block mask built block row by block row against `create_block_mask`.
 """
@@ -22,13 +22,13 @@ import math
 import pytest
 import torch
 
-from draftinfer.window import TokenEmbeds, shift_left
-from drafttrain.errors import ConfigError
-from drafttrain.fused_ce import linear_soft_ce, linear_soft_ce_ref
-from drafttrain.losses import DraftLoss, metric_values, soft_cross_entropy, top1_agrees
+from draftinfer.conventions.window import TokenEmbeds, shift_left
+from drafttrain.jobs.errors import ConfigError
+from drafttrain.objectives.fused_ce import linear_soft_ce, linear_soft_ce_ref
+from drafttrain.objectives.losses import DraftLoss, metric_values, soft_cross_entropy, top1_agrees
 from drafttrain.registry import train_spec
-from drafttrain.target import batch_slots
-from drafttrain.target_head import (
+from drafttrain.target.frozen import batch_slots
+from drafttrain.target.head import (
     TrainTargetOutput,
     target_distribution,
     target_logits,
@@ -124,7 +124,7 @@ def test_target_distribution_from_head_equals_logits(small_target, chunk, monkey
     """`batch_output` computes no logits; the distribution restricted to a vocabulary subset
     (and over all of it), its top-1 and the in-subset flag equal those of the target's own
     full logits, chunked or not."""
-    import drafttrain.target_head as th
+    import drafttrain.target.head as th
 
     monkeypatch.setattr(th, "CHUNK_ELEMENTS", chunk)
     t = small_target
@@ -305,7 +305,7 @@ def test_draft_loss_metrics_equal_host_arithmetic():
 # ---- activation checkpointing, mixed-precision optimizer -----------------------------------
 @pytest.mark.parametrize("kind", KINDS)
 def test_activation_checkpointing_keeps_loss_and_grads(kind, small_target):
-    from drafttrain.wrap import apply_activation_checkpointing
+    from drafttrain.trainer.wrap import apply_activation_checkpointing
 
     d, spec, obj = _kind_setup(kind, small_target)
     batch = _batch(small_target.info.vocab_size)
@@ -324,7 +324,7 @@ def test_mixed_adamw_tracks_fp32_adamw_and_keeps_masters():
     masters follow torch's fp32 trajectory from the same (bf16) start with the same (bf16)
     gradients, the params are their rounding (updates far below a bf16 ulp are kept), and a
     state_dict round trip keeps the masters and moments fp32."""
-    from drafttrain.optim import MixedAdamW
+    from drafttrain.trainer.optim import MixedAdamW
 
     torch.manual_seed(0)
     w0 = torch.randn(5, 7)
@@ -392,7 +392,7 @@ def test_bf16_trainer_run_checkpoints_masters_and_resumes_exactly(train_env, tmp
 
     from safetensors.torch import load_file
 
-    from drafttrain.train import train
+    from drafttrain.jobs.train import train
     from tests.support.presets import compose_preset, small_overrides
 
     extra = [
@@ -425,7 +425,7 @@ def test_trainer_freeze_keeps_named_parameters_and_rejects_unknown_names(train_e
     output is written."""
     from safetensors.torch import load_file
 
-    from drafttrain.train import train
+    from drafttrain.jobs.train import train
     from tests.support.presets import compose_preset, small_overrides
 
     run = tmp_path / "frozen"

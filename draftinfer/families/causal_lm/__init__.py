@@ -4,13 +4,13 @@ tokenizer's chat template."""
 
 from __future__ import annotations
 
-from draftinfer.families import FamilySpec, register_family
 from draftinfer.families.causal_lm.models import (
     FAMILY,
     LlamaForCausalLM,
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
 )
+from draftinfer.registry import FamilySpec, register_family
 
 
 class CausalLMFamily(FamilySpec):

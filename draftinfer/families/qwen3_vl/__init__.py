@@ -2,15 +2,15 @@
 (`model.py`), image+text conversations through the target's processor (`processor.py`), and
 the family's registration. A drafter of this family sees `[3, N]` positions and rows whose
 consumed token is an image placeholder, whose input embedding is the vision tower's
-(`draftinfer.window.TokenEmbeds`)."""
+(`draftinfer.conventions.window.TokenEmbeds`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from draftinfer.errors import DataError
-from draftinfer.families import FamilySpec, register_family
 from draftinfer.families.qwen3_vl.model import Qwen3VLForConditionalGeneration
+from draftinfer.files.errors import DataError
+from draftinfer.registry import FamilySpec, register_family
 
 
 class Qwen3VLFamily(FamilySpec):

@@ -56,11 +56,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from draftinfer.errors import ConfigError
-from draftinfer.kv_cache import resolve_attn_len, visibility_mask, write_index
+from draftinfer.conventions.slots import Slots
+from draftinfer.decoding.kv_cache import resolve_attn_len, visibility_mask, write_index
+from draftinfer.files.errors import ConfigError
 from draftinfer.models.decoder import Backbone, NativeCausalLM, NativeConfig, PrefillPlan
-from draftinfer.slots import Slots
-from draftinfer.target import FeatureSpec, TargetInputs, TargetOutput, as_inputs
+from draftinfer.models.target import FeatureSpec, TargetInputs, TargetOutput, as_inputs
 
 EXTRA_KEYS = ("image_embeds", "deepstack", "visual_mask")
 # A request's multimodal inputs (`Request.mm_inputs`, the processor's output for its prompt).

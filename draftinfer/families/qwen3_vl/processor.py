@@ -9,7 +9,7 @@ target's own processor: shared by training (`drafttrain.families.qwen3_vl.data`)
     enc["image_grid_thw"]     # Tensor [n_images, 3] or None
     enc["mm_token_type_ids"]  # list[int] [T]: 0 text, 1 image, 2 video
 
-A conversation is a list of messages in the `messages` format (`draftinfer.chat`); a message's
+A conversation is a list of messages in the `messages` format (`draftinfer.evaluation.chat`); a message's
 `content` is a string or a list of parts `{"type": "text", "text": ...}` /
 `{"type": "image", "image": REF}`. An image REF is a local path (relative paths are relative
 to `base_dir`, the folder of the data file), a PIL image, or a Hugging Face `datasets` Image
@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from draftinfer.errors import DataError
+from draftinfer.files.errors import DataError
 
 # Part keys that may hold an image, in the order processors read them.
 _IMAGE_KEYS = ("image", "url", "path", "image_url")
@@ -113,7 +113,7 @@ def load_processor(name_or_path: str):
     when neither loads."""
     from transformers import AutoProcessor
 
-    from draftinfer.paths import resolve_path
+    from draftinfer.files.paths import resolve_path
 
     path = os.path.expanduser(resolve_path(name_or_path))
     try:
@@ -287,7 +287,7 @@ def encode_conversation(
     template_kwargs: dict[str, Any] | None = None,
 ) -> Encoded:
     """`messages` rendered, its images loaded and the whole run through the processor."""
-    from draftinfer.chat import normalize_messages
+    from draftinfer.evaluation.chat import normalize_messages
 
     try:
         messages = normalize_messages(messages)
@@ -351,7 +351,7 @@ def conversation_inputs(
 
 class ProcessorPromptEncoder:
     """The runner's prompts one conversation at a time through the target's processor, loaded
-    once (`FamilySpec.prompt_encoder`): `encode` gives a `draftinfer.prompts.Prompt` whose
+    once (`FamilySpec.prompt_encoder`): `encode` gives a `draftinfer.evaluation.prompts.Prompt` whose
     `mm_inputs` hold the image inputs (None for a text-only conversation)."""
 
     def __init__(self, target_path: str):
@@ -365,7 +365,7 @@ class ProcessorPromptEncoder:
         template_kwargs: dict[str, Any] | None = None,
         base_dir: Path | None = None,
     ):
-        from draftinfer.prompts import Prompt
+        from draftinfer.evaluation.prompts import Prompt
 
         enc = conversation_inputs(
             self.processor,

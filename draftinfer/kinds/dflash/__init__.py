@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from draftinfer.errors import CheckpointError
+from draftinfer.files.errors import CheckpointError
 from draftinfer.kinds.dflash.config import DFlashConfig
 from draftinfer.kinds.dflash.module import DFlashDrafter
 from draftinfer.kinds.dflash.proposer import DFlashProposer
@@ -25,7 +25,7 @@ class DFlashSpec(DrafterSpec):
     parallel_drafting = True  # one forward drafts the whole block
     needs = frozenset({"layer_inputs"})
     # M-RoPE: context rows at the target's `[3, N]` positions, block slot s at the anchor's
-    # + s on every axis (`draftinfer.positions.block_positions`, training and runner alike).
+    # + s on every axis (`draftinfer.conventions.positions.block_positions`, training and runner alike).
     # Multimodal windows: a context row is the target's features of its token only (an image
     # row's taps, DeepStack included, as the layers receive them), and a block embeds the
     # anchor (a committed, so text, token) and mask tokens: no row consumes a placeholder.

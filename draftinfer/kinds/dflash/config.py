@@ -21,15 +21,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
-from draftinfer.checkfields import require
-from draftinfer.errors import CheckpointError, ConfigError
+from draftinfer.files.checkfields import require
+from draftinfer.files.errors import CheckpointError, ConfigError
 from draftinfer.kinds.dflash.taps import (
     check_dflash_ids,
     dflash_id_of_tap,
     tap_of_dflash_id,
 )
-from draftinfer.rope import parse_rope
-from draftinfer.target import FeatureSpec
+from draftinfer.models.rope import parse_rope
+from draftinfer.models.target import FeatureSpec
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # dflash_config fields of other DFlash-family variants this code does not implement: a

@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftinfer.kinds.dflash.config import DFlashConfig
-from draftinfer.layers import Attention, AttnFn, RMSNorm, SwiGLU, head_logits
-from draftinfer.rope import RotaryEmbedding, apply_rope
+from draftinfer.models.layers import Attention, AttnFn, RMSNorm, SwiGLU, head_logits
+from draftinfer.models.rope import RotaryEmbedding, apply_rope
 
 
 def grouped_causal_conv(

@@ -13,7 +13,7 @@ A round (`propose`), for a padded batch with no host sync:
    and position `pos_i`) is written to the cache as context (convention 6);
 2. the block `[anchor, MASK x k]`: the anchor is the last committed token (the last live row's
    id, `t_{L-1}`), at cache index `L - 1` and position `pos_{L-2} + 1`, slot `s` at `+ s` on
-   every RoPE axis (`draftinfer.positions.block_positions`, training's function too); slots
+   every RoPE axis (`draftinfer.conventions.positions.block_positions`, training's function too); slots
    past a request's draft cap (`num_drafts`: `max_model_len`, `max_tokens`) are padding, so
    a block near `max_model_len` is capped, never wrapped;
 3. one forward of the block over the cache (context strictly before the anchor, the block's
@@ -32,20 +32,26 @@ from collections.abc import Callable
 
 import torch
 
-from draftinfer.compiled import compiled
-from draftinfer.kinds.dflash.attention import CONTEXT, STALE, nonempty, visible
-from draftinfer.kinds.dflash.module import selector_logits
-from draftinfer.kv_cache import (
+from draftinfer.conventions.positions import block_positions
+from draftinfer.conventions.slots import Slots
+from draftinfer.decoding.compiled import compiled
+from draftinfer.decoding.kv_cache import (
     KVCache,
     default_attention,
     resolve_attn_len,
     write_cache,
     write_index,
 )
-from draftinfer.layers import causal_attention
-from draftinfer.positions import block_positions
-from draftinfer.proposer import DraftChooser, FirstPass, Proposer, greedy_chooser, last_valid
-from draftinfer.slots import Slots
+from draftinfer.decoding.proposer import (
+    DraftChooser,
+    FirstPass,
+    Proposer,
+    greedy_chooser,
+    last_valid,
+)
+from draftinfer.kinds.dflash.attention import CONTEXT, STALE, nonempty, visible
+from draftinfer.kinds.dflash.module import selector_logits
+from draftinfer.models.layers import causal_attention
 
 
 def dflash_write_context(

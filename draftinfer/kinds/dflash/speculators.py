@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from draftinfer.errors import CheckpointError
+from draftinfer.files.errors import CheckpointError
 
 _LAYER_KEYS = (
     "model_type",

@@ -20,7 +20,7 @@ before the one it was trained on: `tests/kinds/test_dflash_taps.py` pins this ma
 
 from __future__ import annotations
 
-from draftinfer.errors import ConfigError
+from draftinfer.files.errors import ConfigError
 
 # HF `output_hidden_states` index of DFlash's "output of layer t" is t + TAP_OFFSET, and so is
 # our tap (the input of the next layer).

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from draftinfer.errors import CheckpointError
+from draftinfer.conventions.vocab import check_maps
+from draftinfer.files.errors import CheckpointError
 from draftinfer.kinds.eagle3.config import Eagle3Config
 from draftinfer.kinds.eagle3.module import Eagle3Drafter
 from draftinfer.kinds.eagle3.proposer import Eagle3ChainProposer
 from draftinfer.kinds.eagle3.speculators import speculators_config, speculators_tensors
 from draftinfer.registry import DrafterSpec, register_drafter
-from draftinfer.vocab import check_maps
 
 
 class Eagle3Spec(DrafterSpec):

@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
-from draftinfer.checkfields import require, require_any
-from draftinfer.errors import ConfigError
-from draftinfer.rope import parse_rope
-from draftinfer.target import FeatureSpec
+from draftinfer.files.checkfields import require, require_any
+from draftinfer.files.errors import ConfigError
+from draftinfer.models.rope import parse_rope
+from draftinfer.models.target import FeatureSpec
 
 
 @dataclass
@@ -131,6 +131,6 @@ class Eagle3Config:
         try:
             return cls(**cls.hf_fields(d, where))
         except ConfigError as e:
-            from draftinfer.errors import CheckpointError
+            from draftinfer.files.errors import CheckpointError
 
             raise CheckpointError(f"{where}: {e}") from None

@@ -6,7 +6,7 @@ Vocabulary (used throughout the project):
   concatenated to `[..., 3 * target_hidden]` and projected by `fc` to the drafter width.
 - *carried feature*: what a row feeds as `hidden` into the next draft step: `fc(aux)` at
   step 0, the drafter's own *pre-norm* output afterwards (convention 5).
-- *draft vocabulary*: the `draft_vocab_size` ids the `lm_head` scores (`draftinfer.vocab`).
+- *draft vocabulary*: the `draft_vocab_size` ids the `lm_head` scores (`draftinfer.conventions.vocab`).
 
 Architecture (vLLM / SGLang `LlamaForCausalLMEagle3` layout): layer 0 normalizes the token
 embedding (`input_layernorm`) and the carried feature (`hidden_norm`) and attends over their
@@ -21,11 +21,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from draftinfer.conventions.vocab import draft_to_target_ids, identity_maps
+from draftinfer.conventions.window import TokenEmbeds, token_embeddings
 from draftinfer.kinds.eagle3.config import Eagle3Config
-from draftinfer.layers import Attention, AttnFn, RMSNorm, SwiGLU, head_logits
-from draftinfer.rope import RotaryEmbedding
-from draftinfer.vocab import draft_to_target_ids, identity_maps
-from draftinfer.window import TokenEmbeds, token_embeddings
+from draftinfer.models.layers import Attention, AttnFn, RMSNorm, SwiGLU, head_logits
+from draftinfer.models.rope import RotaryEmbedding
 
 
 def _attention(c: Eagle3Config, in_features: int) -> Attention:
@@ -116,7 +116,7 @@ class Eagle3Drafter(nn.Module):
 
         input_ids `[B, T]` (token each row consumes), feature `[B, T, H]` (carried feature),
         rope_pos `[B, T]` or `[3, B, T]`, mm: the target's input embeddings of the rows whose
-        token is a multimodal placeholder (`draftinfer.window`) -> (normed `[B, T, H]` for
+        token is a multimodal placeholder (`draftinfer.conventions.window`) -> (normed `[B, T, H]` for
         `logits`, pre-norm `[B, T, H]` = the next step's carried feature).
         """
         cos, sin = self.rotary(rope_pos)

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from draftinfer.compiled import cached_drafter_forward, compiled
-from draftinfer.kv_cache import KVCache
-from draftinfer.positions import draft_step_positions
-from draftinfer.proposer import (
+from draftinfer.conventions.positions import draft_step_positions
+from draftinfer.conventions.window import TokenEmbeds
+from draftinfer.decoding.compiled import cached_drafter_forward, compiled
+from draftinfer.decoding.kv_cache import KVCache
+from draftinfer.decoding.proposer import (
     DraftChooser,
     FirstPass,
     Proposer,
@@ -23,7 +24,6 @@ from draftinfer.proposer import (
     greedy_chooser,
     last_valid,
 )
-from draftinfer.window import TokenEmbeds
 
 
 class Eagle3ChainProposer(Proposer):

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from draftinfer.errors import CheckpointError
+from draftinfer.files.errors import CheckpointError
 
 # Fields of the drafter's config.json that speculators reads from `transformer_layer_config`.
 _LAYER_KEYS = (

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from draftinfer.errors import CheckpointError
+from draftinfer.files.errors import CheckpointError
 from draftinfer.kinds.mtp.config import MTPConfig
 from draftinfer.kinds.mtp.layouts import OWN_NAME, layout_of
 from draftinfer.kinds.mtp.module import MTPDrafter

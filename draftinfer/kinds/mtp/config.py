@@ -15,7 +15,7 @@ fields under `"drafttrain"`:
   transformers' `MtpModel`);
 - `mask_pos0_embedding`: zero the token embedding at RoPE position 0, as vLLM's
   `DeepSeekMultiTokenPredictorLayer` does (`inputs_embeds[positions == 0] = 0`);
-- `block`: `native` (a Llama/Qwen2/Qwen3 decoder layer: `draftinfer.layers.DecoderLayer`, run
+- `block`: `native` (a Llama/Qwen2/Qwen3 decoder layer: `draftinfer.models.layers.DecoderLayer`, run
   by training and the runner alike) or `hf` (the target family's own decoder-layer class,
   for training against any HF causal LM; the runner refuses it);
 - `layout`: the checkpoint layout and the semantics that go with it (`layouts.py`):
@@ -33,11 +33,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from draftinfer.checkfields import require
-from draftinfer.errors import CheckpointError, ConfigError
-from draftinfer.positions import draft_step_positions
-from draftinfer.rope import rope_axes, rope_from_hf
-from draftinfer.target import FINAL_HIDDEN, FeatureSpec
+from draftinfer.conventions.positions import draft_step_positions
+from draftinfer.files.checkfields import require
+from draftinfer.files.errors import CheckpointError, ConfigError
+from draftinfer.models.rope import rope_axes, rope_from_hf
+from draftinfer.models.target import FINAL_HIDDEN, FeatureSpec
 
 # Fields of a target config.json that are not the architecture (dropped when re-read).
 _NOT_ARCH = (
@@ -119,7 +119,7 @@ class MTPConfig:
 
     def _native_block(self) -> None:
         """Block and RoPE fields from the target family's config (the native targets' rules)."""
-        from draftinfer.loading import native_class_for
+        from draftinfer.files.loading import native_class_for
 
         c = self.target_config
         cls = native_class_for(c)  # a one-line ConfigError for a family we cannot run

@@ -23,10 +23,10 @@ import importlib
 import torch
 from torch import nn
 
+from draftinfer.conventions.window import TokenEmbeds, token_embeddings
 from draftinfer.kinds.mtp.config import MTPConfig
-from draftinfer.layers import AttnFn, DecoderLayer, RMSNorm, head_logits
-from draftinfer.rope import RotaryEmbedding
-from draftinfer.window import TokenEmbeds, token_embeddings
+from draftinfer.models.layers import AttnFn, DecoderLayer, RMSNorm, head_logits
+from draftinfer.models.rope import RotaryEmbedding
 
 
 def hf_layer_classes(cfg: MTPConfig):

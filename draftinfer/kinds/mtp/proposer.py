@@ -36,12 +36,18 @@ from dataclasses import replace
 
 import torch
 
-from draftinfer.compiled import compiled
-from draftinfer.errors import CheckpointError
-from draftinfer.kv_cache import KVCache, bind_cache
-from draftinfer.proposer import DraftChooser, FirstPass, Proposer, causal_attn, greedy_chooser
-from draftinfer.slots import Slots
-from draftinfer.window import TokenEmbeds
+from draftinfer.conventions.slots import Slots
+from draftinfer.conventions.window import TokenEmbeds
+from draftinfer.decoding.compiled import compiled
+from draftinfer.decoding.kv_cache import KVCache, bind_cache
+from draftinfer.decoding.proposer import (
+    DraftChooser,
+    FirstPass,
+    Proposer,
+    causal_attn,
+    greedy_chooser,
+)
+from draftinfer.files.errors import CheckpointError
 
 
 def cached_mtp_forward(

@@ -23,8 +23,8 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from draftinfer.errors import CheckpointError
-from draftinfer.target import TargetInfo
+from draftinfer.files.errors import CheckpointError
+from draftinfer.models.target import TargetInfo
 
 INDEX = "model.safetensors.index.json"
 MTP_SHARD = "model-mtp.safetensors"
@@ -33,7 +33,7 @@ MTP_SHARD = "model-mtp.safetensors"
 def target_info(config: dict) -> TargetInfo:
     """The facts `check_fit` reads, from a target's `config.json`: `architecture` is its HF
     architecture, `family` the target family serving it (a family name, not an architecture)."""
-    from draftinfer.families import FAMILIES
+    from draftinfer.registry import FAMILIES
 
     archs = config.get("architectures") or []
     family = FAMILIES.for_architectures(archs)

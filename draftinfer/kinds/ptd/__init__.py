@@ -3,7 +3,7 @@ registered as the drafter kind `ptd`."""
 
 from __future__ import annotations
 
-from draftinfer.errors import CheckpointError
+from draftinfer.files.errors import CheckpointError
 from draftinfer.kinds.eagle3 import Eagle3Spec
 from draftinfer.kinds.ptd.config import PTDConfig
 from draftinfer.kinds.ptd.module import PTDDrafter

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from draftinfer.checkfields import require, require_any
+from draftinfer.files.checkfields import require, require_any
 from draftinfer.kinds.eagle3.config import Eagle3Config
 
 

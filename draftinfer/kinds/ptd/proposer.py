@@ -14,9 +14,15 @@ from __future__ import annotations
 import torch
 from draftkernels.parallel_layout import parallel_layout
 
-from draftinfer.errors import CheckpointError
+from draftinfer.decoding.proposer import (
+    DraftChooser,
+    FirstPass,
+    causal_attn,
+    greedy_chooser,
+    last_valid,
+)
+from draftinfer.files.errors import CheckpointError
 from draftinfer.kinds.eagle3.proposer import Eagle3ChainProposer, pad_rows
-from draftinfer.proposer import DraftChooser, FirstPass, causal_attn, greedy_chooser, last_valid
 
 
 class ParallelProposer(Eagle3ChainProposer):

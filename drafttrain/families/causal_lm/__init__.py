@@ -1,9 +1,9 @@
 """The default family on the training side: any HF causal LM through `AutoModelForCausalLM`
-(`drafttrain.target.FrozenTarget`) and text chat through its tokenizer's template."""
+(`drafttrain.target.frozen.FrozenTarget`) and text chat through its tokenizer's template."""
 
 from __future__ import annotations
 
-from drafttrain.families import TrainFamily, register_train_family
+from drafttrain.registry import TrainFamily, register_train_family
 
 
 class CausalLMTrainFamily(TrainFamily):

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from drafttrain.config import TargetConfig
-from drafttrain.families import TrainFamily, register_train_family
+from drafttrain.jobs.config import TargetConfig
+from drafttrain.registry import TrainFamily, register_train_family
 
 # Where vLLM's behaviour for these drafters was read (docs/training.md, "Exporting a drafter
 # of a Qwen3-VL target").

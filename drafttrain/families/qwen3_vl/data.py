@@ -27,7 +27,7 @@ batch (`drafttrain.data.batching.collate`) plus
 - `mm_token_type_ids` `[B, T]` long: 0 text, 1 image (0 at padding);
 - with at least one image: `pixel_values` `[sum(t*h*w), D]` (images in row-major order),
   `image_grid_thw` `[n_images, 3]` and `image_rows` `[n_images]` (the batch row of each
-  image; `shard_images` splits a batch by it, for `drafttrain.distributed.shard_batch`).
+  image; `shard_images` splits a batch by it, for `drafttrain.trainer.distributed.shard_batch`).
 """
 
 from __future__ import annotations
@@ -38,12 +38,12 @@ from typing import Any
 
 import torch
 
-from draftinfer.chat import data_base_dir, row_messages
+from draftinfer.evaluation.chat import data_base_dir, row_messages
 from draftinfer.families.qwen3_vl.processor import conversation_images, encode_conversation
-from drafttrain.config import DataConfig
 from drafttrain.data.batching import TokenizedSplit, collate, eval_batches, held_out_config
 from drafttrain.data.chat import assistant_spans, end_of_turn_marker, load_data
-from drafttrain.errors import ConfigError, DataError
+from drafttrain.jobs.config import DataConfig
+from drafttrain.jobs.errors import ConfigError, DataError
 
 
 def image_runs(types: list[int]) -> list[tuple[int, int]]:

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from draftinfer.slots import Slots
-from draftinfer.target import TargetInputs
-from drafttrain.target import FrozenTarget
+from draftinfer.conventions.slots import Slots
+from draftinfer.models.target import TargetInputs
+from drafttrain.target.frozen import FrozenTarget
 
 
 class Qwen3VLFrozenTarget(FrozenTarget):

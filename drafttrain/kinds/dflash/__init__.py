@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from draftinfer.kinds.dflash.taps import check_dflash_ids, default_dflash_ids, tap_of_dflash_id
+from draftinfer.models.rope import rope_from_hf
 from draftinfer.registry import drafter_spec
-from draftinfer.rope import rope_from_hf
-from drafttrain.errors import ConfigError
+from drafttrain.jobs.errors import ConfigError
 from drafttrain.kinds.dflash.config import DFlashTrainConfig
 from drafttrain.kinds.dflash.objective import LOSSES, WEIGHTS, DFlashObjective, resolve_gamma
 from drafttrain.registry import InitContext, TrainSpec, register_train_kind

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from draftinfer.kinds.dflash.attention import PAD, mask_flags, nonempty, visible
-from draftinfer.layers import causal_attention
+from draftinfer.models.layers import causal_attention
 
 
 def layer_keys(config) -> list[tuple[bool, int | None]]:
@@ -67,7 +67,7 @@ def make_block_attention(
 def _flex_attention(ctx_kv, q_index, q_anchor, k_index, k_anchor, keys):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from drafttrain.ttt import FLEX_BLOCK, flex_fn
+    from drafttrain.objectives.ttt import FLEX_BLOCK, flex_fn
 
     B, S = q_index.shape
     dev = q_index.device

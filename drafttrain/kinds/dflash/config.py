@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from drafttrain.config import DrafterTrainConfig
+from drafttrain.jobs.config import DrafterTrainConfig
 
 # The paper's decay per block size (DFlash, arXiv 2602.06036; NeMo dflash.mdx).
 PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}

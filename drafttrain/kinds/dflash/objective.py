@@ -15,9 +15,9 @@ Per sequence of tokens `x_0..x_{T-1}` with target features `f_j` and target posi
   here), counted when `x_{a+k}` is an assistant token inside the sequence; slot 0 is never
   scored;
 - **loss** per row: soft cross-entropy (`loss: ce`) or forward KL at `kd_temperature`, T^2-
-  scaled (`loss: kl`, JetSpec), or `trainer.loss` (`drafttrain.loss_fns`: kl, tv, lk at T=1;
+  scaled (`loss: kl`, JetSpec), or `trainer.loss` (`drafttrain.objectives.loss_fns`: kl, tv, lk at T=1;
   `dpace` is soft cross-entropy with D-PACE weights); per-slot weights `exp(-(k-1)/gamma)`, D-PACE from the draft's
-  probability of the target's top-1 (`drafttrain.loss_weights`), or uniform. With DFlash2's
+  probability of the target's top-1 (`drafttrain.objectives.loss_weights`), or uniform. With DFlash2's
   selector, `selector_loss_weight x` its K-way cross-entropy over the draft's top-K candidates
   (the target's top-1 inserted when missing), scored with the ground-truth predecessor
   `x_{a+k-1}`, under the same weights.
@@ -35,20 +35,20 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from draftinfer.conventions.positions import block_positions
+from draftinfer.conventions.window import TokenEmbeds, shift_left
 from draftinfer.kinds.dflash import DFlashDrafter
 from draftinfer.kinds.dflash.attention import CONTEXT, PAD
 from draftinfer.kinds.dflash.module import selector_logits
-from draftinfer.positions import block_positions
-from draftinfer.target import TargetOutput
-from draftinfer.window import TokenEmbeds, shift_left
-from drafttrain.errors import ConfigError
-from drafttrain.fused_ce import linear_soft_ce_rows
+from draftinfer.models.target import TargetOutput
+from drafttrain.jobs.errors import ConfigError
 from drafttrain.kinds.dflash.blocks import make_block_attention
 from drafttrain.kinds.dflash.config import PAPER_GAMMA, DFlashTrainConfig
-from drafttrain.loss_fns import SOFT_CE
-from drafttrain.loss_weights import dpace_weights, exp_decay_weights
-from drafttrain.losses import DraftLoss
-from drafttrain.target_head import target_distribution
+from drafttrain.objectives.fused_ce import linear_soft_ce_rows
+from drafttrain.objectives.loss_fns import SOFT_CE
+from drafttrain.objectives.loss_weights import dpace_weights, exp_decay_weights
+from drafttrain.objectives.losses import DraftLoss
+from drafttrain.target.head import target_distribution
 
 LOSSES = ("ce", "kl")
 WEIGHTS = ("exp_decay", "dpace", "uniform")
@@ -56,7 +56,7 @@ WEIGHTS = ("exp_decay", "dpace", "uniform")
 
 def resolve_gamma(cfg: DFlashTrainConfig) -> float:
     """`cfg.gamma`, or the paper's for the block size; a one-line error otherwise."""
-    from drafttrain.errors import ConfigError
+    from drafttrain.jobs.errors import ConfigError
 
     if cfg.gamma is not None:
         if not cfg.gamma > 0:

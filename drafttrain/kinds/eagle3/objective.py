@@ -5,7 +5,7 @@ Batch preparation (conventions 1, 4, 5): with target tokens `t_0..t_{T-1}`, targ
 at TTT step `k` (0-based)
 
 - consumes token `t_{i+1+k}` (teacher-forced) at position `pos_i + k`
-  (`draftinfer.positions.draft_step_positions`, the function the runner uses),
+  (`draftinfer.conventions.positions.draft_step_positions`, the function the runner uses),
 - consumes the carried feature `fc(f_i)` at step 0, its own step-(k-1) pre-norm output after,
 - predicts `t_{i+2+k}`: the target's distribution at row `i+1+k`, restricted to the draft
   vocabulary and renormalized (soft labels).
@@ -13,7 +13,7 @@ at TTT step `k` (0-based)
 A row counts in step k's loss when the predicted token `t_{i+2+k}` is an assistant token
 (loss mask) and the target's own top-1 at row `i+1+k` lies in the draft vocabulary (a draft
 model cannot be right where the target's choice is unrepresentable). Each row's loss is
-`trainer.loss` (`drafttrain.loss_fns`, soft cross-entropy by default); step losses are
+`trainer.loss` (`drafttrain.objectives.loss_fns`, soft cross-entropy by default); step losses are
 weighted by `decay^k` (by D-PACE per row instead with `trainer.loss=dpace`).
 
 Metrics: per-step accuracy (draft argmax == target argmax over counted rows) and the
@@ -25,18 +25,18 @@ from __future__ import annotations
 
 import torch
 
+from draftinfer.conventions.positions import draft_step_positions
+from draftinfer.conventions.window import TokenEmbeds, shift_left
 from draftinfer.kinds.eagle3 import Eagle3Config, Eagle3Drafter
-from draftinfer.positions import draft_step_positions
-from draftinfer.rope import rope_from_hf
-from draftinfer.target import TargetOutput
-from draftinfer.window import TokenEmbeds, shift_left
-from drafttrain.errors import ConfigError
+from draftinfer.models.rope import rope_from_hf
+from draftinfer.models.target import TargetOutput
+from drafttrain.jobs.errors import ConfigError
 from drafttrain.kinds.eagle3.config import Eagle3TrainConfig
-from drafttrain.loss_fns import SOFT_CE
-from drafttrain.losses import DraftLoss
-from drafttrain.position_loss import RowPart, score_positions
-from drafttrain.target_head import target_distribution
-from drafttrain.ttt import TTTAttention
+from drafttrain.objectives.loss_fns import SOFT_CE
+from drafttrain.objectives.losses import DraftLoss
+from drafttrain.objectives.position_loss import RowPart, score_positions
+from drafttrain.objectives.ttt import TTTAttention
+from drafttrain.target.head import target_distribution
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:

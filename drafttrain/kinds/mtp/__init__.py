@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from draftinfer.errors import ConfigError
-from draftinfer.families import FAMILIES
-from draftinfer.registry import drafter_spec
+from draftinfer.files.errors import ConfigError
+from draftinfer.registry import FAMILIES, drafter_spec
 from drafttrain.kinds.mtp.config import MTPTrainConfig
 from drafttrain.kinds.mtp.objective import MTPObjective
 from drafttrain.registry import InitContext, TrainSpec, register_train_kind

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from drafttrain.config import DrafterTrainConfig
+from drafttrain.jobs.config import DrafterTrainConfig
 
 
 @dataclass

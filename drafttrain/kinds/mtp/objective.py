@@ -8,7 +8,7 @@ output at row i (chained,
 distribution at row `i+k+1` over the full vocabulary (the head is the target's, frozen).
 Attention is plain causal attention within each module (in the runner, module k's KV cache
 holds exactly these rows). A row counts in module k's loss when `t_{i+k+2}` is an assistant
-token. A row's loss is `trainer.loss` (`drafttrain.loss_fns`, soft cross-entropy by default);
+token. A row's loss is `trainer.loss` (`drafttrain.objectives.loss_fns`, soft cross-entropy by default);
 module k's loss weight is 1 (`uniform`) or `loss_decay^k` (`geometric`), or D-PACE per row
 (`trainer.loss=dpace`, the anchor being row i).
 
@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import torch
 
+from draftinfer.conventions.window import TokenEmbeds, shift_left
+from draftinfer.decoding.proposer import causal_attn
 from draftinfer.kinds.mtp import MTPDrafter
-from draftinfer.proposer import causal_attn
-from draftinfer.target import TargetOutput
-from draftinfer.window import TokenEmbeds, shift_left
+from draftinfer.models.target import TargetOutput
 from drafttrain.kinds.mtp.config import MTPTrainConfig
-from drafttrain.loss_fns import SOFT_CE
-from drafttrain.losses import DraftLoss
-from drafttrain.position_loss import RowPart, score_positions
-from drafttrain.target_head import target_distribution
+from drafttrain.objectives.loss_fns import SOFT_CE
+from drafttrain.objectives.losses import DraftLoss
+from drafttrain.objectives.position_loss import RowPart, score_positions
+from drafttrain.target.head import target_distribution
 
 
 class MTPObjective:

@@ -4,7 +4,7 @@ token and K, and the drop-token parallel objective, registered as `ptd`."""
 from __future__ import annotations
 
 from draftinfer.registry import drafter_spec
-from drafttrain.errors import ConfigError
+from drafttrain.jobs.errors import ConfigError
 from drafttrain.kinds.eagle3 import Eagle3TrainSpec
 from drafttrain.kinds.eagle3.objective import drafter_config_from_target
 from drafttrain.kinds.ptd.config import PTDTrainConfig

@@ -28,16 +28,16 @@ import math
 
 import torch
 
+from draftinfer.conventions.window import TokenEmbeds, shift_left
 from draftinfer.kinds.ptd import PTDDrafter
-from draftinfer.layers import causal_attention
-from draftinfer.target import TargetOutput
-from draftinfer.window import TokenEmbeds, shift_left
-from drafttrain.fused_ce import linear_soft_ce
+from draftinfer.models.layers import causal_attention
+from draftinfer.models.target import TargetOutput
 from drafttrain.kinds.ptd.config import PTDTrainConfig
-from drafttrain.loss_fns import SOFT_CE
-from drafttrain.losses import DraftLoss
-from drafttrain.position_loss import RowPart, dpace_row_weights
-from drafttrain.target_head import target_distribution
+from drafttrain.objectives.fused_ce import linear_soft_ce
+from drafttrain.objectives.loss_fns import SOFT_CE
+from drafttrain.objectives.losses import DraftLoss
+from drafttrain.objectives.position_loss import RowPart, dpace_row_weights
+from drafttrain.target.head import target_distribution
 
 PAD_ANCHOR = 1 << 30  # anchor/depth of padding slots: they see depth-0 rows, nobody sees them
 
@@ -65,7 +65,7 @@ def ptd_block_mask(anchor: torch.Tensor, depth: torch.Tensor, q_blocks_per_chunk
     """The flex `BlockMask` of the predicate, evaluated block row by block row: at most
     `[B, 16 * 128, N]` bools at a time instead of `create_block_mask`'s dense `[B, N, N]` (and
     its int64 indexing intermediates), which at 32k tokens plus slots would not fit."""
-    from drafttrain.ttt import FLEX_BLOCK, block_mask_from_blocks
+    from drafttrain.objectives.ttt import FLEX_BLOCK, block_mask_from_blocks
 
     B, N = anchor.shape
     dev = anchor.device
@@ -94,7 +94,7 @@ def ptd_block_mask(anchor: torch.Tensor, depth: torch.Tensor, q_blocks_per_chunk
 def make_attention(anchor: torch.Tensor, depth: torch.Tensor, backend: str):
     """attn_fn(layer, q, k, v) over the combined rows+slots sequence."""
     if backend != "eager":  # flash / cudnn: TTT's dense causal kernels; ptd's mask is flex's
-        from drafttrain.ttt import flex_fn
+        from drafttrain.objectives.ttt import flex_fn
 
         block = ptd_block_mask(anchor, depth)
         flex = flex_fn(anchor.device)

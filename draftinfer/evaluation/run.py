@@ -1,0 +1,340 @@
+"""`run_eval(cfg)`: the job behind `python -m draftinfer`.
+
+Loads an exported drafter from disk and its target, decodes the prompts twice (plain greedy
+decoding of the target alone, then speculative decoding), and reports in one run:
+acceptance length, per-position acceptance, whether the speculative output is lossless,
+tokens/s of both and the speedup. The report is JSON, with a PNG of per-position acceptance
+beside it.
+
+Prompts come from the same `messages` data training reads: a target with a processor
+(Qwen3-VL) takes image+text conversations (`draftinfer.evaluation.prompts.load_prompts`), and the plain
+baseline, the speculative run and the reference loop all feed the images through the
+target's `prefill_plan`, so the lossless check covers image prompts.
+
+Lossless means: at temperature 0, every request's tokens equal plain greedy decoding
+token for token; at temperature > 0 (where equality with plain sampling is not the
+criterion), the fast path equals the reference loop on the same seeds and the sampler's
+distribution is pinned by tests (T2).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from draftinfer.conventions.metrics import acceptance_length, per_position_acceptance
+from draftinfer.decoding.compiled import unknown_inductor_settings
+from draftinfer.decoding.engine import Request, SpecDecoder
+from draftinfer.decoding.sampling import SamplingParams
+from draftinfer.evaluation.config import InferConfig
+from draftinfer.evaluation.prompts import load_prompts
+from draftinfer.evaluation.report import RunReport
+from draftinfer.files.checkpoint import load_drafter, read_drafter_config
+from draftinfer.files.errors import ConfigError
+from draftinfer.files.paths import resolve_path
+from draftinfer.models.rope import POSITION_MODES, serve_positions_1d
+from draftinfer.registry import family_spec
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in table:
+        raise ConfigError(f"dtype must be auto or one of {sorted(table)}, got {name!r}")
+    return table[name]
+
+
+def save_acceptance_plot(per_pos: list[float], al: float, title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.4))
+    xs = list(range(1, len(per_pos) + 1))
+    ax.bar(xs, per_pos, color="#3b7dd8")
+    for x, v in zip(xs, per_pos):
+        ax.text(x, v + 0.02, f"{v:.2f}", ha="center", fontsize=8)
+    ax.set_ylim(0, 1.08)
+    ax.set_xticks(xs)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("P(drafts 1..j all accepted)")
+    ax.set_title(f"{title}\nAL = {al:.3f}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def check_infer_config(cfg: InferConfig) -> None:
+    """One-line `ConfigError`s for values that would fail later (after loading and decoding)."""
+    from draftinfer.decoding.verify import VERIFY_MODES
+
+    if not cfg.drafter:
+        raise ConfigError("drafter=DIR is required (an exported drafter directory)")
+    if cfg.mode not in ("fast", "reference"):
+        raise ConfigError(f"mode must be fast or reference, got {cfg.mode!r}")
+    if cfg.verify not in VERIFY_MODES:
+        raise ConfigError(f"verify must be one of {VERIFY_MODES}, got {cfg.verify!r}")
+    for name in ("k", "batch_size", "num_prompts", "max_new_tokens", "prefill_chunk"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.drafter_positions not in POSITION_MODES:
+        raise ConfigError(
+            f"drafter_positions must be one of {POSITION_MODES}, got {cfg.drafter_positions!r}"
+        )
+    if cfg.max_model_len < 4:
+        raise ConfigError(f"max_model_len must be >= 4, got {cfg.max_model_len}")
+    if cfg.compile_options is not None and not isinstance(cfg.compile_options, dict):
+        raise ConfigError(
+            f"compile_options must be a mapping of inductor settings (or null), got "
+            f"{cfg.compile_options!r}"
+        )
+    if cfg.compile_options:
+        if not cfg.compile:
+            raise ConfigError("compile_options are inductor settings for compile=true; it is false")
+        if bad := unknown_inductor_settings(cfg.compile_options):
+            raise ConfigError(
+                f"compile_options: {bad[0]!r} is not an inductor setting (torch._inductor.config)"
+            )
+    if not cfg.temperature >= 0.0 or not 0.0 < cfg.top_p <= 1.0 or cfg.top_k < -1:
+        raise ConfigError(
+            f"sampling needs temperature >= 0, 0 < top_p <= 1, top_k >= -1; got "
+            f"{cfg.temperature}, {cfg.top_p}, {cfg.top_k}"
+        )
+
+
+def load_served_drafter(cfg: InferConfig, target, device: torch.device, dtype: torch.dtype):
+    """The exported drafter, attached to the target's shared weights, rotating positions as
+    `cfg.drafter_positions` says."""
+    drafter, _ = load_drafter(cfg.drafter, target.shared_weights(), device=device, dtype=dtype)
+    if cfg.drafter_positions == "1d":
+        serve_positions_1d(drafter)
+    return drafter
+
+
+def serving_transforms(cfg: InferConfig, target, drafter, device: torch.device) -> None:
+    """How the runner's kernels run (`draftinfer.models.transforms`; the same weights and
+    maths): q/k/v and gate/up fused into one GEMM each in target and drafter
+    (`cfg.fuse_projections`), the skinny-GEMM kernel for both (`cfg.skinny_gemm`); null = on
+    for CUDA. And programmatic dependent launch for what is compiled and launched from here on
+    (`cfg.pdl`; a process-wide switch, this job's); null = on for CUDA with `cfg.compile`
+    (measured there, between inductor's kernels), elsewhere as the process has it
+    (`DRAFTKERNELS_PDL`)."""
+    from draftkernels.runtime import enable_pdl
+
+    from draftinfer.models.transforms import fuse_projections, use_skinny_gemm
+
+    cuda = device.type == "cuda"
+    if cfg.pdl is not None or (cuda and cfg.compile):
+        enable_pdl(True if cfg.pdl is None else cfg.pdl)
+    if cuda if cfg.fuse_projections is None else cfg.fuse_projections:
+        fuse_projections(target)
+        fuse_projections(drafter)
+    if cuda if cfg.skinny_gemm is None else cfg.skinny_gemm:
+        use_skinny_gemm(target)
+        use_skinny_gemm(drafter)
+
+
+def spec_decoder(cfg: InferConfig, target, drafter, tokenizer) -> SpecDecoder:
+    """The speculative decoder the runner's config describes (`run_eval`, the suites)."""
+    return SpecDecoder(
+        target,
+        drafter,
+        cfg.k,
+        max_batch=cfg.batch_size,
+        max_model_len=cfg.max_model_len,
+        verify=cfg.verify,
+        prefill_chunk=cfg.prefill_chunk,
+        tokenizer=tokenizer,
+        compile=cfg.compile,
+        compile_options=None if cfg.compile_options is None else dict(cfg.compile_options),
+        cuda_graphs=cfg.cuda_graphs,
+        pipeline=cfg.pipeline,
+    )
+
+
+def run_eval(cfg: InferConfig) -> RunReport:
+    from tqdm.auto import tqdm
+
+    from draftinfer.decoding.baseline import greedy_generate
+    from draftinfer.decoding.reference import reference_generate
+    from draftinfer.files.loading import load_native_target
+
+    check_infer_config(cfg)
+    device = pick_device(cfg.device)
+    dtype = pick_dtype(cfg.dtype, device)
+    spec, arch, meta = read_drafter_config(cfg.drafter)
+    target_name = cfg.target or meta.get("target") or ""
+    if not target_name:
+        raise ConfigError("target=... is required: the drafter does not record its target")
+    target_path = resolve_path(target_name)
+    target = load_native_target(
+        target_path, device, dtype, max_batch=cfg.batch_size, max_seq_len=cfg.max_model_len
+    )
+    spec.check_fit(arch, target.info)
+    spec.check_k(arch, cfg.k)
+    drafter = load_served_drafter(cfg, target, device, dtype)
+    serving_transforms(cfg, target, drafter, device)
+    # The target family renders the prompts: text families through the tokenizer's chat
+    # template, a multimodal one through its processor (each prompt carrying `mm_inputs`).
+    loaded, tokenizer = load_prompts(
+        cfg.prompts,
+        cfg.prompts_split,
+        cfg.num_prompts,
+        family_spec(target.info.family),
+        target_path,
+        cfg.max_model_len - 2,
+    )
+    prompts = [p.ids for p in loaded]
+    mm = [p.mm_inputs for p in loaded]
+    eos = list(target.config.eos_token_ids)
+    requests = [
+        Request(
+            p.ids,
+            SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed + i),
+            max_tokens=cfg.max_new_tokens,
+            stop_token_ids=tuple(eos),
+            mm_inputs=p.mm_inputs,
+        )
+        for i, p in enumerate(loaded)
+    ]
+    bar = tqdm(
+        total=2 * len(prompts),
+        disable=not cfg.progress,
+        desc="draftinfer",
+        unit="req",
+        dynamic_ncols=True,
+    )
+
+    # Plain greedy decoding of the target alone: the lossless reference and the speed baseline.
+    greedy_generate(target, prompts[:1], 2, eos, mm_inputs=mm[:1])  # warm-up (allocations)
+    _sync(device)
+    t0 = time.perf_counter()
+    plain = greedy_generate(target, prompts, cfg.max_new_tokens, eos, mm_inputs=mm)
+    _sync(device)
+    t_plain = time.perf_counter() - t0
+    bar.update(len(prompts))
+
+    decoder = spec_decoder(cfg, target, drafter, tokenizer)
+    if cfg.mode == "fast":
+        decoder.generate(requests[:1])  # warm-up
+        outs, stats = decoder.generate(requests, on_finish=lambda: bar.update(1))
+        t_spec = stats["seconds"]
+    else:
+        t0 = time.perf_counter()
+        outs = reference_generate(
+            target, drafter, requests, cfg.k, cfg.max_model_len, cfg.verify, tokenizer
+        )
+        t_spec = time.perf_counter() - t0
+        bar.update(len(prompts))
+    bar.close()
+
+    accepted = [a for o in outs for a in o.accepted]
+    proposed = [p for o in outs for p in o.proposed]
+    al = acceptance_length(accepted)
+    per_pos = per_position_acceptance(accepted, proposed, cfg.k)
+    mismatches = []
+    if cfg.temperature == 0.0:
+        for i, (o, p) in enumerate(zip(outs, plain)):
+            if o.token_ids != p:
+                first = next(
+                    (j for j, (a, b) in enumerate(zip(o.token_ids, p)) if a != b),
+                    min(len(o.token_ids), len(p)),
+                )
+                mismatches.append({"prompt": i, "first_mismatch": first})
+        lossless_check = "plain_greedy"
+    else:
+        lossless_check = "reference_loop"
+    if cfg.check_reference or (cfg.temperature != 0.0 and cfg.mode == "fast"):
+        refs = reference_generate(
+            target, drafter, requests, cfg.k, cfg.max_model_len, cfg.verify, tokenizer
+        )
+        for i, (o, r) in enumerate(zip(outs, refs)):
+            if o.token_ids != r.token_ids and not any(m["prompt"] == i for m in mismatches):
+                mismatches.append({"prompt": i, "reference_mismatch": True})
+    n_plain = sum(len(p) for p in plain)
+    n_spec = sum(len(o.token_ids) for o in outs)
+    report = RunReport(
+        drafter=str(cfg.drafter),
+        target=target_name,
+        drafter_kind=spec.name,
+        device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        dtype=str(dtype).removeprefix("torch."),
+        mode=cfg.mode,
+        k=cfg.k,
+        temperature=cfg.temperature,
+        verify=cfg.verify,
+        num_prompts=len(prompts),
+        image_prompts=sum(m is not None for m in mm),
+        batch_size=cfg.batch_size,
+        max_new_tokens=cfg.max_new_tokens,
+        rounds=len(accepted),
+        acceptance_length=al,
+        per_position_acceptance=per_pos,
+        lossless=not mismatches,
+        lossless_check=lossless_check,
+        mismatches=mismatches,
+        tokens_plain=n_plain,
+        tokens_spec=n_spec,
+        tokens_per_s_plain=n_plain / t_plain,
+        tokens_per_s_spec=n_spec / t_spec,
+        speedup=(n_spec / t_spec) / (n_plain / t_plain),
+        extra={} if cfg.drafter_positions == "native" else {"drafter_positions": "1d"},
+    )
+    if cfg.report:
+        report.write(cfg.report)
+    plot = plot_path(cfg)
+    if plot is not None:
+        save_acceptance_plot(
+            per_pos, al, f"{spec.name} k={cfg.k} on {Path(target_name).name}", plot
+        )
+    return report
+
+
+def plot_path(cfg: InferConfig) -> Path | None:
+    """Where the per-position acceptance plot goes: `cfg.plot`, else beside the report (same
+    stem, `.png`); none without either, or with `plot=none`."""
+    if cfg.plot == "none":
+        return None
+    if cfg.plot:
+        return Path(cfg.plot)
+    return Path(cfg.report).with_suffix(".png") if cfg.report else None
+
+
+def format_report(r: RunReport) -> str:
+    """The short table `python -m draftinfer` prints last."""
+    pos = " ".join(f"{v:.2f}" for v in r.per_position_acceptance)
+    n_img = r.image_prompts
+    images = f" ({n_img} with images)" if n_img else ""
+    rows = [
+        ("drafter", f"{r.drafter_kind} {r.drafter}"),
+        ("target", f"{r.target} ({r.device}, {r.dtype})"),
+        ("k / temperature", f"{r.k} / {r.temperature}"),
+        ("prompts / rounds", f"{r.num_prompts}{images} / {r.rounds}"),
+        ("acceptance length", f"{r.acceptance_length:.3f}"),
+        *(
+            [("drafter positions", f"{r.extra['drafter_positions']} (engine without M-RoPE)")]
+            if "drafter_positions" in r.extra
+            else []
+        ),
+        ("per-position acceptance", pos),
+        ("lossless", f"{r.lossless} ({r.lossless_check})"),
+        ("tokens/s plain | spec", f"{r.tokens_per_s_plain:.1f} | {r.tokens_per_s_spec:.1f}"),
+        ("speedup", f"{r.speedup:.2f}x"),
+    ]
+    w = max(len(a) for a, _ in rows)
+    return "\n".join(f"{a:<{w}}  {b}" for a, b in rows)

@@ -1,0 +1,271 @@
+"""Typed config schema for `python -m drafttrain`.
+
+YAML under `conf/drafttrain/` only selects and overrides; these dataclasses are the schema. Hydra
+validates every key against them (struct mode: a misspelled key is an error naming the
+key), and `drafttrain.__main__` converts the composed config into these objects once, so
+nothing below the entry point imports omegaconf.
+
+Drafter configs are polymorphic: each drafter kind registers its own dataclass (a subclass
+of `DrafterTrainConfig`, in `drafttrain/kinds/<kind>/`) under the `drafter/` group, selected
+by name. A run's resolved config is read back through the same schema
+(`load_train_config`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from draftinfer.files.errors import CheckpointError, ConfigError
+
+
+@dataclass
+class TargetConfig:
+    """The frozen target LLM."""
+
+    # Hub id, local directory, or `zoo:<name>` for a model shipped under `draftinfer/zoo/`.
+    name_or_path: str = "zoo:llama-tiny"
+    # "auto": bf16 on GPU, fp32 on CPU. Or "float32" / "bfloat16" / "float16".
+    dtype: str = "auto"
+    trust_remote_code: bool = False
+    revision: str | None = None
+    # Attention implementation handed to `from_pretrained` ("sdpa", "eager", "flash_attention_2").
+    attn_implementation: str = "sdpa"
+
+
+@dataclass
+class DrafterTrainConfig:
+    """Fields every drafter kind shares. Kinds subclass this in their own folder
+    (`drafttrain/kinds/<kind>/config.py`, STYLE rule 6) and register it with their `TrainSpec`."""
+
+    kind: str = ""
+    # Decoder layers in the drafter.
+    num_layers: int = 1
+    # Architecture sizes; null means "copy the target's". hidden_size must equal the target's.
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    # "auto": eager (explicit mask) on CPU; on CUDA "cudnn" on Hopper, else "flex". Or
+    # "eager" / "flex" / "flash" / "cudnn" (EAGLE-3's TTT: the causal block by that dense
+    # kernel, drafttrain/objectives/ttt.py; ptd's and dflash's masks run flex for both).
+    attention_backend: str = "auto"
+
+
+@dataclass
+class DataConfig:
+    """Chat data in `messages` format."""
+
+    # Hub id, local file (.json/.jsonl/.parquet), local directory, or `zoo:<name>`.
+    path: str = "zoo:chat"
+    split: str = "train"
+    # Optional subset / config name for hub datasets.
+    name: str | None = None
+    messages_field: str = "messages"
+    max_length: int = 512
+    max_samples: int | None = None
+    # Sequences per batch; batches are bucketed by length.
+    batch_size: int = 8
+    # Held-out split evaluated after training (null: none), and how many batches of it.
+    eval_split: str | None = None
+    # Where `eval_split` lives (null: `path`); e.g. the original dataset when `path` is a
+    # regeneration of its train split. Also the source of the verification prompts.
+    eval_path: str | None = None
+    eval_batches: int = 16
+    # Where tokenized data and the draft vocabulary are cached (null: `<output_dir>/cache`).
+    # Not to be confused with `cache` below.
+    cache_dir: str | None = None
+    num_proc: int = 1
+    # An offline feature cache (a directory written by `python -m drafttrain.cache`) to read
+    # the target's features and distribution from instead of running the target (null: run
+    # the target). It must have been written with this config's target, drafter features,
+    # data and `cache.dtype` (checked at setup). See `CacheConfig` and docs/training.md.
+    cache: str | None = None
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 200
+    # Optimizer steps; an epoch that ends early is followed by the next (reshuffled) one.
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+    grad_accum: int = 1
+    # The per-row draft loss of every kind (`drafttrain.objectives.loss_fns`): "soft_ce" (soft
+    # cross-entropy against the target's distribution), "kl" (forward KL(p_target || q_draft)),
+    # "tv" (total variation, 1 - the T=1 acceptance rate), "lk" (the LK hybrid of KL and TV),
+    # "dpace" (soft_ce with D-PACE per-position weights in place of the kind's own). null: the
+    # kind's default (`TrainSpec.default_loss`, the one that measured best on the zoo).
+    loss: str | None = None
+    # "auto": bf16 autocast on GPU, none on CPU. Or "no" / "bf16".
+    mixed_precision: str = "auto"
+    # Dtype of the drafter's parameters (and gradients): "float32" or "bfloat16".
+    param_dtype: str = "float32"
+    # With param_dtype below float32: keep an fp32 master copy of each parameter in the
+    # optimizer (the update is applied to it; checkpoints store it). Without, small updates
+    # are rounded away.
+    master_weights: bool = True
+    # Dtype of AdamW's moments: "float32" or "bfloat16" (the update is computed in fp32).
+    optimizer_dtype: str = "float32"
+    # Recompute each drafter decoder block's activations in backward instead of keeping them
+    # (per TTT step and layer): less memory at long sequences, ~1/3 more block compute.
+    activation_checkpointing: bool = False
+    # torch.compile each drafter decoder block (dynamic shapes; one compilation for every
+    # TTT step and length). CUDA runs; on CPU it needs a C++ compiler and is slow to warm up.
+    compile: bool = False
+    # Drafter parameters kept frozen, by name prefix (e.g. [lm_head]: the head keeps the
+    # target's rows it was initialized from, as speculators 0.9.0 trains EAGLE-3). The shared
+    # token embeddings are always frozen.
+    freeze: list[str] = field(default_factory=list)
+    save_every: int = 100
+    keep_last: int = 2
+    log_every: int = 10
+    num_threads: int | None = None
+    progress: bool = True
+    # A DeepSpeed JSON config (e.g. conf/launch/deepspeed/zero2.json) for launchers without an
+    # accelerate config (`torchrun`, `deepspeed`); `accelerate launch --config_file
+    # conf/launch/accelerate/<x>.yaml` needs none. `data.batch_size` is the *global* batch: each
+    # of N processes trains on its rows `rank::N` (docs/training.md, "Several GPUs").
+    deepspeed: str | None = None
+
+
+@dataclass
+class LoggerConfig:
+    # "none" or "wandb".
+    kind: str = "none"
+    project: str = "drafttrain"
+    run_name: str | None = None
+    # wandb mode: "offline" by default (no network needed), "online" to sync, "disabled".
+    mode: str = "offline"
+
+
+@dataclass
+class ExportConfig:
+    enabled: bool = True
+    # Also write `speculators/` (config.json + model.safetensors): the drafter in
+    # vllm-project/speculators' layout, loadable by its `from_pretrained`, for kinds that have one.
+    speculators_config: bool = True
+    dtype: str = "bfloat16"
+    # After export, load the exported files in `draftinfer` and measure AL + losslessness on
+    # held-out prompts (`data.eval_split`); the table goes into the model card.
+    verify: bool = True
+    verify_k: int = 3
+    verify_prompts: int = 32
+    verify_max_new_tokens: int = 64
+    verify_batch_size: int = 8
+    # More K values the runner measures after `verify_k` (the card's AL table has a row per K).
+    verify_extra_k: list[int] = field(default_factory=list)
+    # Upload the export to the Hugging Face Hub as `ORG/NAME` after verification (null: no
+    # upload). The token is huggingface_hub's own (`HF_TOKEN`, then the saved token file).
+    push_to_hub: str | None = None
+    hub_private: bool = False
+    # The target's hub id for the card's `base_model` when `target.name_or_path` is a local
+    # directory or a zoo name (null: `target.name_or_path`, which an upload requires be a hub id).
+    hub_base_model: str | None = None
+
+
+@dataclass
+class RunnerEvalConfig:
+    """`eval.*`: the runner's real acceptance length during training (`drafttrain.jobs.runner_eval`):
+    every `every_n_steps` optimizer steps the drafter is exported in memory, loaded into the
+    runner and decoded over held-out prompts; its AL is logged beside the simulated one."""
+
+    # 0: off.
+    every_n_steps: int = 0
+    # null: the held-out chat prompts (`data.eval_split` of `data.eval_path`, as the export's
+    # verification reads them); else an acceptance suite (`conf/draftinfer/suite/<name>.yaml` or
+    # a suite .yaml path), read from `path` when set.
+    suite: str | None = None
+    path: str | None = None
+    num_prompts: int = 16
+    max_new_tokens: int = 64
+    # Drafts per round (null: `export.verify_k`).
+    k: int | None = None
+    batch_size: int = 8
+    temperature: float = 0.0
+
+
+@dataclass
+class CacheConfig:
+    """The offline feature cache (`drafttrain.cache`): what `python -m drafttrain.cache`
+    writes, and how training checks it when it reads one (`data.cache=DIR`)."""
+
+    # Where the writer puts the cache (null: `<output_dir>/feature_cache`).
+    dir: str | None = None
+    # Storage dtype of the hidden states: "bfloat16", "float8" (float8_e4m3fn with one fp32
+    # scale per token per H-wide feature) or "float32" (exact; for tests and debugging).
+    dtype: str = "bfloat16"
+    # Tokens per shard (whole samples; a sample longer than this is a shard of its own).
+    shard_tokens: int = 32768
+    # Sequences per target forward while writing (null: `data.batch_size`).
+    batch_size: int | None = None
+    # Training checks every shard's sha256 at setup, before it writes anything (false: only
+    # sizes and headers, which skips reading a very large cache once per run).
+    verify: bool = True
+
+
+@dataclass
+class TrainConfig:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    drafter: Any = None  # a DrafterTrainConfig subclass, chosen by the `drafter/` group
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    eval: RunnerEvalConfig = field(default_factory=RunnerEvalConfig)
+    output_dir: str = "outputs/run"
+    seed: int = 0
+    resume: bool = False
+    # Name of the preset that produced this config (written into checkpoints and cards).
+    preset: str = ""
+
+
+def _strict(cls, d: Any, where: str):
+    """`d` (parsed YAML) as dataclass `cls`, recursively; unknown keys are errors."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where} must be a mapping, got {type(d).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in d:
+        if key not in names:
+            raise ConfigError(f"{where}: unknown key {key!r} (not in {cls.__name__})")
+    kwargs = {}
+    for key, value in d.items():
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint) and value is not None:
+            value = _strict(hint, value, f"{where}.{key}")
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def train_config_from_dict(d: dict[str, Any], where: str = "training_args.yaml") -> TrainConfig:
+    """The typed schema from a resolved config dict (e.g. a run's `training_args.yaml`): the
+    same classes Hydra composes against, unknown keys are one-line `ConfigError`s, and the
+    drafter section is parsed with its kind's registered config class."""
+    from drafttrain.registry import train_spec
+
+    d = dict(d)
+    drafter = d.pop("drafter", None)
+    if not isinstance(drafter, dict) or "kind" not in drafter:
+        raise ConfigError(f"{where}: the drafter section has no 'kind'")
+    cfg = _strict(TrainConfig, d, where)
+    cfg.drafter = _strict(train_spec(drafter["kind"]).config_class, drafter, f"{where}.drafter")
+    return cfg
+
+
+def load_train_config(path: str | Path) -> TrainConfig:
+    """Read a run's resolved `training_args.yaml` back through the typed schema."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"not a training run: {path} does not exist")
+    return train_config_from_dict(yaml.safe_load(path.read_text()) or {}, str(path))
