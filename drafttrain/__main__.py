@@ -10,6 +10,7 @@ Hydra's own flags work: `--cfg job` prints the resolved config, `--help` lists t
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import hydra
 from hydra.core.config_store import ConfigStore
@@ -18,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from draftinfer.evaluation.threads import resolve_cli_threads
 from draftinfer.files.errors import DraftError, run_or_exit
 from draftinfer.files.paths import conf_dir
-from drafttrain.jobs.config import TrainConfig
+from drafttrain.jobs.config import TrainConfig, check_train_config
 from drafttrain.registry import load_train_kinds
 
 CONF_DIR = str(conf_dir("drafttrain"))
@@ -51,6 +52,51 @@ def register_configs() -> None:
         cs.store(group="drafter", name=f"{kind}_schema", node=spec.config_class)
 
 
+def presets() -> list[str]:
+    """The training presets: the top-level files of `conf/drafttrain/` that build on `base`."""
+    import yaml
+
+    names = []
+    for path in sorted(Path(CONF_DIR).glob("*.yaml")):
+        defaults = (yaml.safe_load(path.read_text()) or {}).get("defaults") or []
+        if "base" in defaults:
+            names.append(path.stem)
+    return names
+
+
+def check_preset(name: str) -> None:
+    """A one-line error naming the presets there are, for a `conf=` that names none (Hydra's
+    own error lists its search path instead)."""
+    if name not in presets() and not Path(CONF_DIR, f"{name}.yaml").is_file():
+        raise DraftError(f"unknown preset conf={name!r} (presets: {', '.join(presets())})")
+
+
+def precheck(argv: list[str]) -> None:
+    """The preset and every value of the composed config checked before Hydra runs the job:
+    Hydra writes `.hydra/` into `output_dir` before the job starts, so a value a run cannot use
+    is refused here, with nothing written. Hydra's own flags (`--cfg`, `--help`, `-m`, ...) and
+    composition errors (a misspelled key) are left to Hydra, which reports them itself."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    name, overrides = DEFAULT_PRESET, []
+    for a in argv:
+        if a.startswith("--config-name="):
+            name = a.split("=", 1)[1]
+        elif a.startswith("-"):
+            return
+        elif not a.lstrip("+~").startswith("hydra."):
+            overrides.append(a)
+    check_preset(name)
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            composed = compose(config_name=name, overrides=overrides)
+    except (HydraException, OmegaConfBaseException):
+        return
+    check_train_config(to_train_config(composed))
+
+
 def to_train_config(cfg: DictConfig) -> TrainConfig:
     """The one omegaconf -> dataclass conversion."""
     obj = OmegaConf.to_object(cfg)
@@ -72,7 +118,9 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 def main() -> None:
     register_configs()
-    sys.argv = [sys.argv[0], *rewrite_argv(sys.argv[1:])]
+    argv = rewrite_argv(sys.argv[1:])
+    run_or_exit(precheck, argv)
+    sys.argv = [sys.argv[0], *argv]
     _hydra_main()
 
 

@@ -17,6 +17,7 @@ from draftinfer.files.errors import run_or_exit
 from drafttrain.__main__ import (
     CONF_DIR,
     DEFAULT_PRESET,
+    precheck,
     register_configs,
     rewrite_argv,
     to_train_config,
@@ -53,7 +54,9 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 def main() -> None:
     register_configs()
-    sys.argv = [sys.argv[0], *rewrite_argv(sys.argv[1:])]
+    argv = rewrite_argv(sys.argv[1:])
+    run_or_exit(precheck, argv)
+    sys.argv = [sys.argv[0], *argv]
     _hydra_main()
 
 

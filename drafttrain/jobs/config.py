@@ -55,6 +55,17 @@ class DrafterTrainConfig:
     # kernel, drafttrain/objectives/ttt.py; ptd's and dflash's masks run flex for both).
     attention_backend: str = "auto"
 
+    def check(self) -> None:
+        """One-line `ConfigError` for a value no target could use (run before anything loads;
+        what depends on the target is checked when the drafter is built). A kind's config
+        extends it with its own fields."""
+        at_least("drafter", self, 1, "num_layers")
+        at_least(
+            "drafter", self, 1, "hidden_size", "intermediate_size", "num_attention_heads",
+            "num_key_value_heads", "head_dim",
+        )  # fmt: skip
+        one_of("drafter", self, "attention_backend", ("auto", "eager", "flex", "flash", "cudnn"))
+
 
 @dataclass
 class DataConfig:
@@ -244,6 +255,93 @@ def _strict(cls, d: Any, where: str):
             value = _strict(hint, value, f"{where}.{key}")
         kwargs[key] = value
     return cls(**kwargs)
+
+
+def at_least(section: str, obj: Any, lo: float, *names: str) -> None:
+    """`section.name must be >= lo` for each named field that is set (None = unset)."""
+    for name in names:
+        v = getattr(obj, name)
+        if v is not None and not v >= lo:
+            raise ConfigError(f"{section}.{name} must be >= {lo}, got {v!r}")
+
+
+def above(section: str, obj: Any, lo: float, *names: str) -> None:
+    """`section.name must be > lo` for each named field that is set."""
+    for name in names:
+        v = getattr(obj, name)
+        if v is not None and not v > lo:
+            raise ConfigError(f"{section}.{name} must be > {lo}, got {v!r}")
+
+
+def one_of(section: str, obj: Any, name: str, choices: tuple) -> None:
+    v = getattr(obj, name)
+    if v not in choices:
+        raise ConfigError(f"{section}.{name} must be one of {list(choices)}, got {v!r}")
+
+
+def looks_local(name: str) -> bool:
+    """Whether a dataset / model name can only be a local path: absolute, explicitly relative,
+    home-relative, or a data file's name (a hub id is `org/name`)."""
+    return name.startswith(("/", "./", "../", "~")) or name.endswith(
+        (".json", ".jsonl", ".parquet", ".txt", ".yaml")
+    )
+
+
+def existing(section: str, name: str | None, what: str) -> None:
+    """A one-line error for a local path that does not exist (hub ids and `zoo:` names pass:
+    they are resolved, and refused if missing, where they are loaded)."""
+    if name and not name.startswith("zoo:") and looks_local(name):
+        if not Path(name).expanduser().exists():
+            raise ConfigError(f"{section}: no such {what}: {name}")
+
+
+def check_train_config(cfg: TrainConfig) -> TrainConfig:
+    """Every value a run cannot use as a one-line `ConfigError`, before anything loads or is
+    written (`python -m drafttrain` runs it on the composed config before Hydra starts the
+    job; `run_job` and `train` run it again for callers of the Python API)."""
+    t, d, tr, e, c, ev = cfg.target, cfg.data, cfg.trainer, cfg.export, cfg.cache, cfg.eval
+    one_of("target", t, "dtype", ("auto", "float32", "bfloat16", "float16"))
+    from drafttrain.target.frozen import resolve_target_path
+
+    resolve_target_path(t.name_or_path)  # the loaders' own check: a missing local directory
+    at_least("data", d, 2, "max_length")
+    at_least("data", d, 1, "batch_size", "max_samples", "eval_batches", "num_proc")
+    existing("data.path", d.path, "dataset file or directory")
+    existing("data.eval_path", d.eval_path, "dataset file or directory")
+    if d.cache is not None and not Path(d.cache).expanduser().is_dir():
+        raise ConfigError(f"data.cache: no such feature cache directory: {d.cache}")
+    at_least("trainer", tr, 1, "max_steps", "grad_accum", "save_every", "keep_last")
+    at_least("trainer", tr, 1, "log_every", "num_threads")
+    above("trainer", tr, 0, "lr")
+    at_least("trainer", tr, 0, "weight_decay", "warmup_steps", "grad_clip")
+    if not 0 <= tr.min_lr_ratio <= 1:
+        raise ConfigError(f"trainer.min_lr_ratio must be in [0, 1], got {tr.min_lr_ratio!r}")
+    if len(tr.betas) != 2 or not all(0 <= b < 1 for b in tr.betas):
+        raise ConfigError(f"trainer.betas must be two values in [0, 1), got {list(tr.betas)}")
+    if tr.loss is not None:
+        from drafttrain.objectives.loss_fns import row_loss
+
+        row_loss(tr.loss)  # a one-line error naming the losses there are
+    one_of("trainer", tr, "mixed_precision", ("auto", "no", "bf16"))
+    one_of("trainer", tr, "param_dtype", ("float32", "bfloat16"))
+    one_of("trainer", tr, "optimizer_dtype", ("float32", "bfloat16"))
+    if tr.deepspeed is not None and not Path(tr.deepspeed).is_file():
+        raise ConfigError(f"trainer.deepspeed: no such DeepSpeed config file: {tr.deepspeed}")
+    one_of("logger", cfg.logger, "kind", ("none", "wandb"))
+    one_of("export", e, "dtype", ("bfloat16", "float16", "float32"))
+    at_least("export", e, 1, "verify_k", "verify_prompts", "verify_max_new_tokens")
+    at_least("export", e, 1, "verify_batch_size")
+    bad_k = [k for k in e.verify_extra_k if k < 1]
+    if bad_k:
+        raise ConfigError(f"export.verify_extra_k must be >= 1, got {bad_k}")
+    one_of("cache", c, "dtype", ("bfloat16", "float8", "float32"))
+    at_least("cache", c, 1, "shard_tokens", "batch_size")
+    at_least("eval", ev, 0, "every_n_steps", "temperature")
+    at_least("eval", ev, 1, "num_prompts", "max_new_tokens", "k", "batch_size")
+    if cfg.drafter is None:
+        raise ConfigError("the drafter section is missing (drafter=<kind>)")
+    cfg.drafter.check()
+    return cfg
 
 
 def train_config_from_dict(d: dict[str, Any], where: str = "training_args.yaml") -> TrainConfig:

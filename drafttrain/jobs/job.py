@@ -19,7 +19,7 @@ from draftinfer.evaluation.report import RunReport
 from draftinfer.evaluation.threads import torch_threads
 from drafttrain.export.card import RUNNER_PLOT, RUNNER_REPORT, runner_reports, write_model_card
 from drafttrain.export.directory import export_run
-from drafttrain.jobs.config import TrainConfig
+from drafttrain.jobs.config import TrainConfig, check_train_config
 from drafttrain.jobs.errors import ConfigError
 from drafttrain.jobs.train import train
 
@@ -59,9 +59,6 @@ def check_job(cfg: TrainConfig) -> str | None:
     """One-line errors for export settings that would fail only after training; returns the
     Hub card's `base_model` when the job uploads."""
     e = cfg.export
-    bad_k = [k for k in [e.verify_k, *e.verify_extra_k] if k < 1]
-    if bad_k:
-        raise ConfigError(f"export.verify_k / verify_extra_k must be >= 1, got {bad_k}")
     if not e.push_to_hub:
         return None
     if not e.enabled:
@@ -80,7 +77,7 @@ def run_job(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def _run_job(cfg: TrainConfig) -> dict[str, Any]:
-    base_model = check_job(cfg)
+    base_model = check_job(check_train_config(cfg))
     summary = train(cfg, keep_logger=True)
     logger = summary.pop("logger")
     try:

@@ -29,7 +29,7 @@ import yaml
 
 from draftinfer.evaluation.threads import torch_threads
 from drafttrain.data import BatchStream
-from drafttrain.jobs.config import TrainConfig
+from drafttrain.jobs.config import TrainConfig, check_train_config
 from drafttrain.jobs.errors import ConfigError
 from drafttrain.jobs.runner_eval import RunnerEval
 from drafttrain.jobs.setup import setup_training
@@ -153,9 +153,7 @@ def train(cfg: TrainConfig, keep_logger: bool = False) -> dict[str, Any]:
 
 
 def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
-    tc = cfg.trainer
-    if tc.loss is not None:
-        row_loss(tc.loss)  # a bad name fails here, before anything is written
+    tc = check_train_config(cfg).trainer  # a bad value fails here, before anything is written
     run_dir = Path(cfg.output_dir)
     fresh = not run_dir.exists()
     ckpt_root = run_dir / "checkpoints"

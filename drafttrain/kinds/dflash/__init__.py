@@ -10,7 +10,7 @@ from draftinfer.models.rope import rope_from_hf
 from draftinfer.registry import drafter_spec
 from drafttrain.jobs.errors import ConfigError
 from drafttrain.kinds.dflash.config import DFlashTrainConfig
-from drafttrain.kinds.dflash.objective import LOSSES, WEIGHTS, DFlashObjective, resolve_gamma
+from drafttrain.kinds.dflash.objective import DFlashObjective, resolve_gamma
 from drafttrain.registry import InitContext, TrainSpec, register_train_kind
 
 
@@ -47,16 +47,6 @@ class DFlashTrainSpec(TrainSpec):
                 f"drafter hidden_size {cfg.hidden_size} does not fit target hidden_size {H}: "
                 "a block drafter embeds with the target's embedding and scores with its head"
             )
-        if cfg.loss not in LOSSES:
-            raise ConfigError(f"drafter.loss must be one of {LOSSES}, got {cfg.loss!r}")
-        if cfg.loss_weights not in WEIGHTS:
-            raise ConfigError(
-                f"drafter.loss_weights must be one of {WEIGHTS}, got {cfg.loss_weights!r}"
-            )
-        if not cfg.kd_temperature > 0:
-            raise ConfigError(f"drafter.kd_temperature must be > 0, got {cfg.kd_temperature}")
-        if cfg.num_anchors < 1:
-            raise ConfigError(f"drafter.num_anchors must be >= 1, got {cfg.num_anchors}")
         if cfg.loss_weights == "exp_decay":
             resolve_gamma(cfg)
         ids = list(cfg.target_layer_ids) or default_dflash_ids(L, cfg.num_layers)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from drafttrain.jobs.config import DrafterTrainConfig
+from drafttrain.jobs.config import DrafterTrainConfig, above, at_least, one_of
 
 # The paper's decay per block size (DFlash, arXiv 2602.06036; NeMo dflash.mdx).
+LOSSES = ("ce", "kl")
+WEIGHTS = ("exp_decay", "dpace", "uniform")
 PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
 
@@ -48,3 +50,13 @@ class DFlashTrainConfig(DrafterTrainConfig):
     selector_top_k: int = 16
     selector_rank: int = 256
     selector_loss_weight: float = 1.0
+
+    def check(self) -> None:
+        super().check()
+        at_least("drafter", self, 2, "block_size")
+        at_least("drafter", self, 1, "num_anchors", "conv_kernel_size", "conv_group_size")
+        at_least("drafter", self, 1, "selector_top_k", "selector_rank", "sliding_window")
+        above("drafter", self, 0, "kd_temperature", "gamma")
+        at_least("drafter", self, 0, "selector_loss_weight", "dpace_alpha")
+        one_of("drafter", self, "loss", LOSSES)
+        one_of("drafter", self, "loss_weights", WEIGHTS)

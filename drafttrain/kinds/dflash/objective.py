@@ -50,9 +50,6 @@ from drafttrain.objectives.loss_weights import dpace_weights, exp_decay_weights
 from drafttrain.objectives.losses import DraftLoss
 from drafttrain.target.head import target_distribution
 
-LOSSES = ("ce", "kl")
-WEIGHTS = ("exp_decay", "dpace", "uniform")
-
 
 def resolve_gamma(cfg: DFlashTrainConfig) -> float:
     """`cfg.gamma`, or the paper's for the block size; a one-line error otherwise."""

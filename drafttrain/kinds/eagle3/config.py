@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from drafttrain.jobs.config import DrafterTrainConfig
+from drafttrain.jobs.config import DrafterTrainConfig, above, at_least
+from drafttrain.jobs.errors import ConfigError
 
 
 @dataclass
@@ -17,3 +18,11 @@ class Eagle3TrainConfig(DrafterTrainConfig):
     # Training-time test: number of unrolled draft steps and per-step loss weight decay^k.
     ttt_steps: int = 7
     ttt_decay: float = 0.8
+
+    def check(self) -> None:
+        super().check()
+        at_least("drafter", self, 1, "draft_vocab_size", "ttt_steps")
+        above("drafter", self, 0, "ttt_decay")
+        bad = [j for j in self.aux_layer_ids if j < 0]
+        if bad:
+            raise ConfigError(f"drafter.aux_layer_ids must be >= 0, got {bad}")

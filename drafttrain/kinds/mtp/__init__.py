@@ -14,8 +14,6 @@ from drafttrain.kinds.mtp.config import MTPTrainConfig
 from drafttrain.kinds.mtp.objective import MTPObjective
 from drafttrain.registry import InitContext, TrainSpec, register_train_kind
 
-INITS = ("target_last_layer", "random")
-
 
 class MTPTrainSpec(TrainSpec):
     name = "mtp"
@@ -40,12 +38,6 @@ class MTPTrainSpec(TrainSpec):
                     f"MTP modules use the target's layer shapes: drafter.{field}={value} "
                     f"does not match the target's {getattr(tc, field, None)}"
                 )
-        if cfg.init not in INITS:
-            raise ConfigError(f"drafter.init must be one of {INITS}, got {cfg.init!r}")
-        if cfg.loss_weights not in ("uniform", "geometric"):
-            raise ConfigError(
-                f"drafter.loss_weights must be uniform or geometric, got {cfg.loss_weights!r}"
-            )
         target_config = {k: v for k, v in tc.to_dict().items() if k not in ("drafttrain",)}
         if not target_config.get("architectures"):  # a text config inside a multimodal one
             target_config["architectures"] = [info.architecture]

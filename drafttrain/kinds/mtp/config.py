@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from drafttrain.jobs.config import DrafterTrainConfig
+from drafttrain.jobs.config import DrafterTrainConfig, above, at_least, one_of
+
+INITS = ("target_last_layer", "random")
 
 
 @dataclass
@@ -32,3 +34,12 @@ class MTPTrainConfig(DrafterTrainConfig):
     # Chained modules: stop module k+1's loss from reaching module k through the carried
     # hidden state (each module then trains on its own loss only; the forward is unchanged).
     detach_carry: bool = False
+
+    def check(self) -> None:
+        super().check()
+        at_least("drafter", self, 1, "n_predict")
+        above("drafter", self, 0, "loss_decay")
+        one_of("drafter", self, "mtp_feature_tap", ("pre_norm", "post_norm"))
+        one_of("drafter", self, "mtp_carry", ("pre_norm", "post_norm"))
+        one_of("drafter", self, "init", INITS)
+        one_of("drafter", self, "loss_weights", ("uniform", "geometric"))

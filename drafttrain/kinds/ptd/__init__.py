@@ -30,8 +30,6 @@ class PTDTrainSpec(Eagle3TrainSpec):
             raise ConfigError(
                 f"mask_token_id {mask_id} is outside the target vocabulary [0, {vocab})"
             )
-        if cfg.parallel_k < 1:
-            raise ConfigError(f"parallel_k must be >= 1, got {cfg.parallel_k}")
         return drafter_config_from_target(
             cfg,
             ctx.target,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from drafttrain.jobs.config import above, at_least
+from drafttrain.jobs.errors import ConfigError
 from drafttrain.kinds.eagle3.config import Eagle3TrainConfig
 
 
@@ -27,3 +29,11 @@ class PTDTrainConfig(Eagle3TrainConfig):
     max_slots_per_seq: int = 1024
     # Loss weight of depth d: depth_decay^d.
     depth_decay: float = 0.8
+
+    def check(self) -> None:
+        super().check()
+        at_least("drafter", self, 1, "parallel_k", "max_slots_per_seq")
+        above("drafter", self, 0, "depth_decay", "keep_ratio")
+        for name in ("keep_ratio", "keep_floor"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ConfigError(f"drafter.{name} must be in [0, 1], got {getattr(self, name)!r}")
