@@ -17,27 +17,30 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
-# The checkout's packages are imported from $PWD without installing them; `kernels/` is
-# imported as `draftkernels` (setup.py's package_dir): mirror that with a link.
-mkdir -p /tmp/pp && ln -sfn "$PWD/kernels" /tmp/pp/draftkernels
+# The checkout's packages are imported from $PWD without installing them; `kernels/` and
+# `conf/` are imported as `draftkernels` and `draftconf` (setup.py's package_dir): mirror
+# that with links.
+mkdir -p /tmp/pp && ln -sfn "$PWD/kernels" /tmp/pp/draftkernels && ln -sfn "$PWD/conf" /tmp/pp/draftconf
 export PYTHONPATH=/tmp/site:/tmp/pp:$PWD
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$OUT/suite.log"
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/suite.log"
 
 rounds="t1 or no_host_sync or b4"
+# One process (the GPU machine has no pytest-xdist; pyproject's addopts ask for two workers).
+pytest=(python3 -m pytest -o "addopts=-ra --strict-markers" -q -p no:cacheprovider)
 # INDUCTOR="name=value ..." runs the tests with those inductor settings added to the runner's
 # CUDA default (combo kernels; tests/conftest.py's --inductor): a candidate default's GPU tests.
 inductor=()
 for x in ${INDUCTOR:-}; do inductor+=(--inductor "$x"); done
 if [ "$what" = tests ] || [ "$what" = tests-rounds ] || [ "$what" = all ]; then
-  timeout 560 python3 -m pytest -q -p no:cacheprovider -m gpu "${inductor[@]}" tests/gpu/test_gpu.py \
+  timeout 560 "${pytest[@]}" -m gpu "${inductor[@]}" tests/gpu/test_gpu.py \
     -k "$rounds" 2>&1 | tee "$OUT/pytest_gpu_rounds.log" | tail -8
 fi
 if [ "$what" = tests ] || [ "$what" = tests-rest ] || [ "$what" = all ]; then
-  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu "${inductor[@]}" tests/gpu/test_gpu.py \
+  timeout 300 "${pytest[@]}" -m gpu "${inductor[@]}" tests/gpu/test_gpu.py \
     tests/infer/test_native_target.py tests/kinds/test_dflash_options.py \
     tests/kinds/test_dflash_train.py -k "not ($rounds)" 2>&1 | tee "$OUT/pytest_gpu.log" | tail -8
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_rejection_sampler.py \
+  timeout 200 "${pytest[@]}" tests/kernels/test_rejection_sampler.py \
     tests/kernels/test_parallel_layout.py tests/kernels/test_chain_inputs.py \
     tests/kernels/test_decode_attention.py tests/kernels/test_skinny_gemm.py \
     tests/infer/test_serving_transforms.py 2>&1 | tee -a "$OUT/pytest_gpu.log" | tail -3

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import pytest
 import torch
@@ -11,7 +12,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Each of xdist's worker processes (`-n 2` in pyproject.toml) gets its share of the cores, so
+# two workers on the 2-core machine do not oversubscribe it; one process alone takes two.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _WORKERS))
 # Large CPU tensors reuse the heap instead of being mapped and faulted in afresh on every op
 # (the runner's [rows, vocab] temporaries): the statistical sampling tests run about twice
 # as fast (`draftinfer.evaluation.threads.retain_freed_memory`).
@@ -174,19 +178,22 @@ def zoo_run(tmp_path_factory):
     """`zoo_run(kind)` -> the job summary of the zoo recipe for `kind` (trained once)."""
     from drafttrain.jobs.job import run_job
     from tests.support.presets import compose_preset, text_preset_of
+    from tests.support.shared_runs import shared_run
 
     runs: dict[str, dict] = {}
 
+    def build(kind: str, out) -> dict:
+        # The kind's own text preset (eagle3, ptd_eagle3, mtp3), shortened: its golden
+        # values (`tests/jobs/test_zoo_e2e.py`) pin that preset's recipe.
+        preset = text_preset_of(kind)
+        choose = [] if preset else [f"drafter={kind}"]
+        overrides = [*choose, f"output_dir={out}", *ZOO_RECIPE]
+        overrides += ZOO_KIND_OVERRIDES.get(kind, [])
+        return run_job(compose_preset(preset or "eagle3", overrides))
+
     def get(kind: str) -> dict:
-        if kind not in runs:
-            out = tmp_path_factory.mktemp(f"zoo_{kind}")
-            # The kind's own text preset (eagle3, ptd_eagle3, mtp3), shortened: its golden
-            # values (`tests/jobs/test_zoo_e2e.py`) pin that preset's recipe.
-            preset = text_preset_of(kind)
-            choose = [] if preset else [f"drafter={kind}"]
-            overrides = [*choose, f"output_dir={out}", *ZOO_RECIPE]
-            overrides += ZOO_KIND_OVERRIDES.get(kind, [])
-            runs[kind] = run_job(compose_preset(preset or "eagle3", overrides))
+        if kind not in runs:  # trained once per session, whichever worker asks first
+            runs[kind] = shared_run(tmp_path_factory, f"zoo_{kind}", partial(build, kind))
         return runs[kind]
 
     return get
@@ -200,15 +207,18 @@ def preset_run(tmp_path_factory):
     from draftinfer.evaluation.threads import torch_threads
     from drafttrain.jobs.job import run_job
     from tests.support.presets import SHORT_RECIPE, compose_preset
+    from tests.support.shared_runs import shared_run
 
     runs: dict[str, dict] = {}
 
+    def build(name: str, out) -> dict:
+        cfg = compose_preset(name, [f"output_dir={out}", *SHORT_RECIPE])
+        with torch_threads(1):
+            return run_job(cfg)
+
     def get(name: str) -> dict:
-        if name not in runs:
-            out = tmp_path_factory.mktemp(f"preset_{name}")
-            cfg = compose_preset(name, [f"output_dir={out}", *SHORT_RECIPE])
-            with torch_threads(1):
-                runs[name] = run_job(cfg)
+        if name not in runs:  # run once per session, whichever worker asks first
+            runs[name] = shared_run(tmp_path_factory, f"preset_{name}", partial(build, name))
         return runs[name]
 
     return get

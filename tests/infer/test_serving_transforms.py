@@ -241,13 +241,16 @@ def test_the_runner_launches_with_pdl_when_it_compiles_on_cuda(
     from draftinfer.evaluation.config import InferConfig
     from draftinfer.evaluation.run import serving_transforms
 
+    assert "triton.enable_pdl" in inductor_config.get_config_copy()  # this torch has it
     monkeypatch.setitem(runtime.PDL, "on", before)
-    monkeypatch.setattr(inductor_config.triton, "enable_pdl", before)
     cfg = InferConfig(
         drafter="d", pdl=setting, compile=compile_, fuse_projections=False, skinny_gemm=False
     )
-    serving_transforms(cfg, None, None, torch.device(device))
-    assert runtime.PDL["on"] is want and inductor_config.triton.enable_pdl is want
+    # inductor's own patch API (restored on exit), not attribute monkeypatching of its config
+    # module, whose proxies pytest's monkeypatch does not handle on every version.
+    with inductor_config.patch({"triton.enable_pdl": before}):
+        serving_transforms(cfg, None, None, torch.device(device))
+        assert runtime.PDL["on"] is want and inductor_config.triton.enable_pdl is want
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's fp32 kernel")

@@ -245,13 +245,14 @@ def test_enable_pdl_turns_ours_and_inductors_on_together(monkeypatch):
     import torch._inductor.config as inductor_config
     from draftkernels import runtime
 
+    assert "triton.enable_pdl" in inductor_config.get_config_copy()  # this torch has it
     monkeypatch.setitem(runtime.PDL, "on", False)
-    monkeypatch.setattr(inductor_config.triton, "enable_pdl", False)
-    runtime.enable_pdl()
-    assert runtime.PDL["on"] and inductor_config.triton.enable_pdl
-    assert not runtime.pdl(torch.device("cpu"))
-    runtime.enable_pdl(False)
-    assert not runtime.PDL["on"] and not inductor_config.triton.enable_pdl
+    with inductor_config.patch({"triton.enable_pdl": False}):  # restored on exit
+        runtime.enable_pdl()
+        assert runtime.PDL["on"] and inductor_config.triton.enable_pdl
+        assert not runtime.pdl(torch.device("cpu"))
+        runtime.enable_pdl(False)
+        assert not runtime.PDL["on"] and not inductor_config.triton.enable_pdl
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="the interpreter, PDL's waits as no-ops")

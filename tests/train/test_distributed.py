@@ -121,7 +121,9 @@ def test_zero3_config_does_not_partition_the_target():
 
     from drafttrain.trainer.distributed import replicated_loading
 
-    plugin = DeepSpeedPlugin(hf_ds_config=str(REPO / "launch" / "deepspeed" / "zero3.json"))
+    plugin = DeepSpeedPlugin(
+        hf_ds_config=str(REPO / "conf" / "launch" / "deepspeed" / "zero3.json")
+    )
     plugin.set_deepspeed_weakref()
     try:
         assert is_deepspeed_zero3_enabled()
