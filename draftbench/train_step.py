@@ -1,7 +1,8 @@
 """Training-step benchmark (DESIGN 7): our trainer's step vs vllm-project/speculators 0.9.0,
 side by side in one process, at Llama-3.1-8B draft shapes.
 
-    python -m draftbench.train_step --out docs/results/h200_bench_train.json      # CUDA
+    python -m draftbench.train_step \
+        --out docs/results/2026-11-23_h200_train_step_early_lengths_ac.json        # CUDA
     python -m draftbench.train_step --device cpu --tiny --out /tmp/bench_train.json  # smoke
 
 The dflash row beside speculators' DFlash (default optimizer and AdamW) on one GPU, the peer
