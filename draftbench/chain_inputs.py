@@ -1,7 +1,7 @@
 """Benchmark the chain-drafter input preparation: Triton kernel vs torch reference vs
 `torch.compile(reference)`, correctness first.
 
-    python -m draftbench.chain_inputs --out docs/results/2026-11-22_h200_chain_inputs.json
+    python -m draftbench.chain_inputs --out docs/results/$(date +%F)_h200_chain_inputs.json
 
 Batches 1..256 requests, K 1..8 (the [B, K+1] verify round); times are medians of
 `triton.testing.do_bench` in microseconds. Needs CUDA; exits 0 with a message without it.

@@ -3,7 +3,7 @@ the same cache (what `kv_cache.cached_attention` runs: the row's prefix read, th
 default SDPA backend, cuDNN on an H100), the torch reference and `torch.compile(reference)`,
 correctness first.
 
-    python -m draftbench.decode_attention --out docs/results/h100_bench_decode_attention.json
+    python -m draftbench.decode_attention --out docs/results/$(date +%F)_h100_decode_attention.json
     python -m draftbench.decode_attention --plans 128:0,128:512 --lengths 1024   # split plans
 
 Llama-3.1-8B attention shapes (32 query heads, 8 KV heads, head_dim 128, bf16): batch 1 and

@@ -2,7 +2,7 @@
 (same process, same shapes, random weights) vs the memory roofline (DESIGN section 7).
 
     bash scripts/fetch_peers.sh                  # once: peers/gpt-fast/model.py (git-ignored)
-    python -m draftbench.decode_peer --out docs/results/2026-11-23_h200_decode_peer.json
+    python -m draftbench.decode_peer --out docs/results/$(date +%F)_h200_decode_peer.json
     python -m draftbench.decode_peer --device cpu --tiny      # smoke test, no CUDA graphs
 
 Shapes: Llama-3.1-8B (32 layers, hidden 4096, 32/8 heads, head_dim 128, ffn 14336, vocab

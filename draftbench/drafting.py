@@ -3,7 +3,7 @@ drafting (K forwards), multi-layer MTP (`mtp`, N=3 distinct full-size decoder la
 K a multiple of N) and the block drafter (`dflash`, 5 target-sized layers, one forward over
 K + 1 block slots), side by side in one run, on 8B-shaped drafters.
 
-    python -m draftbench.drafting --out docs/results/bench_drafting.json
+    python -m draftbench.drafting --out docs/results/$(date +%F)_h200_drafting.json
     python -m draftbench.drafting --device cpu --tiny      # smoke test
 
 Both drafters use Llama-3-8B dimensions (hidden 4096, 32 heads / 8 KV heads, intermediate

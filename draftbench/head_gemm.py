@@ -1,7 +1,7 @@
 """The full-vocabulary head GEMM of a block drafter's round, `[N, H] @ [V, H]^T`, at the row
 counts a round gives it (N = batch x K drafts), by the ways it can be called.
 
-    python -m draftbench.head_gemm --out docs/results/head_gemm.json
+    python -m draftbench.head_gemm --out docs/results/$(date +%F)_h200_head_gemm.json
 
 A dflash round scores all K slots of every request against the target's head at once
 (Llama-3.1-8B: V = 128256, H = 4096, a 1.05 GB bf16 weight, 0.22 ms at the H200's copy

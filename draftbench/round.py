@@ -1,6 +1,6 @@
 """One speculative round vs one plain decode step, through the real engine, at real shapes.
 
-    python -m draftbench.round --out docs/results/h200_bench_round.json        # CUDA
+    python -m draftbench.round --out docs/results/$(date +%F)_h200_round.json        # CUDA
     python -m draftbench.round --device cpu --tiny --batches 1 --ks 2,3        # smoke test
 
 Shapes: the target is Llama-3.1-8B (32 layers, hidden 4096, 32/8 heads, ffn 14336, vocab
@@ -41,7 +41,7 @@ vocabulary 32000. Weights are random bf16 (time does not depend on training).
   torch.profiler, us per call), printed after the table. Under programmatic dependent launch
   (`--inductor default`) a kernel starts before the one ahead of it ends and its duration
   counts the wait: the sums then exceed the piece's time (a dflash verify's kernels summed to
-  9.7 ms of its 5.8 on an H100, session 17); attribute with `--inductor nopdl`.
+  9.7 ms of its 5.8 on an H100, 2026-11-27); attribute with `--inductor nopdl`.
 - `--fuse`: also time every configuration on the runner's CUDA default GEMMs
   (`draftinfer.evaluation.run.serving_transforms`): target's and drafters' q/k/v and gate/up fused
   (`draftinfer.models.transforms.fuse_projections`, the same weights) and GEMMs of <= 16 rows
@@ -279,8 +279,8 @@ def breakdown_ms(dec, target, k: int, context: int, profile: int = 0) -> dict:
 # ours (both set by the one switch `draftkernels.runtime.enable_pdl`; `InferConfig.pdl`) and
 # inductor's combo kernels (independent kernels, e.g. a layer's query RoPE and its key RoPE +
 # cache write, horizontally fused into one launch; `draftinfer.decoding.compiled.RUNNER_CUDA_OPTIONS`,
-# the default since session 18); `nopdl` without PDL; `nocombo` without combo kernels (the
-# default of sessions 16-17); `cdt` the default plus coordinate descent tuning; `pdl` and
+# the default since 2026-11-27); `nopdl` without PDL; `nocombo` without combo kernels (the
+# default before that); `cdt` the default plus coordinate descent tuning; `pdl` and
 # `combo` name what `default` is now (still accepted).
 INDUCTOR_OPTIONS = {
     "default": None,

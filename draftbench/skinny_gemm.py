@@ -3,7 +3,7 @@ runner ran before) and inductor's coordinate-descent-tuned reduction (what gpt-f
 step runs at one row: `torch.compile` of `F.linear` with `coordinate_descent_tuning`), at the
 weight shapes of a Llama-3.1-8B decode step and its drafters, correctness first.
 
-    python -m draftbench.skinny_gemm --out docs/results/h100_bench_skinny_gemm.json
+    python -m draftbench.skinny_gemm --out docs/results/$(date +%F)_h100_skinny_gemm.json
     python -m draftbench.skinny_gemm --sweep --out ...   # also time every config, print the table
 
 Each time is one call with a cold L2: the graph cycles through copies of the weight (at least

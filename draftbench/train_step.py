@@ -2,7 +2,7 @@
 side by side in one process, at Llama-3.1-8B draft shapes.
 
     python -m draftbench.train_step \
-        --out docs/results/2026-11-23_h200_train_step_early_lengths_ac.json        # CUDA
+        --out docs/results/$(date +%F)_h200_train_step.json        # CUDA
     python -m draftbench.train_step --device cpu --tiny --out /tmp/bench_train.json  # smoke
 
 The dflash row beside speculators' DFlash (default optimizer and AdamW) on one GPU, the peer
@@ -12,7 +12,7 @@ start after 5 minutes (not timed on a GPU yet: the compilations are most of it):
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site:$PWD
     python -m draftbench.train_step --seqs 3072 --kinds dflash:15 --no-ac-variant \
-        --budget-s 300 --out docs/results/h100_bench_train_dflash.json
+        --budget-s 300 --out docs/results/$(date +%F)_h100_train_step_dflash.json
 
 What one of *our* steps is: the kind's real objective (`drafttrain/kinds/<kind>/objective.py`)
 with the trainer's row loss (`trainer.loss`, else the kind's default) on one sequence of
@@ -645,7 +645,7 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-# The training bars of issue 25 (EAGLE-3 at seq 8192, TTT 7): our tokens/s over the AdamW
+# The training bars (EAGLE-3 at seq 8192, TTT 7): our tokens/s over the AdamW
 # peer's, head trained (ours) and head frozen (ours+fh); the floor table's budget column.
 SPEED_BARS = {("eagle3", "ours"): 1.3, ("eagle3", "ours+fh"): 1.4}
 

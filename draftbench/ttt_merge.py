@@ -1,7 +1,7 @@
 """Benchmark TTT's diagonal merge (`draftkernels.ttt_merge`): Triton kernels vs the torch
 references vs `torch.compile(reference)`, forward and backward, correctness first.
 
-    python -m draftbench.ttt_merge --out docs/results/h200_bench_ttt_merge.json
+    python -m draftbench.ttt_merge --out docs/results/$(date +%F)_h200_ttt_merge.json
 
 Shapes: an EAGLE-3 drafter at Llama-3.1-8B size (32 query / 8 kv heads, head_dim 128) on one
 sequence of 8192 tokens (`--tokens`), TTT steps 1..6 extra keys (`S`), bf16. Times are medians

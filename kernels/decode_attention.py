@@ -52,7 +52,7 @@ MAX_SPLITS = 32
 # Keys a split covers at least: fewer splits at short lengths (one split skips pass 2). 0: no
 # floor. `python -m draftbench.decode_attention --plans` sweeps it; on an H100 a floor of 256
 # to 1024 keys cost 3-20 us at batch 1 and 1024 keys and saved about 1 us only at batch 8 and
-# 256 keys (session 13), so the plan is the programs target alone.
+# 256 keys (2026-11-27), so the plan is the programs target alone.
 MIN_CHUNK = 0
 
 if triton_available():

@@ -19,7 +19,7 @@ columns and streams their weight rows over K once, in `BLOCK_K` tiles, for all `
   past K zero-filled by the copy, no masks). Split K (partial sums of several programs per
   column block added in an fp32 workspace, the last to arrive writing y) was tried and
   removed: on an H100 under Triton 3.6 its in-kernel epilogue returned wrong rows for some
-  row counts, and it paid only on the narrow weights (`docs/results.md`, session 10).
+  row counts, and it paid only on the narrow weights (`docs/results.md`, 2026-11-26).
 
 `swiglu(x, gate_up_weight [2N, K])` -> `silu(gate) * up` `[M, N]`: at 2..16 rows the same
 kernel with each program streaming the gate and the up rows of its output columns and the
@@ -45,7 +45,7 @@ compiles on CUDA, `InferConfig.pdl`) a program waits for the kernels before it
 (`runtime.pdl_enter`) before it reads x or writes y; the one-row path reads its first weight
 tile before that wait (no kernel writes the weights). The MMA paths read nothing before it:
 their first tile read ahead so (a stage of shared memory more) made a Llama layer's four
-launches at 8 rows 1% slower on an H100 (`docs/results.md`, session 16).
+launches at 8 rows 1% slower on an H100 (`docs/results.md`, 2026-11-27).
 
 `skinny_gemm_ref` (and `skinny_swiglu_ref`, `skinny_rms_gemm_ref`, `skinny_rms_swiglu_ref`,
 `skinny_gemm_add_ref`) is the pure-torch reference with the same signature (fp32 maths, test
@@ -77,7 +77,7 @@ SWIGLU_SMEM = 196_608
 # "m16"; variant (several rows): False = MMA, True = swapped MMA, "tma" = swapped MMA with
 # tensor-memory-accelerator loads (swapped where the operands do not allow it, `tma_ok`).
 # Measured on an H100 (`python -m draftbench.skinny_gemm --sweep`; one row 2026-11-26 session
-# 7, "m16" session 9): Llama-3.1-8B's fused q/k/v, o, gate/up, down and head; the unfused k/v;
+# 7, "m16" 2026-11-26): Llama-3.1-8B's fused q/k/v, o, gate/up, down and head; the unfused k/v;
 # EAGLE-3's fc and draft head; MTP's eh_proj. One row: one weight row a program, K in
 # 4096-wide tiles, 8 warps. Several rows: the swapped MMA (the weight tile as the MMA's 64- or
 # 128-row side, Hopper's warpgroup MMA) beat the unswapped one on every shape by 0.5-3%; its

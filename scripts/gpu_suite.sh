@@ -3,11 +3,11 @@
 # Llama-3.1-8B shapes; results under $OUT (a short table printed last).
 #   carry: .whl (scripts/build_wheelhouse.sh)
 #   usage: bash scripts/gpu_suite.sh [tests|tests-rounds|tests-rest|bench-1|bench-8|bars-a|bars-b|all]
-# `bars-a` / `bars-b`: issue 25's rounds at their bars' K (ptd 4, eagle3 3 / mtp 3, dflash 7),
+# `bars-a` / `bars-b`: the rounds at their bars' K (ptd 4, eagle3 3 / mtp 3, dflash 7),
 # batch 1, the runner's compiled default, beside gpt-fast's step (`peers/gpt-fast`, carried):
 # one call each (docs/results.md, "Where the performance bars stand").
 # A cold machine compiles the rounds' GPU tests (T1, no host sync, B4: ~330 s for the last two
-# in session 8) too slowly to run everything in one 10-minute call: take `tests-rounds` and
+# on 2026-11-26) too slowly to run everything in one 10-minute call: take `tests-rounds` and
 # `tests-rest` as two calls there (`tests` runs both). The tests build their `SpecDecoder`s
 # without programmatic dependent launch; `DRAFTKERNELS_PDL=1 bash scripts/gpu_suite.sh ...`
 # runs them as the runner compiles its job on CUDA (`InferConfig.pdl`, docs/inference.md).

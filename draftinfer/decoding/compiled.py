@@ -25,7 +25,7 @@ _COMPILED: dict[tuple, Callable] = {}
 # Inductor settings a CUDA `SpecDecoder` compiles with when it is given none
 # (`compile_options=None`, the runner's `infer.compile_options: null`): inductor's combo kernels
 # (independent kernels, e.g. a layer's query RoPE and its key RoPE + cache write, in one launch:
-# 0.05 ms off dflash's K=7 round on an H100 in each of two processes, sessions 17-18, with
+# 0.05 ms off dflash's K=7 round on an H100 in each of two processes, 2026-11-27, with
 # every round GPU test passing; docs/results.md). On the CPU, inductor's own defaults. The
 # tests' `--inductor NAME=VALUE` (tests/conftest.py) sets entries here, so a candidate
 # default's GPU tests change the runner's compiles and nothing else (not training's).

@@ -26,7 +26,7 @@ STEPS = 12
 NEW_LOSSES = sorted(set(LOSSES) - {"soft_ce"})
 # Relative tolerance per loss after step 0 (step 0, before any update, is held to 2e-3).
 # tv's |p - q| kink turns CPU-dependent rounding (another CPU's kernels: an AMD EPYC with
-# AVX-512 in session 10, where the goldens came from another machine) into gradient-sign
+# AVX-512 on 2026-11-26, where the goldens came from another machine) into gradient-sign
 # flips: 0.1-0.8% per step by step 12, the other losses stay within 2e-3.
 REL_AFTER_STEP0 = {"tv": 2e-2}
 KINDS = [k for k in registered_kinds() if text_preset_of(k)]

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 GOLDEN = Path(__file__).parents[1] / "golden"
 AL_DROP = 0.05  # the largest acceptance drop a change may cause silently
 # Per-step loss tolerance. Rounding differs between CPUs (1e-7 relative at the first steps
-# on session 10's AMD EPYC against the machine the goldens came from) and training amplifies
+# on 2026-11-26's AMD EPYC against the machine the goldens came from) and training amplifies
 # it: ptd's losses there drifted to 1e-3 by step 63 and 1-4% later, the other kinds stayed
 # within 1e-5. The first TIGHT_STEPS steps are held to 2e-3 (a change of a loss's or recipe's
 # numerics shows from the first steps), the rest to 5e-2; the AL check below stays.

@@ -316,7 +316,7 @@ def test_transformers_deepseek_v3_mtp_loads_our_stitched_modules(tmp_path):
         normed, _ = ours(0, ids, h, pos, causal_attn)
         diff = (ours.logits(normed) - theirs).abs().max().item()
     # The same weights and operations: equal to fp32 rounding (exactly 0 on the machines of
-    # earlier sessions, 2.4e-7 on session 10's; a wrong weight or layout is off by O(1)).
+    # earlier runs, 2.4e-7 on 2026-11-26's; a wrong weight or layout is off by O(1)).
     assert diff <= 1e-5, diff
     # Our runner refuses to run the family's own (non-native) blocks, with one line.
     with pytest.raises(CheckpointError, match="draftinfer runs MTP modules for Llama"):

@@ -108,7 +108,7 @@ def test_wandb_offline_run_holds_training_and_runner_results(train_env, tmp_path
     import wandb
 
     # The record file is written by wandb's service process: `run.finish()` returned before
-    # its history reached the disk once on a busy CI machine (session 18: the file's header
+    # its history reached the disk once on a busy CI machine (2026-11-27: the file's header
     # but no history). `teardown` waits for the service to exit.
     wandb.teardown()
     runs = list((out / "wandb").glob("offline-run-*"))
