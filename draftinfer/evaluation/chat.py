@@ -189,6 +189,16 @@ def _local_load_args(path: str, split: str) -> dict[str, Any]:
     return {"path": path}
 
 
+def check_data_path(name_or_path: str) -> tuple[str, bool]:
+    """(the resolved path, whether it is local): a one-line `DataError` for a local path (or
+    `zoo:` name) that does not exist, before anything is loaded; a hub id passes."""
+    path = os.path.expanduser(resolve_path(name_or_path))
+    local = name_or_path.startswith(ZOO_PREFIX) or _looks_local(path)
+    if local and not os.path.exists(path):
+        raise DataError(f"data path {name_or_path!r} does not exist (resolved to {path!r})")
+    return path, local
+
+
 def load_chat_dataset(
     name_or_path: str,
     split: str = "train",
@@ -208,11 +218,7 @@ def load_chat_dataset(
     """
     import datasets
 
-    path = os.path.expanduser(resolve_path(name_or_path))
-    local = name_or_path.startswith(ZOO_PREFIX) or _looks_local(path)
-    if local and not os.path.exists(path):
-        raise DataError(f"data path {name_or_path!r} does not exist (resolved to {path!r})")
-
+    path, local = check_data_path(name_or_path)
     args = _local_load_args(path, split) if local else {"path": path, "name": name}
     cache = os.path.join(cache_dir, "datasets") if cache_dir else None
     try:

@@ -279,22 +279,6 @@ def one_of(section: str, obj: Any, name: str, choices: tuple) -> None:
         raise ConfigError(f"{section}.{name} must be one of {list(choices)}, got {v!r}")
 
 
-def looks_local(name: str) -> bool:
-    """Whether a dataset / model name can only be a local path: absolute, explicitly relative,
-    home-relative, or a data file's name (a hub id is `org/name`)."""
-    return name.startswith(("/", "./", "../", "~")) or name.endswith(
-        (".json", ".jsonl", ".parquet", ".txt", ".yaml")
-    )
-
-
-def existing(section: str, name: str | None, what: str) -> None:
-    """A one-line error for a local path that does not exist (hub ids and `zoo:` names pass:
-    they are resolved, and refused if missing, where they are loaded)."""
-    if name and not name.startswith("zoo:") and looks_local(name):
-        if not Path(name).expanduser().exists():
-            raise ConfigError(f"{section}: no such {what}: {name}")
-
-
 def check_train_config(cfg: TrainConfig) -> TrainConfig:
     """Every value a run cannot use as a one-line `ConfigError`, before anything loads or is
     written (`python -m drafttrain` runs it on the composed config before Hydra starts the
@@ -306,12 +290,16 @@ def check_train_config(cfg: TrainConfig) -> TrainConfig:
     resolve_target_path(t.name_or_path)  # the loaders' own check: a missing local directory
     at_least("data", d, 2, "max_length")
     at_least("data", d, 1, "batch_size", "max_samples", "eval_batches", "num_proc")
-    existing("data.path", d.path, "dataset file or directory")
-    existing("data.eval_path", d.eval_path, "dataset file or directory")
+    from draftinfer.evaluation.chat import check_data_path
+
+    for path in (d.path, d.eval_path):
+        if path:
+            check_data_path(path)  # the loader's own check: a missing local file or directory
     if d.cache is not None and not Path(d.cache).expanduser().is_dir():
         raise ConfigError(f"data.cache: no such feature cache directory: {d.cache}")
-    at_least("trainer", tr, 1, "max_steps", "grad_accum", "save_every", "keep_last")
-    at_least("trainer", tr, 1, "log_every", "num_threads")
+    at_least("trainer", tr, 1, "max_steps", "grad_accum", "keep_last", "log_every")
+    at_least("trainer", tr, 1, "num_threads")
+    at_least("trainer", tr, 0, "save_every")  # 0: no checkpoint before the last
     above("trainer", tr, 0, "lr")
     at_least("trainer", tr, 0, "weight_decay", "warmup_steps", "grad_clip")
     if not 0 <= tr.min_lr_ratio <= 1:

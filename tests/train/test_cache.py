@@ -396,8 +396,8 @@ def test_cached_target_frees_the_target_body(kind, cache_of, tmp_path, monkeypat
         init(self, *a, **k)
         refs.append((weakref.ref(self), [weakref.ref(layer) for layer in self.layers]))
 
+    root = cache_of(kind, "float32", *EVAL)  # built first (it runs a target of its own)
     monkeypatch.setattr(FrozenTarget, "__init__", spy)
-    root = cache_of(kind, "float32", *EVAL)
     cfg = cfg_for(kind, tmp_path / "run", f"data.cache={root}", "cache.dtype=float32")
     target = setup_training(cfg, torch.device("cpu")).target
     gc.collect()
