@@ -180,7 +180,7 @@ def compiled_step(native, max_seq_len: int):
         torch._dynamo.mark_static_address(layer.self_attn.k_cache)
         torch._dynamo.mark_static_address(layer.self_attn.v_cache)
 
-    def step(ids, pos, rows):
+    def step(ids, pos, rows, attn_len=None):  # a `StepFn`: its attention length is fixed
         return native(ids, pos, rows, attn_len=max_seq_len)[0]
 
     return torch.compile(step, mode="reduce-overhead", dynamic=False, fullgraph=True)

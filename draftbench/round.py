@@ -131,7 +131,10 @@ def plain_step_ms(
     options: dict | None = None,
 ) -> tuple[float, list]:
     """Median ms of one compiled greedy decode step at advancing positions, and its tokens.
-    `mode="reduce-overhead"`: the step replayed as a CUDA graph (the best plain decode)."""
+    `mode="reduce-overhead"`: the step replayed as a CUDA graph (inductor's); `mode="runner"`:
+    the runner's own plain baseline (`draftinfer.decoding.baseline.PlainStep`: compiled with
+    dynamic shapes, replayed from our CUDA graph per attention bucket), what `python -m
+    draftinfer`'s report measures speculative decoding against."""
     from draftinfer.conventions.slots import Slots, attn_bucket
     from draftinfer.decoding.compiled import compiled, target_forward
 
@@ -156,7 +159,13 @@ def plain_step_ms(
     attn_len = attn_bucket(context + steps + 16, target.max_seq_len)
     options = runner_compile_options(options, device)  # None: the runner's default
     opts = {"options": options} if options else {}
-    if mode is None:
+    runner = None
+    if mode == "runner":
+        from draftinfer.decoding.baseline import PlainStep
+
+        runner = PlainStep(target, True, device.type == "cuda", options)
+        step = None
+    elif mode is None:
         step = compiled(target_forward, dynamic=False, **opts)
     else:  # CUDA graphs need static cache addresses
         for layer in target.model.layers:
@@ -180,7 +189,10 @@ def plain_step_ms(
             start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
             start.record()
         t0 = time.perf_counter()
-        logits, _ = step(target, tok[:, None], rows, cache, rope, attn_len, (), None)
+        if runner is not None:
+            logits = runner(tok[:, None], cache, rows, attn_len)
+        else:
+            logits, _ = step(target, tok[:, None], rows, cache, rope, attn_len, (), None)
         logits = logits.clone()  # a graph replay overwrites its output buffer
         if device.type == "cuda":
             end.record()
@@ -465,6 +477,10 @@ def bench_batch(
             target, b, a.context, a.rounds + 8, device, "reduce-overhead", reqs, opts
         )
         res["plain"][tag]["cuda_graph_ms"] = round(graph_ms, 4)
+        runner_ms, _ = plain_step_ms(
+            target, b, a.context, a.rounds + 8, device, "runner", reqs, opts
+        )
+        res["plain"][tag]["runner_step_ms"] = round(runner_ms, 4)
         if a.graph_only:
             plain_tokens, margins = graph_tokens, graph_margins
         else:
@@ -570,7 +586,8 @@ def print_summary(res: dict, batches, kinds) -> None:
     for tag, p in res["plain"].items():
         print(
             f"batch {tag}: ours plain step {p['ms']:.3f} ms compiled, "
-            f"{p.get('cuda_graph_ms', float('nan')):.3f} ms compiled + CUDA graph"
+            f"{p.get('cuda_graph_ms', float('nan')):.3f} ms compiled + CUDA graph, "
+            f"{p.get('runner_step_ms', float('nan')):.3f} ms the runner's baseline (PlainStep)"
         )
     cols = ["kind", "k", "batch", "fused", "swiglu", "norms", "round_graphs", "pipeline"]
     if any(r.get("inductor", "default") != "default" for r in res["rows"]):

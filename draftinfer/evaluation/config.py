@@ -59,8 +59,11 @@ class InferConfig:
     # "auto": fp32 on CPU (exact lossless check), bf16 on CUDA. Or float32 / bfloat16.
     dtype: str = "auto"
     device: str = "auto"
-    # Compile the target's verify forward and the drafter forward(s) (useful on CUDA).
-    compile: bool = False
+    # The fast path: compile the target's verify forward and the drafter forward(s)
+    # (`compile`) and replay each round from a CUDA graph (`cuda_graphs`). null (the default)
+    # = on for CUDA (graphs with compile), off on the CPU (its exact fp32 default);
+    # `compile=false` is the escape hatch (then no graphs unless `cuda_graphs=true`).
+    compile: bool | None = None
     # Inductor settings for what `compile` compiles (`torch.compile(options=...)`, names from
     # `torch._inductor.config`): null = the runner's default, on CUDA `{combo_kernels: true}`
     # (independent kernels in one launch: 0.05 ms off dflash's K=7 round on an H100;
@@ -87,8 +90,14 @@ class InferConfig:
     # (the default) = on for CUDA with `compile`, where it was measured: on one H100 the
     # graph-captured 8B plain step 5.595 -> 5.468 ms (docs/inference.md, docs/results.md).
     pdl: bool | None = None
-    # Replay each round from a CUDA graph (`draftinfer.decoding.graphs`; CUDA only, best with compile).
-    cuda_graphs: bool = False
+    # Replay each round from a CUDA graph (`draftinfer.decoding.graphs`; CUDA only). null = as
+    # `compile` resolves on CUDA (above).
+    cuda_graphs: bool | None = None
+    # The plain decoding the report's speedup is measured against: "auto" (the best this
+    # project has on the device: the plain step compiled and, on CUDA, graph-replayed as the
+    # round is, under the same serving transforms, when the fast path is on; the eager loop
+    # otherwise), "compiled" or "eager" (by name, whatever the fast path).
+    baseline: str = "auto"
     # Launch each round before reading the previous one back (`SpecDecoder(pipeline=)`: the
     # device never waits for the host's readback and Python between rounds; the same
     # outputs). null (the default) = on for CUDA, off on the CPU. On one H100 at batch 1 it

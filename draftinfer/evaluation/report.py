@@ -8,7 +8,7 @@ missing field is a one-line `CheckpointError`), so writer and readers share one 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +38,18 @@ class RunReport:
     mismatches: list[dict[str, Any]]
     tokens_plain: int
     tokens_spec: int
-    tokens_per_s_plain: float
-    tokens_per_s_spec: float
-    speedup: float
+    tokens_per_s_plain: float  # decode tokens per second (prefill excluded), plain baseline
+    tokens_per_s_spec: float  # the same, speculative
+    speedup: float  # tokens_per_s_spec / tokens_per_s_plain
+    # Which plain decoding `speedup` is measured against ("compiled+graphs", "compiled",
+    # "eager"), how the speculative side ran, their mean times (ms per plain decode step and
+    # per round; at batch 1, speedup = AL * t_plain_step_ms / t_round_ms) and the warm-up
+    # (compiles, captures). Defaults: reports written before these fields existed.
+    baseline: str = "eager"
+    fast_path: str = "eager"
+    t_plain_step_ms: float = 0.0
+    t_round_ms: float = 0.0
+    warmup_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)  # what a caller adds (e.g. a suite)
 
     def to_dict(self) -> dict[str, Any]:
@@ -55,7 +64,8 @@ class RunReport:
     @classmethod
     def read(cls, path: str | Path) -> RunReport:
         d = json.loads(Path(path).read_text())
-        missing = [f.name for f in fields(cls) if f.name not in d and f.name != "extra"]
+        required = [f for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
+        missing = [f.name for f in required if f.name not in d]
         if missing:
             raise CheckpointError(f"{path}: not a runner report (missing {', '.join(missing)})")
         return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})

@@ -20,11 +20,13 @@ distribution is pinned by tests (T2).
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from draftinfer.conventions.metrics import acceptance_length, per_position_acceptance
+from draftinfer.decoding.baseline import PlainStep
 from draftinfer.decoding.compiled import unknown_inductor_settings
 from draftinfer.decoding.engine import Request, SpecDecoder
 from draftinfer.decoding.sampling import SamplingParams
@@ -79,10 +81,28 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+BASELINES = ("auto", "compiled", "eager")
+
+
+def resolve_fast_path(cfg: InferConfig, device: torch.device) -> InferConfig:
+    """`cfg` with the device's defaults filled in (`compile` and `cuda_graphs` null: on for
+    CUDA, graphs with compile; off on the CPU) and its plain baseline named (`auto`: compiled
+    when the fast path is on, else eager)."""
+    cuda = device.type == "cuda"
+    comp = cuda if cfg.compile is None else bool(cfg.compile)
+    graphs = (cuda and comp) if cfg.cuda_graphs is None else bool(cfg.cuda_graphs)
+    base = cfg.baseline
+    if base == "auto":
+        base = "compiled" if comp else "eager"
+    return replace(cfg, compile=comp, cuda_graphs=graphs, baseline=base)
+
+
 def check_infer_config(cfg: InferConfig) -> None:
     """One-line `ConfigError`s for values that would fail later (after loading and decoding)."""
     from draftinfer.decoding.verify import VERIFY_MODES
 
+    if cfg.baseline not in BASELINES:
+        raise ConfigError(f"baseline must be one of {list(BASELINES)}, got {cfg.baseline!r}")
     if not cfg.drafter:
         raise ConfigError("drafter=DIR is required (an exported drafter directory)")
     if cfg.mode not in ("fast", "reference"):
@@ -133,7 +153,13 @@ def serving_transforms(cfg: InferConfig, target, drafter, device: torch.device) 
     for CUDA. And programmatic dependent launch for what is compiled and launched from here on
     (`cfg.pdl`; a process-wide switch, this job's); null = on for CUDA with `cfg.compile`
     (measured there, between inductor's kernels), elsewhere as the process has it
-    (`DRAFTKERNELS_PDL`)."""
+    (`DRAFTKERNELS_PDL`).
+
+    The target is transformed once: what was applied is recorded on it (`SERVED_WITH`), so a
+    suite or a sweep serving several drafters (or several K) over one target calls this for
+    each drafter and the target is left as it is; a call asking the same target for other
+    transforms is a one-line `ConfigError` (load the target again for them). `target=None` or
+    `drafter=None` skips that side."""
     from draftkernels.runtime import enable_pdl
 
     from draftinfer.models.transforms import fuse_projections, use_skinny_gemm
@@ -141,12 +167,28 @@ def serving_transforms(cfg: InferConfig, target, drafter, device: torch.device) 
     cuda = device.type == "cuda"
     if cfg.pdl is not None or (cuda and cfg.compile):
         enable_pdl(True if cfg.pdl is None else cfg.pdl)
-    if cuda if cfg.fuse_projections is None else cfg.fuse_projections:
-        fuse_projections(target)
-        fuse_projections(drafter)
-    if cuda if cfg.skinny_gemm is None else cfg.skinny_gemm:
-        use_skinny_gemm(target)
-        use_skinny_gemm(drafter)
+    fuse = cuda if cfg.fuse_projections is None else bool(cfg.fuse_projections)
+    skinny = cuda if cfg.skinny_gemm is None else bool(cfg.skinny_gemm)
+    want = {"fuse_projections": fuse, "skinny_gemm": skinny}
+    models = [drafter]
+    if target is not None:
+        done = getattr(target, SERVED_WITH, None)
+        if done is None:
+            models.append(target)
+            setattr(target, SERVED_WITH, want)
+        elif done != want:
+            raise ConfigError(
+                f"this target is already served with {done}; {want} needs it loaded again"
+            )
+    for model in (m for m in models if m is not None):
+        if fuse:
+            fuse_projections(model)
+        if skinny:
+            use_skinny_gemm(model)
+
+
+# The attribute a served target records its serving transforms in (`serving_transforms`).
+SERVED_WITH = "draftinfer_serving_transforms"
 
 
 def spec_decoder(cfg: InferConfig, target, drafter, tokenizer) -> SpecDecoder:
@@ -160,10 +202,24 @@ def spec_decoder(cfg: InferConfig, target, drafter, tokenizer) -> SpecDecoder:
         verify=cfg.verify,
         prefill_chunk=cfg.prefill_chunk,
         tokenizer=tokenizer,
-        compile=cfg.compile,
+        compile=bool(cfg.compile),
         compile_options=None if cfg.compile_options is None else dict(cfg.compile_options),
-        cuda_graphs=cfg.cuda_graphs,
+        cuda_graphs=bool(cfg.cuda_graphs),
         pipeline=cfg.pipeline,
+    )
+
+
+def plain_step(cfg: InferConfig, target) -> PlainStep | None:
+    """The plain decode step the report's baseline runs (`cfg.baseline`, resolved by
+    `resolve_fast_path`): `PlainStep` compiled as the round is (and graph-replayed when the
+    round is), or None for the eager loop."""
+    if cfg.baseline == "eager":
+        return None
+    return PlainStep(
+        target,
+        compile=True,
+        cuda_graphs=bool(cfg.cuda_graphs),
+        compile_options=None if cfg.compile_options is None else dict(cfg.compile_options),
     )
 
 
@@ -174,8 +230,9 @@ def run_eval(cfg: InferConfig) -> RunReport:
     from draftinfer.decoding.reference import reference_generate
     from draftinfer.files.loading import load_native_target
 
-    check_infer_config(cfg)
     device = pick_device(cfg.device)
+    cfg = resolve_fast_path(cfg, device)
+    check_infer_config(cfg)
     dtype = pick_dtype(cfg.dtype, device)
     spec, arch, meta = read_drafter_config(cfg.drafter)
     target_name = cfg.target or meta.get("target") or ""
@@ -220,26 +277,34 @@ def run_eval(cfg: InferConfig) -> RunReport:
         dynamic_ncols=True,
     )
 
-    # Plain greedy decoding of the target alone: the lossless reference and the speed baseline.
-    greedy_generate(target, prompts[:1], 2, eos, mm_inputs=mm[:1])  # warm-up (allocations)
-    _sync(device)
+    # Warm-up, paid once per process (and, for what inductor compiles, once per machine: its
+    # caches persist across processes): the plain step's and the decoder's compiles and
+    # CUDA-graph captures, on the first prompt.
+    step = plain_step(cfg, target)
+    decoder = spec_decoder(cfg, target, drafter, tokenizer)
     t0 = time.perf_counter()
-    plain = greedy_generate(target, prompts, cfg.max_new_tokens, eos, mm_inputs=mm)
+    greedy_generate(target, prompts[:1], cfg.max_new_tokens, eos, step_fn=step, mm_inputs=mm[:1])
+    if cfg.mode == "fast":
+        decoder.generate(requests[:1])
     _sync(device)
-    t_plain = time.perf_counter() - t0
+    warmup_s = time.perf_counter() - t0
+
+    # Plain greedy decoding of the target alone: the lossless reference and the speed baseline.
+    plain_stats: dict = {}
+    plain = greedy_generate(
+        target, prompts, cfg.max_new_tokens, eos, step_fn=step, mm_inputs=mm, stats=plain_stats
+    )
     bar.update(len(prompts))
 
-    decoder = spec_decoder(cfg, target, drafter, tokenizer)
     if cfg.mode == "fast":
-        decoder.generate(requests[:1])  # warm-up
         outs, stats = decoder.generate(requests, on_finish=lambda: bar.update(1))
-        t_spec = stats["seconds"]
+        rounds_s = stats["round_seconds"]
     else:
         t0 = time.perf_counter()
         outs = reference_generate(
             target, drafter, requests, cfg.k, cfg.max_model_len, cfg.verify, tokenizer
         )
-        t_spec = time.perf_counter() - t0
+        rounds_s = [time.perf_counter() - t0]  # one span: the reference loop has no rounds
         bar.update(len(prompts))
     bar.close()
 
@@ -268,6 +333,12 @@ def run_eval(cfg: InferConfig) -> RunReport:
                 mismatches.append({"prompt": i, "reference_mismatch": True})
     n_plain = sum(len(p) for p in plain)
     n_spec = sum(len(o.token_ids) for o in outs)
+    # Decode throughput, prefill excluded on both sides (each request's first token is the
+    # prefill's): plain steps against speculative rounds.
+    t_plain = plain_stats.get("decode_seconds", 0.0)
+    t_spec = sum(rounds_s)
+    tps_plain = max(n_plain - len(prompts), 0) / t_plain if t_plain > 0 else 0.0
+    tps_spec = max(n_spec - len(prompts), 0) / t_spec if t_spec > 0 else 0.0
     report = RunReport(
         drafter=str(cfg.drafter),
         target=target_name,
@@ -290,9 +361,16 @@ def run_eval(cfg: InferConfig) -> RunReport:
         mismatches=mismatches,
         tokens_plain=n_plain,
         tokens_spec=n_spec,
-        tokens_per_s_plain=n_plain / t_plain,
-        tokens_per_s_spec=n_spec / t_spec,
-        speedup=(n_spec / t_spec) / (n_plain / t_plain),
+        tokens_per_s_plain=tps_plain,
+        tokens_per_s_spec=tps_spec,
+        speedup=tps_spec / tps_plain if tps_plain > 0 else 0.0,
+        baseline=step.name if step is not None else "eager",
+        t_plain_step_ms=1e3 * t_plain / max(plain_stats.get("steps", 0), 1),
+        t_round_ms=1e3 * t_spec / max(len(rounds_s), 1),
+        warmup_s=warmup_s,
+        fast_path="compiled+graphs"
+        if cfg.cuda_graphs
+        else ("compiled" if cfg.compile else "eager"),
         extra={} if cfg.drafter_positions == "native" else {"drafter_positions": "1d"},
     )
     if cfg.report:
@@ -333,8 +411,11 @@ def format_report(r: RunReport) -> str:
         ),
         ("per-position acceptance", pos),
         ("lossless", f"{r.lossless} ({r.lossless_check})"),
+        ("decode", f"{r.fast_path}; plain baseline {r.baseline}"),
+        ("ms per plain step | round", f"{r.t_plain_step_ms:.3f} | {r.t_round_ms:.3f}"),
         ("tokens/s plain | spec", f"{r.tokens_per_s_plain:.1f} | {r.tokens_per_s_spec:.1f}"),
-        ("speedup", f"{r.speedup:.2f}x"),
+        ("speedup", f"{r.speedup:.2f}x (decode tokens/s, prefill excluded)"),
+        ("warm-up", f"{r.warmup_s:.1f} s (compiles and graph captures, once per process)"),
     ]
     w = max(len(a) for a, _ in rows)
     return "\n".join(f"{a:<{w}}  {b}" for a, b in rows)

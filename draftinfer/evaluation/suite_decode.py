@@ -96,6 +96,8 @@ class Decoding:
     check_reference: bool = False
     check_sampled: bool = True
     eos: tuple[int, ...] = ()
+    # The plain baseline's decode step (`draftinfer.evaluation.run.plain_step`; None: eager).
+    plain_step: Any = None
     warm: bool = field(default=False, repr=False)
 
     def warm_up(self, prompt: Prompt) -> None:
@@ -104,9 +106,12 @@ class Decoding:
 
         if self.warm:
             return
-        greedy_generate(self.target, [prompt.ids], 2, self.eos, mm_inputs=[prompt.mm_inputs])
+        mm = [prompt.mm_inputs]
+        greedy_generate(
+            self.target, [prompt.ids], 8, self.eos, step_fn=self.plain_step, mm_inputs=mm
+        )
         if self.mode == "fast":
-            self.decoder.generate([Request(prompt.ids, max_tokens=2, mm_inputs=prompt.mm_inputs)])
+            self.decoder.generate([Request(prompt.ids, max_tokens=8, mm_inputs=prompt.mm_inputs)])
         self.warm = True
 
 
@@ -142,9 +147,13 @@ def decode_batch(
         _sync(device)
         t0 = time.perf_counter()
         if temperature == 0.0:
-            plain = greedy_generate(d.target, ids, max_new_tokens, d.eos, mm_inputs=mm)
+            plain = greedy_generate(
+                d.target, ids, max_new_tokens, d.eos, step_fn=d.plain_step, mm_inputs=mm
+            )
         else:
-            plain = sample_generate(d.target, ids, max_new_tokens, d.eos, params, mm_inputs=mm)
+            plain = sample_generate(
+                d.target, ids, max_new_tokens, d.eos, params, step_fn=d.plain_step, mm_inputs=mm
+            )
         _sync(device)
         t_plain = time.perf_counter() - t0
     if d.mode == "fast":

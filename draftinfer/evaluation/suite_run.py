@@ -125,6 +125,8 @@ def run_suites(cfg: InferConfig) -> SuitesReport:
         load_served_drafter,
         pick_device,
         pick_dtype,
+        plain_step,
+        resolve_fast_path,
         serving_transforms,
         spec_decoder,
     )
@@ -132,9 +134,10 @@ def run_suites(cfg: InferConfig) -> SuitesReport:
     from draftinfer.files.loading import load_native_target
     from draftinfer.registry import family_of
 
+    device = pick_device(cfg.device)
+    cfg = resolve_fast_path(cfg, device)
     temps = check_suites_config(cfg)
     suites = [_with_overrides(load_suite(n), cfg) for n in cfg.eval.suites]
-    device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
     spec, arch, meta = read_drafter_config(cfg.drafter)
     target_name = cfg.target or meta.get("target") or ""
@@ -187,6 +190,7 @@ def run_suites(cfg: InferConfig) -> SuitesReport:
         cfg.check_reference,
         cfg.eval.check_sampled,
         tuple(target.config.eos_token_ids),
+        plain_step=plain_step(cfg, target),
     )
     out_dir = Path(cfg.eval.out_dir or Path(cfg.drafter) / SUITES_DIR)
     identity = _drafter_identity(cfg.drafter)

@@ -12,16 +12,19 @@ typed schema and the tensors come from the run's checkpoint on disk, so the expo
 what training saved. `--push-to-hub` uploads it afterwards (`drafttrain.export.hub`); every check of
 the upload (repository id, the card's `base_model`, the token) runs before anything is written. Nothing here names a drafter kind (`draftinfer.registry`).
 
-Files an engine or loader reads hold no path of the training machine (`training_args.yaml` and
-the card, the user's own record, may): the target is recorded by a name that resolves anywhere
-(`recorded_target`), and speculators' verifier by `speculators_verifier`'s rule.
+Files an engine reads hold no path of the training machine (`training_args.yaml` and the card,
+the user's own record, may): the target is recorded by a name that resolves anywhere
+(`recorded_target`). One exception, for speculators' own loader: a target with no hub id is
+named in `speculators/config.json` by its absolute path (`speculators_verifier`), which
+resolves from any working directory of the machine that has the target; the Hub upload names
+the hub id instead (`drafttrain.export.hub`). The export holds no copy of, and no link to, the
+target's files.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 from collections.abc import Mapping
@@ -31,7 +34,6 @@ import torch
 
 from draftinfer.files.checkfields import require
 from draftinfer.files.checkpoint import (
-    atomic_write_text,
     write_drafter,
     write_speculators,
 )
@@ -50,8 +52,6 @@ from drafttrain.target.frozen import (
 from drafttrain.trainer.checkpoint import latest_checkpoint, load_checkpoint
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-# The verifier copy inside `speculators/` when the target has no hub id (`speculators_verifier`).
-VERIFIER_DIR = "verifier"
 
 
 class TargetShared(Mapping):
@@ -120,36 +120,16 @@ def recorded_target(cfg) -> str | None:
 def speculators_verifier(cfg) -> str:
     """`speculators_config.verifier.name_or_path`, which speculators 0.9.0 resolves as a local
     directory or else a hub id (it reads the verifier's `config.json` and its `embed_tokens` /
-    `lm_head` at load): the target's hub id when it has one (`export.hub_base_model`, or the
-    target's own name); otherwise (a `zoo:` target or a local directory) the relative path
-    `verifier`, a copy of the target inside the speculators folder (`copy_verifier`). It
-    resolves when that folder is the working directory
-    (`cd EXPORT/speculators; Eagle3DraftModel.from_pretrained(".")`): speculators resolves a
-    relative name from the working directory, not from the config's folder, and a relative
-    name is all a file can hold without naming a path of the training machine."""
+    `lm_head` at load, from any working directory): the target's hub id when it has one
+    (`export.hub_base_model`, or the target's own name); otherwise (a `zoo:` target or a local
+    directory) the target directory's absolute path. Nothing of the target is copied or linked
+    into the export: a relative name would resolve only from one working directory (speculators
+    resolves it from there, not from the config's folder), and a copy would ship the target's
+    weights with the drafter."""
     hub = cfg.export.hub_base_model or cfg.target.name_or_path
-    return hub if is_hub_id(hub) else VERIFIER_DIR
-
-
-def copy_verifier(cfg, speculators_dir: Path) -> Path:
-    """The target's files in `speculators_dir/verifier/`: hard links where the filesystem
-    allows (no bytes copied), else copies; `config.json` rewritten without `_name_or_path`
-    (a saved config may carry the path it was loaded from)."""
-    src = Path(resolve_path(cfg.target.name_or_path)).expanduser()
-    dest = speculators_dir / VERIFIER_DIR
-    shutil.rmtree(dest, ignore_errors=True)
-    dest.mkdir(parents=True)
-    for f in sorted(p for p in src.iterdir() if p.is_file()):
-        if f.name == "config.json":
-            config = json.loads(f.read_text())
-            config.pop("_name_or_path", None)
-            atomic_write_text(dest / f.name, json.dumps(config, indent=2, sort_keys=True) + "\n")
-            continue
-        try:
-            os.link(f, dest / f.name)
-        except OSError:  # another filesystem
-            shutil.copy2(f, dest / f.name)
-    return dest
+    if is_hub_id(hub):
+        return hub
+    return str(Path(resolve_path(cfg.target.name_or_path)).expanduser().resolve())
 
 
 def export_run(
@@ -208,19 +188,16 @@ def export_run(
         out, drafter, meta, _DTYPES[dtype_name], family_for(archs).export_fields(target_config)
     )
     if cfg.export.speculators_config:
-        verifier = speculators_verifier(cfg)
-        sub = write_speculators(
+        write_speculators(
             out,
             drafter,
-            verifier,
+            speculators_verifier(cfg),
             archs,
             serving_k,
             lambda: shared["input_embeddings"],
             _DTYPES[dtype_name],
             lambda: shared["output_embeddings"],
         )
-        if sub is not None and verifier == VERIFIER_DIR:
-            copy_verifier(cfg, sub)
     load_tokenizer(target_name).save_pretrained(str(out))
     shutil.copyfile(run / "training_args.yaml", out / "training_args.yaml")
     plot = run / "training_curves.png"

@@ -5,8 +5,11 @@
 
 The folder uploaded is staged first: every file of the export (weights, `config.json`,
 `speculators/`, tokenizer, `training_args.yaml`, plots, the runner's and the suites' reports;
-not the suites' per-request resume store) plus the model card of `drafttrain.export.card` written
-for the Hub (the launch commands load the drafter from `ORG/NAME`). `--dry-run` writes that folder to a local directory and uploads nothing. The upload
+not the suites' per-request resume store, and never a copy of the target: an older export's
+`speculators/verifier/` is left out) plus the model card of `drafttrain.export.card` written
+for the Hub (the launch commands load the drafter from `ORG/NAME`). In the staged
+`speculators/config.json` the verifier is the target's hub id (`base_model`), where the local
+export may name a local target directory. `--dry-run` writes that folder to a local directory and uploads nothing. The upload
 is `HfApi.create_repo(exist_ok=True, private=...)` then `HfApi.upload_folder` of the staged
 folder. The token is never read here: huggingface_hub resolves it itself (`HF_TOKEN`, then the
 token file of `hf auth login`) and only its presence is checked, so it cannot reach a log or a
@@ -15,11 +18,13 @@ file. `HF_ENDPOINT` selects another Hub endpoint (tests use a local recording se
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from pathlib import Path
 
 from draftinfer.evaluation.suite_report import SUITES_DIR
+from draftinfer.files.checkpoint import SPECULATORS_DIR
 from drafttrain.export.card import write_model_card
 from drafttrain.jobs.config import ExportConfig, TargetConfig
 from drafttrain.jobs.errors import ConfigError, DraftError
@@ -83,7 +88,8 @@ def check_push(
 
 # Inside an export, what stays local: the acceptance suites' resume store (one record per
 # request, with this machine's data paths; `draftinfer.evaluation.suite_run`). Their report is shipped.
-LOCAL_ONLY = (Path(SUITES_DIR) / "requests",)
+# An export written before 2026-11-29 held a hard-linked copy of the target there.
+LOCAL_ONLY = (Path(SUITES_DIR) / "requests", Path(SPECULATORS_DIR) / "verifier")
 
 
 def staged_files(export_dir: Path) -> list[Path]:
@@ -107,8 +113,21 @@ def stage(run_dir: Path, export_dir: Path, repo_id: str, base_model: str, dest: 
     for rel in staged_files(export_dir):
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(export_dir / rel, dest / rel)
+    name_verifier(dest / SPECULATORS_DIR / "config.json", base_model)
     write_model_card(run_dir, export_dir, dest=dest, drafter_ref=repo_id, base_model=base_model)
     return dest
+
+
+def name_verifier(config_path: Path, base_model: str) -> None:
+    """A staged speculators `config.json` names its verifier by the target's hub id (an export
+    of a local target names the local directory, which means nothing on the Hub)."""
+    if not config_path.is_file():
+        return
+    config = json.loads(config_path.read_text())
+    verifier = config.get("speculators_config", {}).get("verifier")
+    if verifier is not None and verifier.get("name_or_path") != base_model:
+        verifier["name_or_path"] = base_model
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def push_to_hub(

@@ -401,3 +401,22 @@ def test_mixed_adamw_compiled_on_cuda_equals_eager_cpu():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-5)
     cuda_graphs = runs["cuda"][1]
     assert cuda_graphs[-1] == cuda_graphs[0], cuda_graphs  # compiled once, at the first step
+
+
+@pytest.mark.gpu
+def test_the_runners_plain_baseline_decodes_what_the_eager_loop_does(tiny_llama3_dir):
+    """The report's plain baseline on CUDA (`PlainStep`: compiled, replayed from a CUDA graph
+    per attention bucket) decodes the eager loop's tokens, across buckets, with graphs
+    replayed (the second call reuses the first's captures), and with EOS stops read one step
+    late (`_StopFlag`) the outputs are cut where the eager loop cuts them."""
+    from draftinfer.decoding.baseline import PlainStep
+
+    model = load_native_target(tiny_llama3_dir, "cuda", torch.float32, 4, 96)
+    ps = prompts(4, seed=500)
+    eager = greedy_generate(model, ps, 40, [])
+    step = PlainStep(model, compile=True, cuda_graphs=True)
+    for _ in range(2):
+        assert greedy_generate(model, ps, 40, [], step_fn=step) == eager
+    assert step._graphed.replays > 0 and len(step._graphed.graphs) >= 2  # two buckets or more
+    eos = [eager[0][5], eager[2][11]]  # tokens the outputs reach: every row stops on one
+    assert greedy_generate(model, ps, 40, eos, step_fn=step) == greedy_generate(model, ps, 40, eos)

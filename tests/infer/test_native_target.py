@@ -339,7 +339,7 @@ def test_fixed_attn_len_equals_default(tiny_llama3_dir):
     ref = greedy_generate(a, prompts, 7, [])
     assert (
         greedy_generate(
-            b, prompts, 7, [], step_fn=lambda i, p, r: b(i, Slots(r, p, attn_len=32)).logits
+            b, prompts, 7, [], step_fn=lambda i, p, r, a: b(i, Slots(r, p, attn_len=32)).logits
         )
         == ref
     )
@@ -358,7 +358,7 @@ def test_compiled_cuda_graph_step_matches_eager_and_hf(which, request):
         torch._dynamo.mark_static_address(layer.self_attn.k_cache)
         torch._dynamo.mark_static_address(layer.self_attn.v_cache)
     step = torch.compile(
-        lambda i, p, r: model(i, Slots(r, p, attn_len=48)).logits,
+        lambda i, p, r, a: model(i, Slots(r, p, attn_len=48)).logits,
         mode="reduce-overhead",
         dynamic=False,
     )

@@ -167,14 +167,14 @@ def test_maths_decode_backend_traced_matches_eager(tiny_llama3_dir):
             fuse_projections(model)
         use_attention(model, "maths_decode")
         step = torch.compile(
-            lambda i, p, r, m=model: m(i, Slots(r, p, attn_len=32)).logits,
+            lambda i, p, r, a, m=model: m(i, Slots(r, p, attn_len=32)).logits,
             backend="aot_eager",
             dynamic=False,
         )
         assert greedy_generate(model, prompts, 6, [], step_fn=step) == ref
         first = torch.tensor([[3], [5]]), torch.tensor([[3], [2]]), torch.tensor([0, 1])
         torch.testing.assert_close(
-            step(*first),
+            step(*first, 32),
             model(first[0], Slots(first[2], first[1], attn_len=32)).logits,
             atol=ATOL,
             rtol=0,

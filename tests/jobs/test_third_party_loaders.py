@@ -173,8 +173,9 @@ def test_speculators_loads_export_as_written_and_matches(kind_env, kind, tmp_pat
     theirs, meta = run_speculators_side(stype, folder, _side_inputs(d, stype), tmp_path)
     print(f"speculators side: {meta}")
     assert meta["speculators"] == "0.9.0" and meta["transformers"] == "5.19.0"
-    # The verifier resolved as recorded (from this folder), and nothing in the model came from
-    # anywhere but the folder, except speculators' own copies of verifier weights.
+    # The verifier resolved as recorded (from a working directory apart from the export), and
+    # nothing in the model came from anywhere but the folder, except speculators' own copies
+    # of verifier weights.
     assert meta["verifier"] == cfg["speculators_config"]["verifier"]["name_or_path"]
     assert set(meta["not_in_folder"]) <= VERIFIER_OWNED, meta["not_in_folder"]
     assert meta["unused_in_folder"] == [], meta["unused_in_folder"]

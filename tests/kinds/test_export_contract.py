@@ -96,9 +96,10 @@ def test_export_contract_against_its_target(zoo_run, zoo_target, kind):
         spec_cfg = json.loads((export / SPECULATORS_DIR / "config.json").read_text())
         assert spec_cfg["speculators_model_type"] == "dflash"
         assert spec_cfg["aux_hidden_state_layer_ids"] == cfg["eagle_aux_hidden_state_layer_ids"]
-        # A zoo target has no hub id: the verifier is the copy inside the folder.
-        assert spec_cfg["speculators_config"]["verifier"]["name_or_path"] == "verifier"
-        assert (export / SPECULATORS_DIR / "verifier" / "model.safetensors").is_file()
+        # A zoo target has no hub id: the verifier is the target directory's absolute path.
+        zoo_dir = str(Path(resolve_path("zoo:llama-tiny")).resolve())
+        assert spec_cfg["speculators_config"]["verifier"]["name_or_path"] == zoo_dir
+        assert not (export / SPECULATORS_DIR / "verifier").exists()
         with safe_open(str(export / SPECULATORS_DIR / "model.safetensors"), "pt") as f:
             spec_shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
         assert spec_shapes["embed_tokens.weight"] == spec_shapes["lm_head.weight"] == (V, H)
@@ -119,10 +120,11 @@ def test_export_contract_against_its_target(zoo_run, zoo_target, kind):
         # loads it with speculators itself).
         spec_cfg = json.loads((export / SPECULATORS_DIR / "config.json").read_text())
         verifier = spec_cfg["speculators_config"]["verifier"]
-        # A zoo target has no hub id: the verifier is a copy inside the folder, named by a
-        # relative path (drafttrain.export.directory.speculators_verifier).
-        assert verifier == {"name_or_path": "verifier", "architectures": tc.architectures}
-        assert (export / SPECULATORS_DIR / "verifier" / "model.safetensors").is_file()
+        # A zoo target has no hub id: the verifier is the target directory's absolute path
+        # (drafttrain.export.directory.speculators_verifier), and nothing of it is in the export.
+        zoo_dir = str(Path(resolve_path("zoo:llama-tiny")).resolve())
+        assert verifier == {"name_or_path": zoo_dir, "architectures": tc.architectures}
+        assert not (export / SPECULATORS_DIR / "verifier").exists()
         assert spec_cfg["transformer_layer_config"]["vocab_size"] == V
         assert spec_cfg["eagle_aux_hidden_state_layer_ids"] == aux
         with safe_open(str(export / SPECULATORS_DIR / "model.safetensors"), "pt") as f:

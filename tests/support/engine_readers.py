@@ -294,23 +294,26 @@ def vllm_ptd(export: Path, rec: RunRecord) -> EngineView:
     return view
 
 
-def _verifier_dir(folder: Path, name: str) -> Path | None:
+def _verifier_dir(name: str) -> Path | None:
     """speculators' rule (`utils/loading.py::_resolve_file`): a local directory if one exists at
-    `name` (from the working directory, which the loader sets to the folder), else a hub id."""
-    local = folder / name
-    return local if local.is_dir() else None
+    `name` (a relative name from the working directory), else a hub id. The export writes an
+    absolute path for a target with no hub id, so it resolves from any working directory."""
+    local = Path(name)
+    return local if local.is_absolute() and local.is_dir() else None
 
 
 def _check_verifier(folder: Path, cfg: dict[str, Any], rec: RunRecord) -> None:
-    """speculators' verifier: a hub id, or the copy inside the folder that is the target."""
+    """speculators' verifier: a hub id, or the target's own directory by its absolute path;
+    never anything inside the folder (no copy of, or link to, the target's files)."""
     from drafttrain.target.frozen import is_hub_id
 
+    assert not (folder / "verifier").exists(), "the export holds a copy of the target"
     verifier = cfg["speculators_config"]["verifier"]
     assert verifier["architectures"] == rec.target_config["architectures"]
     name = verifier["name_or_path"]
-    vdir = _verifier_dir(folder, name)
+    vdir = _verifier_dir(name)
     if vdir is None:  # a hub id; `export.hub_base_model` or the target's own name
-        assert is_hub_id(name), f"verifier {name!r} is neither inside the folder nor a hub id"
+        assert is_hub_id(name), f"verifier {name!r} is neither an absolute directory nor a hub id"
         return
     vcfg = read_json(vdir / "config.json")
     assert vcfg["architectures"] == verifier["architectures"]

@@ -52,8 +52,8 @@ def speculators_python() -> Path | None:
 def run_speculators_side(
     kind: str, speculators_dir: Path, inputs: dict[str, torch.Tensor], work: Path
 ) -> tuple[dict[str, torch.Tensor], dict]:
-    """Run `speculators_side.py KIND` with the speculators venv's python, the export's
-    `speculators/` folder as the working directory (where its recorded verifier resolves);
+    """Run `speculators_side.py KIND FOLDER` with the speculators venv's python from `work` (a
+    working directory apart from the export: its recorded verifier must resolve from anywhere);
     -> (tensors it wrote, its metadata). A failure raises with the subprocess's last output."""
     py = speculators_python()
     assert py is not None, "no speculators interpreter"
@@ -63,8 +63,8 @@ def run_speculators_side(
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
     env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     r = subprocess.run(
-        [str(py), str(SIDE), kind, str(src), str(out)],
-        cwd=speculators_dir,
+        [str(py), str(SIDE), kind, str(Path(speculators_dir).resolve()), str(src), str(out)],
+        cwd=work,
         env=env,
         capture_output=True,
         text=True,

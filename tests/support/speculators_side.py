@@ -1,11 +1,11 @@
 """The speculators side of `tests/jobs/test_third_party_loaders.py`: a script run by the python
 of the speculators virtualenv (`tests.support.speculators_env`), never imported by the tests.
 
-    cd EXPORT/speculators
-    .ci-venvs/speculators/bin/python tests/support/speculators_side.py KIND INPUTS OUT
+    .ci-venvs/speculators/bin/python tests/support/speculators_side.py KIND FOLDER INPUTS OUT
 
-It loads the folder *as it is* with vllm-project/speculators 0.9.0's own `from_pretrained(".")`
-(the export's recorded verifier resolves from this working directory), in fp32, runs its
+It loads the folder *as it is* with vllm-project/speculators 0.9.0's own
+`from_pretrained(FOLDER)` from a working directory that has nothing to do with it (the export's
+recorded verifier, a hub id or the target's absolute path, resolves from anywhere), in fp32, runs its
 forward on the inputs our side wrote (`INPUTS`, safetensors) and writes what it computed to
 `OUT` (safetensors): the `lm_head` outputs (`logits`), every tensor of its state dict
 (`state.<name>`) and, for P-EAGLE and DFlash, the anchors (and depths) of its slots. Metadata (versions,
@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 
-def _load(kind: str):
+def _load(kind: str, folder: str):
     if kind == "eagle3":
         from speculators.models.eagle3 import Eagle3DraftModel as cls
     elif kind == "peagle":
@@ -32,7 +32,7 @@ def _load(kind: str):
         from speculators.models.dflash import DFlashDraftModel as cls
     else:
         raise SystemExit(f"unknown speculators kind {kind!r}")
-    return cls.from_pretrained(".", dtype=torch.float32).eval()
+    return cls.from_pretrained(folder, dtype=torch.float32).eval()
 
 
 def _capture_lm_head(model) -> list[torch.Tensor]:
@@ -116,18 +116,18 @@ def _forward_dflash(model, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 FORWARDS = {"eagle3": _forward_eagle3, "peagle": _forward_peagle, "dflash": _forward_dflash}
 
 
-def main(kind: str, inputs: str, out: str) -> None:
+def main(kind: str, folder: str, inputs: str, out: str) -> None:
     import importlib.metadata
 
     import transformers
 
     x = load_file(inputs)
-    model = _load(kind)
+    model = _load(kind, folder)
     result = {}
     if x:  # no inputs: load only
         result = FORWARDS[kind](model, x)
     state = {f"state.{k}": v.detach().clone().contiguous() for k, v in model.state_dict().items()}
-    on_disk = set(load_file("model.safetensors"))
+    on_disk = set(load_file(str(Path(folder) / "model.safetensors")))
     cfg = model.config
     meta = {
         "speculators": importlib.metadata.version("speculators"),
@@ -146,6 +146,6 @@ def main(kind: str, inputs: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 4:
+    if len(sys.argv) != 5:
         raise SystemExit(__doc__)
-    main(sys.argv[1], str(Path(sys.argv[2]).resolve()), str(Path(sys.argv[3]).resolve()))
+    main(sys.argv[1], *(str(Path(a).resolve()) for a in sys.argv[2:]))

@@ -303,7 +303,8 @@ def test_job_refuses_local_target_without_hub_base_model(train_env, tmp_path):
 
 def test_suites_resume_store_stays_local(tmp_path):
     """The suites' report is uploaded with the export; their per-request resume store (this
-    machine's paths, one file per batch of requests) and the local card are not."""
+    machine's paths, one file per batch of requests), the local card and an older export's
+    copy of its target are not."""
     from drafttrain.export.hub import staged_files
 
     export = tmp_path / "export"
@@ -315,6 +316,7 @@ def test_suites_resume_store_stays_local(tmp_path):
         "suites/suites.png",
         "suites/requests/mt_bench/t0/batch_0.json",
         "speculators/config.json",
+        "speculators/verifier/model.safetensors",  # an older export's copy of its target
     ]:
         (export / rel).parent.mkdir(parents=True, exist_ok=True)
         (export / rel).write_text("{}")
@@ -325,3 +327,32 @@ def test_suites_resume_store_stays_local(tmp_path):
         "suites/suites.png",
         "speculators/config.json",
     }
+
+
+def test_an_export_of_a_local_target_ships_none_of_it(train_env, tmp_path):
+    """A local target with no hub id: the export names it (speculators' verifier) by its
+    absolute path and holds no copy of, and no link to, any of its files (no file shares an
+    inode with the target's); the staged Hub folder names the target by its hub id and holds
+    no file of the target."""
+    import hashlib
+
+    from drafttrain.export.hub import stage
+    from tests.support.tiny_models import train_tiny_export
+
+    target_dir = Path(train_env["target"]).resolve()
+    export = Path(train_tiny_export("eagle3", train_env, tmp_path / "run", 2)[3])
+    spec_cfg = json.loads((export / "speculators" / "config.json").read_text())
+    assert spec_cfg["speculators_config"]["verifier"]["name_or_path"] == str(target_dir)
+    inodes = {os.stat(p).st_ino for p in target_dir.rglob("*") if p.is_file()}
+    exported = [p for p in export.rglob("*")]
+    assert not any(p.is_symlink() for p in exported)
+    assert not {os.stat(p).st_ino for p in exported if p.is_file()} & inodes
+    weights = {
+        hashlib.sha256(p.read_bytes()).hexdigest() for p in target_dir.rglob("*.safetensors")
+    }
+    dry = stage(tmp_path / "run", export, "tiny-org/x", BASE_MODEL, tmp_path / "dry")
+    staged = [p for p in dry.rglob("*") if p.is_file()]
+    assert not any("verifier" in p.relative_to(dry).parts for p in staged)
+    assert not {hashlib.sha256(p.read_bytes()).hexdigest() for p in staged} & weights
+    staged_cfg = json.loads((dry / "speculators" / "config.json").read_text())
+    assert staged_cfg["speculators_config"]["verifier"]["name_or_path"] == BASE_MODEL
