@@ -115,9 +115,10 @@ def main() -> int:
     draft_vocab = DRAFT_VOCAB["tiny" if a.tiny else "llama3.1-8b"]
     target_dir, export_dir = a.work / "target", a.work / f"export_{a.kind}"
     t0 = time.perf_counter()
-    if not (target_dir / "model.safetensors.index.json").is_file():
+    if a.processes and not (target_dir / "model.safetensors.index.json").is_file():
         write_target(target_dir, shape, a.device)
-    write_export(export_dir, target_dir, shape, a.kind, a.k, draft_vocab, a.device)
+    if a.processes:
+        write_export(export_dir, target_dir, shape, a.kind, a.k, draft_vocab, a.device)
     res: dict = {"kind": a.kind, "k": a.k, "build_s": round(time.perf_counter() - t0, 1)}
     res["runs"] = []
     for i in range(a.processes):
@@ -175,6 +176,10 @@ def print_table(res: dict) -> None:
             f"{al * tp / tr:.3f} | {tp / bench_plain:.3f} | {tr / bench_round:.3f}"
         )
     print(f"bench: runner plain step {bench_plain:.3f} ms, round {bench_round:.3f} ms")
+    for i, r in enumerate(res["runs"]):
+        extra = r.get("extra", {})
+        print(f"process {i}: plain warm-up {extra.get('warmup_plain_s', float('nan')):.1f} s;")
+        print(f"  compile: {json.dumps(extra.get('compile'))}")
 
 
 if __name__ == "__main__":

@@ -113,3 +113,21 @@ def test_with_the_fast_path_the_plain_baseline_runs_the_compiled_step(kind_env, 
     eager = run_eval(InferConfig(compile=False, **common))
     assert (eager.baseline, eager.fast_path) == ("eager", "eager") and not built and not calls
     assert eager.lossless
+
+
+def test_a_near_tie_is_measured_on_the_plain_side(tiny_llama3_dir):
+    """Below fp32 the report forgives a first mismatch only where the plain side's top-2
+    margin is under `NEAR_TIE`: the margin is the target's own, for the token after the
+    common prefix (teacher-forced here the same way)."""
+    from draftinfer.conventions.slots import Slots
+    from draftinfer.evaluation.prompts import Prompt
+    from draftinfer.evaluation.run import top2_margin
+    from draftinfer.files.loading import load_native_target
+
+    target = load_native_target(tiny_llama3_dir, "cpu", torch.float32, 2, 64)
+    prompt, tokens = Prompt([5, 9, 11, 40]), [7, 3]
+    ids = torch.tensor([prompt.ids + tokens])
+    pos = torch.arange(ids.shape[1])[None]
+    logits = target(ids, Slots(torch.tensor([1]), pos)).logits[0, -1]
+    want = logits.topk(2).values
+    assert top2_margin(target, prompt, tokens) == pytest.approx(float(want[0] - want[1]), abs=1e-5)
