@@ -109,6 +109,7 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--skip-bench", action="store_true")
+    ap.add_argument("--bench-rounds", type=int, default=16, help="draftbench.round --rounds")
     a = ap.parse_args()
     # The zoo tokenizer's ids run to 4096: the tiny shape's vocabulary is widened to hold them.
     shape = dict(TINY, vocab_size=4096) if a.tiny else LLAMA31_8B
@@ -139,6 +140,7 @@ def main() -> int:
         cmd = [
             sys.executable, "-m", "draftbench.round", "--batches", "1", "--kinds", a.kind,
             "--ks", f"{a.kind}:{a.k}", "--graph-only", "--fuse-only", "--peer-dir", "/none",
+            "--rounds", str(a.bench_rounds),
             "--out", str(bench), "--device", a.device,
         ] + (["--tiny"] if a.tiny else [])  # fmt: skip
         rc, wall = run(cmd, a.work / "round.log")
