@@ -35,7 +35,7 @@ LENGTHS = (512, 2048, 8192)
 def make(B: int, T: int, L: int, device):
     """q, caches of `B + 1` rows (`rows` skips row 0) holding `L + T` keys, the mask of `T`
     slots at the end of the range."""
-    from draftinfer.decoding.kv_cache import visibility_mask
+    from draftinfer.models.kv_cache import visibility_mask
 
     nh, nkv, d = SHAPE["nh"], SHAPE["nkv"], SHAPE["d"]
     g = torch.Generator(device=device).manual_seed(B * 1000 + T * 10 + L)
@@ -51,7 +51,7 @@ def make(B: int, T: int, L: int, device):
 
 def sdpa_over_cache(q, k_cache, v_cache, rows, mask, attn_len):
     """`cached_attention`'s attention after its write: prefix read, folded GQA, SDPA."""
-    from draftinfer.decoding.kv_cache import read_rows
+    from draftinfer.models.kv_cache import read_rows
 
     B, T, nh, d = q.shape
     nkv = k_cache.shape[2]

@@ -27,7 +27,7 @@ is synthesized: random features for the drafter's taps (`[1, T, 3H]` for eagle3 
 `[1, T, 5H]` for dflash's five) and a random final hidden state `[1, T, H]` with a random bf16
 head `[V, H]`, handed over as the `TrainTargetOutput` a frozen target returns, so the
 target's distribution is computed inside the step exactly as in training
-(`drafttrain.target.head`), while no 8B target forward is timed (the peer also starts from
+(`drafttrain.frozen.head`), while no 8B target forward is timed (the peer also starts from
 precomputed hidden states). dflash (`--kinds dflash:K`, K = block size - 1 drafts, the
 naming of `draftbench/round.py`: `dflash:15` is the preset's block of 16): the architecture its
 trainer derives from the preset (`TrainSpec.arch`: 5 layers, z-lab's taps [1, 8, 15, 22, 29],
@@ -248,7 +248,7 @@ class Ours:
         return self.spec.objective(self.drafter, dc, self.backend, self.loss)
 
     def inputs(self, seq_len: int, seed: int):
-        from drafttrain.target.head import HeadLogits, TargetHead, TrainTargetOutput
+        from drafttrain.frozen.head import HeadLogits, TargetHead, TrainTargetOutput
 
         g = torch.Generator(device="cpu").manual_seed(seed)
         s, dev, T = self.shapes, self.device, seq_len
@@ -377,7 +377,7 @@ def profile_ours(ours: Ours, k: int, seq_len: int, seed: int) -> dict:
     kernels, summed by family. Returns {"text": report, "summary": one line}."""
     from torch.profiler import ProfilerActivity, profile
 
-    from drafttrain.target.head import target_distribution
+    from drafttrain.frozen.head import target_distribution
 
     dev, tc = ours.device, ours.cfg.trainer
     objective = ours.objective(k)

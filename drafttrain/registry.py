@@ -32,7 +32,7 @@ belongs to is the runner's answer, from the architecture in its `config.json`
 (`draftinfer.registry.FAMILIES.for_architectures`; an unclaimed architecture is a `causal_lm`).
 
 A `TrainFamily` gives
-- `target(cfg, device)`: the frozen target (a `drafttrain.target.frozen.FrozenTarget` subclass);
+- `target(cfg, device)`: the frozen target (a `drafttrain.frozen.target.FrozenTarget` subclass);
 - `data(target_name, tokenizer)`: the data adapter: tokenized splits with their collate
   function (text chat, or image+text chat through a processor);
 - `feature_cache`: whether the offline feature cache (`drafttrain.cache`) can stand in for
@@ -66,7 +66,7 @@ if TYPE_CHECKING:  # annotations only
 
 @dataclass
 class InitContext:
-    target: Any  # drafttrain.target.frozen.FrozenTarget
+    target: Any  # drafttrain.frozen.target.FrozenTarget
     tokenizer: Any
     data: Any  # the tokenized training set (`input_ids`, `loss_mask` columns)
     cache_dir: Path
@@ -121,21 +121,20 @@ def train_spec(kind: str) -> TrainSpec:
 
 
 class TrainFamily:
-    """Base of a family's training side; the default family uses it as is."""
+    """Base of a family's training side (the default family's, `causal_lm`, is the text one
+    that others build on)."""
 
     name: ClassVar[str] = ""
     feature_cache: ClassVar[bool] = True
     pipeline_tag: ClassVar[str] = "text-generation"
 
     def target(self, cfg: TargetConfig, device: torch.device):
-        from drafttrain.target.frozen import FrozenTarget
-
-        return FrozenTarget(cfg, device)
+        """The frozen target (a `drafttrain.frozen.target.FrozenTarget`); each family's own."""
+        raise NotImplementedError(f"{type(self).__name__} builds no target")
 
     def data(self, target_name: str, tokenizer):
-        from drafttrain.data.batching import ChatData
-
-        return ChatData(tokenizer)
+        """The data adapter (tokenized splits and their collate function); each family's own."""
+        raise NotImplementedError(f"{type(self).__name__} has no data adapter")
 
     def export_fields(self, target_config: Any) -> dict[str, Any]:
         return {}
@@ -167,7 +166,7 @@ def train_family(name: str) -> TrainFamily:
 
 def target_family(name_or_path: str) -> TrainFamily:
     """The family of a target named by hub id, local path or `zoo:` name (its config only)."""
-    from drafttrain.target.frozen import load_target_config
+    from drafttrain.frozen.target import load_target_config
 
     archs = getattr(load_target_config(name_or_path), "architectures", None)
     return family_for(list(archs or []))

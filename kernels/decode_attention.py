@@ -3,7 +3,7 @@
     decode_attention(q [B, T, nh, D], k_cache [MB, ML + 1, nkv, D], v_cache, rows [B] int64,
                      mask [B, 1, T * g, L] bool, attn_len L) -> o [B, T, nh, D] (q's dtype)
 
-The arguments are `draftinfer.decoding.kv_cache.cached_attention`'s after its cache write: query slot
+The arguments are `draftinfer.models.kv_cache.cached_attention`'s after its cache write: query slot
 `(b, t)`, head `h` reads cache row `rows[b]`, indices `0..L-1` of KV head `h // g` (`g = nh //
 nkv`, HF's repeat_kv order), where `mask[b, 0, t * g + h % g, j]` is True.
 

@@ -1,3 +1,2 @@
 """The round: the speculative decoding loop (`engine`), proposers, verification and
-sampling, the KV cache, CUDA graphs and compiled pieces, the reference loop and the plain
-decode baseline."""
+sampling, CUDA graphs and compiled pieces, the reference loop and the plain decode baseline."""

@@ -17,7 +17,7 @@ import torch
 
 from draftinfer.conventions.slots import Slots
 from draftinfer.conventions.window import TokenEmbeds
-from draftinfer.decoding.kv_cache import bind_cache
+from draftinfer.models.kv_cache import bind_cache
 from draftinfer.models.target import FeatureSpec
 
 _COMPILED: dict[tuple, Callable] = {}

@@ -37,7 +37,7 @@ which every decode, verify and draft slot sits at `target.rope_positions(cache_p
 The engine names no family.
 
 Rejected drafts leave stale KV past the committed length in both caches; it is never read
-(see `draftinfer.decoding.kv_cache`). Randomness is keyed by (request seed, position), so a request's
+(see `draftinfer.models.kv_cache`). Randomness is keyed by (request seed, position), so a request's
 output does not depend on the rest of the batch (convention 12).
 """
 

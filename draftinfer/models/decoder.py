@@ -9,7 +9,7 @@ an HF safetensors checkpoint loads by name with no renaming table.
 `forward(inputs, slots, features) -> TargetOutput` is the target interface of
 `draftinfer.models.target`; `Slots` (cache rows, cache index, RoPE position, attention length) and
 the KV-cache design (scratch column for padding slots, no rollback ever needed) are described
-in `draftinfer.conventions.slots` and `draftinfer.decoding.kv_cache`.
+in `draftinfer.conventions.slots` and `draftinfer.models.kv_cache`.
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ import torch
 from torch import nn
 
 from draftinfer.conventions.slots import Slots
-from draftinfer.decoding.kv_cache import (
+from draftinfer.files.errors import ConfigError
+from draftinfer.models.kv_cache import (
     default_attention,
     resolve_attn_len,
     visibility_mask,
     write_index,
 )
-from draftinfer.files.errors import ConfigError
 from draftinfer.models.layers import RMSNorm, SwiGLU
 from draftinfer.models.rope import RotaryEmbedding, apply_rope, rope_axes, rope_from_hf
 from draftinfer.models.target import FeatureSpec, TargetInfo, TargetInputs, TargetOutput, as_inputs
@@ -70,7 +70,7 @@ class CachedAttention(nn.Module):
     no boolean indexing (no host sync); no query ever reads it (reads stop at `max_seq_len`).
 
     Serving transforms swap two pieces from outside (`draftinfer.models.transforms`): `project`
-    (one fused q/k/v GEMM) and `attention` (a backend of `draftinfer.decoding.kv_cache.ATTENTION`).
+    (one fused q/k/v GEMM) and `attention` (a backend of `draftinfer.models.kv_cache.ATTENTION`).
     """
 
     # How this forward's K/V are written to the cache and attended; an instance may hold
@@ -353,7 +353,7 @@ class NativeCausalLM(nn.Module):
 
         Returns `TargetOutput`: logits `[B, T, V]` fp32 (or `[B, T', V]`), features
         `[B, T, F]` in the model dtype (None without `features`), the RoPE positions used and
-        the input embeddings. Why no KV rollback is needed: `draftinfer.decoding.kv_cache`.
+        the input embeddings. Why no KV rollback is needed: `draftinfer.models.kv_cache`.
         """
         if self.max_seq_len == 0:
             raise RuntimeError("call setup_caches(max_batch, max_seq_len) before forward")

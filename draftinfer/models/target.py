@@ -2,7 +2,7 @@
 
     out = target.forward(inputs, slots, features)   # -> TargetOutput
 
-- the HF-hooked frozen target used in training (`drafttrain.target.frozen.FrozenTarget`) and
+- the HF-hooked frozen target used in training (`drafttrain.frozen.target.FrozenTarget`) and
 - the native target of the runner (`draftinfer.models`),
 
 so drafter kinds and the engine never ask a target for kind-specific things (aux layer ids,

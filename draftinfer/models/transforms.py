@@ -18,7 +18,7 @@ rule 3, like `torch.compile`): they change how a decode step runs, never what it
   `.to()` copies parameters and buffers apart (values stay equal, the views no longer alias);
   calling it again re-fuses. A state dict of a fused model holds views of one storage, which
   `safetensors.save_file` refuses: save an unfused model.
-- `use_attention`: the attention backend of every layer (`draftinfer.decoding.kv_cache.ATTENTION`).
+- `use_attention`: the attention backend of every layer (`draftinfer.models.kv_cache.ATTENTION`).
 - `use_skinny_gemm`: every `nn.Linear` of a module (a target or a drafter) and the fused
   projections run `draftkernels.skinny_gemm.linear`: the weight-streaming Triton kernel for
   inputs of at most 16 rows in bf16/fp16 on CUDA (decode, verify, drafting), `F.linear` for
@@ -46,8 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftinfer.decoding.kv_cache import ATTENTION, AttentionFn
 from draftinfer.models.decoder import CachedAttention, DecoderLayer, NativeCausalLM
+from draftinfer.models.kv_cache import ATTENTION, AttentionFn
 from draftinfer.models.layers import Attention, SwiGLU
 
 

@@ -18,6 +18,6 @@ different things; docs/training.md, "Offline feature cache", has the whole story
 
 from drafttrain.cache.format import Layout, bytes_per_token, decode, encode
 from drafttrain.cache.reader import CachedTarget
-from drafttrain.target.head import TargetHead
+from drafttrain.frozen.head import TargetHead
 
 __all__ = ["CachedTarget", "Layout", "TargetHead", "bytes_per_token", "decode", "encode"]

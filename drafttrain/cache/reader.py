@@ -7,7 +7,7 @@ What it returns, against `FrozenTarget.forward` on the same batch:
 - `features`: the requested segments, decoded into the target's dtype (bit-equal to the
   live target's for a float32 cache of an fp32 target, or a bfloat16 cache of a bf16 target);
 - `logits`: not computed; `head` carries the stored head input and the target's own head
-  (`drafttrain.target.head.TargetHead`), from which objectives compute the distribution they
+  (`drafttrain.frozen.head.TargetHead`), from which objectives compute the distribution they
   score (`target_distribution`), chunk by chunk;
 - `rope_pos`: the stored RoPE positions, 0 at padding (as the live target's);
 - `inputs_embeds`: `[B, T, 0]`. No objective reads it (they build their own token
@@ -33,9 +33,9 @@ from safetensors import SafetensorError, safe_open
 from draftinfer.models.target import FeatureSpec, TargetOutput
 from drafttrain.cache.fingerprint import common_fingerprint, split_fingerprint
 from drafttrain.cache.format import FORMAT, STORAGE, Layout, decode, mismatch
+from drafttrain.frozen.head import HeadLogits, TargetHead, TrainTargetOutput
 from drafttrain.jobs.config import TrainConfig
 from drafttrain.jobs.errors import ConfigError, DataError
-from drafttrain.target.head import HeadLogits, TargetHead, TrainTargetOutput
 from drafttrain.trainer.shards import ShardedOutput
 
 OPEN_SHARDS = 64  # safetensors handles kept open (each an mmap)

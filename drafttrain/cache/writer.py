@@ -34,11 +34,11 @@ from drafttrain.cache.format import (
     storage_dtype,
 )
 from drafttrain.data import collate, held_out_batches
+from drafttrain.frozen.head import TargetHead
+from drafttrain.frozen.target import FrozenTarget, batch_slots
 from drafttrain.jobs.config import TrainConfig
 from drafttrain.jobs.errors import ConfigError, TargetError
 from drafttrain.jobs.setup import job_device, setup_drafter_job, single_process
-from drafttrain.target.frozen import FrozenTarget, batch_slots
-from drafttrain.target.head import TargetHead
 from drafttrain.trainer.shards import ShardedOutput, remove_temp_files
 
 

@@ -32,10 +32,10 @@ from draftinfer.evaluation.suite_report import (
 )
 from draftinfer.files.checkpoint import atomic_write_text, read_drafter_config
 from draftinfer.files.paths import resolve_path
+from drafttrain.frozen.target import is_hub_id, load_target_config
 from drafttrain.jobs.config import load_train_config
 from drafttrain.jobs.runner_eval import read_runner_eval
 from drafttrain.registry import family_for
-from drafttrain.target.frozen import is_hub_id, load_target_config
 from drafttrain.trainer.loggers import read_metrics
 
 # The runner's report for `export.verify_k` and its plot; extra K values write

@@ -40,15 +40,15 @@ from draftinfer.files.checkpoint import (
 from draftinfer.files.paths import ZOO_PREFIX, resolve_path
 from draftinfer.registry import drafter_spec
 from drafttrain.export.card import write_model_card
-from drafttrain.jobs.config import load_train_config
-from drafttrain.jobs.errors import CheckpointError, DraftError
-from drafttrain.registry import family_for
-from drafttrain.target.frozen import (
+from drafttrain.frozen.target import (
     is_hub_id,
     load_target_config,
     load_tokenizer,
     read_input_embedding,
 )
+from drafttrain.jobs.config import load_train_config
+from drafttrain.jobs.errors import CheckpointError, DraftError
+from drafttrain.registry import family_for
 from drafttrain.trainer.checkpoint import latest_checkpoint, load_checkpoint
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -107,7 +107,7 @@ class TargetShared(Mapping):
 
 
 def recorded_target(cfg) -> str | None:
-    """The target's name as `config.json` records it (`drafttrain.target.frozen`, which the runner
+    """The target's name as `config.json` records it (`drafttrain.frozen.target`, which the runner
     loads when no `target=` is given): a hub id or a `zoo:` name as trained, the hub id
     `export.hub_base_model` names for a local directory, else None (a local directory is a
     path of the training machine; the runner then asks for `target=`)."""

@@ -26,9 +26,9 @@ from pathlib import Path
 from draftinfer.evaluation.suite_report import SUITES_DIR
 from draftinfer.files.checkpoint import SPECULATORS_DIR
 from drafttrain.export.card import write_model_card
+from drafttrain.frozen.target import is_hub_id
 from drafttrain.jobs.config import ExportConfig, TargetConfig
 from drafttrain.jobs.errors import ConfigError, DraftError
-from drafttrain.target.frozen import is_hub_id
 
 
 def check_repo_id(repo_id: str) -> str:

@@ -285,7 +285,7 @@ def check_train_config(cfg: TrainConfig) -> TrainConfig:
     job; `run_job` and `train` run it again for callers of the Python API)."""
     t, d, tr, e, c, ev = cfg.target, cfg.data, cfg.trainer, cfg.export, cfg.cache, cfg.eval
     one_of("target", t, "dtype", ("auto", "float32", "bfloat16", "float16"))
-    from drafttrain.target.frozen import resolve_target_path
+    from drafttrain.frozen.target import resolve_target_path
 
     resolve_target_path(t.name_or_path)  # the loaders' own check: a missing local directory
     at_least("data", d, 2, "max_length")

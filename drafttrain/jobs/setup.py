@@ -32,11 +32,11 @@ import torch
 
 from draftinfer.registry import drafter_spec
 from drafttrain.cache.reader import CachedTarget
+from drafttrain.frozen.target import load_target_config, load_tokenizer, resolve_target_path
 from drafttrain.jobs.config import TargetConfig, TrainConfig
 from drafttrain.jobs.errors import ConfigError, DataError
 from drafttrain.objectives.ttt import pick_backend
 from drafttrain.registry import InitContext, TrainFamily, TrainSpec, family_for, train_spec
-from drafttrain.target.frozen import load_target_config, load_tokenizer, resolve_target_path
 from drafttrain.trainer.optim import dtype_of
 
 _CPU = torch.device("cpu")
@@ -144,7 +144,7 @@ class DrafterJob:
 
     spec: TrainSpec
     target_setup: TargetSetup
-    target: Any  # the live frozen target (`drafttrain.target.frozen.FrozenTarget` or a family's)
+    target: Any  # the live frozen target (`drafttrain.frozen.target.FrozenTarget` or a family's)
     split: Any  # `drafttrain.data.TokenizedSplit`: the tokenized training split
     cache_dir: Path  # tokenized data and the draft vocabulary (`data.cache_dir`)
 

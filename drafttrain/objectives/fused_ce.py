@@ -2,7 +2,7 @@
 in one autograd function, chunked over rows.
 
 For rows `n` with normed hidden `h[n] [H]`, head weight `W [V, H]`, soft labels
-`p[row[n]] [V]` (a row of a target-distribution table, `drafttrain.target.head`), the
+`p[row[n]] [V]` (a row of a target-distribution table, `drafttrain.frozen.head`), the
 target's top-1 `top1[row[n]]` and a group `group[n]` (-1: not counted):
 
     z[n]     = h[n] @ W^T                               (the drafter's logits, never stored)

@@ -2,7 +2,7 @@
 
 Each counted row has the drafter's logits `z [V]` (draft probabilities `q = softmax(z)`) and
 the target's distribution `p [V]` over the same vocabulary (soft labels,
-`drafttrain.target.head`). A loss is a function of `(z, p)` per row:
+`drafttrain.frozen.head`). A loss is a function of `(z, p)` per row:
 
 - `soft_ce`: `-sum_v p_v log q_v`, the soft cross-entropy (every kind's loss before this).
 - `kl`: forward `KL(p || q) = soft_ce - H(p)`, `H(p) = -sum_v p_v log p_v`: the same gradient

@@ -38,6 +38,7 @@ import torch
 from draftinfer.decoding.sampling import SamplingParams
 from draftinfer.evaluation.chat import normalize_messages
 from drafttrain.data.chat import end_of_turn_marker, load_data
+from drafttrain.frozen.target import resolve_dtype
 from drafttrain.jobs.errors import DataError
 from drafttrain.jobs.setup import job_device, setup_target, single_process
 from drafttrain.regenerate.backends import (
@@ -48,7 +49,6 @@ from drafttrain.regenerate.backends import (
 )
 from drafttrain.regenerate.config import RegenConfig, check_regen_config
 from drafttrain.regenerate.manifest import Manifest
-from drafttrain.target.frozen import resolve_dtype
 from drafttrain.trainer.shards import sha256_bytes
 
 OUTPUT_FIELD = "messages"

@@ -65,8 +65,8 @@ def test_layouts_read_as_engines_read_them(zoo_run, kind):
 def _training_features(rec, kind, ids):
     """What training fed the drafter: the training target's features for the drafter's
     `FeatureSpec` as the run recorded its architecture."""
+    from drafttrain.frozen.target import FrozenTarget
     from drafttrain.jobs.config import TargetConfig
-    from drafttrain.target.frozen import FrozenTarget
 
     arch = drafter_spec(kind).config_class(**rec.arch)
     target = FrozenTarget(TargetConfig(name_or_path=str(rec.target_dir)), torch.device("cpu"))

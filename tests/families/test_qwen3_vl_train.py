@@ -21,8 +21,8 @@ from draftinfer.evaluation.chat import normalize_messages, row_messages
 from draftinfer.families.qwen3_vl.processor import conversation_inputs, load_processor
 from draftinfer.files.errors import ConfigError, DataError
 from draftinfer.models.target import FeatureSpec
+from drafttrain.frozen.head import target_logits
 from drafttrain.jobs.config import DataConfig, TargetConfig
-from drafttrain.target.head import target_logits
 from tests.support.utils import assert_close
 from tests.support.vl_data_fixtures import (
     IM_END,

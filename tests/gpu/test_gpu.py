@@ -345,7 +345,7 @@ def test_target_distribution_on_cuda_equals_plain_formula():
     logits: identical argmaxes and membership, labels within bf16 rounding."""
     import torch.nn.functional as F
 
-    from drafttrain.target.head import (
+    from drafttrain.frozen.head import (
         HeadLogits,
         TargetHead,
         TrainTargetOutput,

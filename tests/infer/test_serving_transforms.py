@@ -10,7 +10,9 @@ import torch
 
 from draftinfer.conventions.slots import Slots
 from draftinfer.decoding.baseline import greedy_generate
-from draftinfer.decoding.kv_cache import (
+from draftinfer.files.loading import load_native_target, load_weights
+from draftinfer.models.decoder import DecoderLayer, NativeCausalLM, NativeConfig
+from draftinfer.models.kv_cache import (
     ATTENTION,
     cached_attention,
     decode_attention,
@@ -18,8 +20,6 @@ from draftinfer.decoding.kv_cache import (
     visibility_mask,
     write_index,
 )
-from draftinfer.files.loading import load_native_target, load_weights
-from draftinfer.models.decoder import DecoderLayer, NativeCausalLM, NativeConfig
 from draftinfer.models.target import FeatureSpec
 from draftinfer.models.transforms import (
     FusedQKVAttention,

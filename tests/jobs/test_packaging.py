@@ -75,10 +75,21 @@ def test_wheel_holds_every_package_preset_and_zoo_file():
         assert f"{pkg}/__init__.py" in got, pkg
     assert {n.split("/")[0] for n in got} == {p.split("/")[0] for p in pkgs}
     yamls = {f for f in got if f.endswith(".yaml")}
-    assert {"conf/drafttrain/base.yaml", "conf/drafttrain/ptd_eagle3.yaml"} <= yamls
-    assert {"conf/drafttrain/drafter/mtp.yaml", "conf/draftinfer/eval/greedy.yaml"} <= yamls
-    # The acceptance suites (data, read by `draftinfer.evaluation.suites` from the installed package).
-    assert {"conf/draftinfer/eval/standard.yaml", "conf/draftinfer/suite/gsm8k.yaml"} <= yamls
+    assert {"draftconf/drafttrain/base.yaml", "draftconf/drafttrain/ptd_eagle3.yaml"} <= yamls
+    assert {
+        "draftconf/drafttrain/drafter/mtp.yaml",
+        "draftconf/draftinfer/eval/greedy.yaml",
+    } <= yamls
+    # The acceptance suites (data, read by `draftinfer.evaluation.suites` from the installed
+    # package) and the launcher files.
+    assert {
+        "draftconf/draftinfer/eval/standard.yaml",
+        "draftconf/draftinfer/suite/gsm8k.yaml",
+    } <= yamls
+    assert {
+        "draftconf/launch/accelerate/zero2.yaml",
+        "draftconf/launch/deepspeed/zero2.json",
+    } <= got
     with zipfile.ZipFile(wheel) as z:
         for name in (
             "draftinfer/zoo/llama-tiny/model.safetensors",

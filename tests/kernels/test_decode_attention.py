@@ -10,7 +10,7 @@ import pytest
 import torch
 from draftkernels.runtime import use_triton
 
-from draftinfer.decoding.kv_cache import cached_attention, visibility_mask, write_cache, write_index
+from draftinfer.models.kv_cache import cached_attention, visibility_mask, write_cache, write_index
 from tests.support.utils import import_kernel_module, kernel_test_device, poison_empty  # noqa: F401
 
 da = import_kernel_module("draftkernels.decode_attention")
@@ -130,7 +130,7 @@ def test_rejects_bad_inputs():
 def test_compiled_and_graph_captured_backend_equals_eager():
     """The runner's default backend under `torch.compile` and replayed from a CUDA graph:
     the custom op stays one call and reads the cache its own forward just wrote."""
-    from draftinfer.decoding.kv_cache import cached_attention_split_kv
+    from draftinfer.models.kv_cache import cached_attention_split_kv
 
     q, k, v, kc, vc, rows, wpos, mask, L = case(2, 4, 32, 8, 128, 1024, 700, seed=5)
     want = cached_attention(q, k, v, kc.clone(), vc.clone(), rows, wpos, mask, L)

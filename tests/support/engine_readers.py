@@ -305,7 +305,7 @@ def _verifier_dir(name: str) -> Path | None:
 def _check_verifier(folder: Path, cfg: dict[str, Any], rec: RunRecord) -> None:
     """speculators' verifier: a hub id, or the target's own directory by its absolute path;
     never anything inside the folder (no copy of, or link to, the target's files)."""
-    from drafttrain.target.frozen import is_hub_id
+    from drafttrain.frozen.target import is_hub_id
 
     assert not (folder / "verifier").exists(), "the export holds a copy of the target"
     verifier = cfg["speculators_config"]["verifier"]

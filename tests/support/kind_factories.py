@@ -100,7 +100,7 @@ def drafter_for(kind: str, target_dir: str, seed: int = 0, **train_overrides):
 
 
 def small_target(rope: str = "1d"):
-    """The small target as training runs it (`drafttrain.target.frozen.FrozenTarget`)."""
+    """The small target as training runs it (`drafttrain.frozen.target.FrozenTarget`)."""
     return _frozen(small_target_dir(rope))
 
 

@@ -33,12 +33,12 @@ from draftinfer.files.errors import CheckpointError
 from draftinfer.models.layers import RMSNorm
 from draftinfer.models.target import FeatureSpec
 from draftinfer.registry import DrafterSpec, register_drafter, unregister_drafter
+from drafttrain.frozen.head import target_distribution
 from drafttrain.jobs.config import DrafterTrainConfig
 from drafttrain.objectives.fused_ce import linear_soft_ce
 from drafttrain.objectives.loss_fns import SOFT_CE
 from drafttrain.objectives.losses import DraftLoss
 from drafttrain.registry import TrainSpec, register_train_kind, unregister_train_kind
-from drafttrain.target.head import target_distribution
 
 KIND = "toymlp"
 

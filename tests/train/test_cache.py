@@ -27,9 +27,9 @@ import drafttrain.trainer.shards as shards_mod
 from drafttrain.cache import CachedTarget, bytes_per_token, decode, encode
 from drafttrain.cache.format import FORMAT
 from drafttrain.cache.writer import write_cache
+from drafttrain.frozen.target import FrozenTarget
 from drafttrain.jobs.errors import ConfigError, DataError
 from drafttrain.jobs.train import train
-from drafttrain.target.frozen import FrozenTarget
 from drafttrain.trainer.shards import MANIFEST, temp_path
 from tests.support.presets import compose_preset
 
@@ -306,8 +306,8 @@ def test_fp8_cache_reads_close_to_float32_cache(cache_of, tmp_path):
     order), the same positions and padding, and nearly the same target distribution."""
     from draftinfer.models.target import FeatureSpec
     from drafttrain.data import BatchStream
+    from drafttrain.frozen.head import target_logits
     from drafttrain.jobs.setup import setup_training
-    from drafttrain.target.head import target_logits
 
     exact, fp8 = cache_of("eagle3", "float32", *EVAL), cache_of("eagle3", "float8")
     H, S = 256, 4  # zoo:llama-tiny; eagle3 stores 3 taps + the pre-norm final hidden

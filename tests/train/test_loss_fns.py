@@ -238,7 +238,7 @@ def test_every_kind_trains_with_every_loss(kind, frozen_target):
     """Each loss gives a finite loss and finite gradients; `kl` logs soft_ce minus the
     target's entropy per position (>= 0) with soft_ce's gradient; `dpace` logs soft_ce's
     per-position values but weighs the rows differently."""
-    from drafttrain.target.frozen import batch_slots
+    from drafttrain.frozen.target import batch_slots
 
     spec = train_spec(kind)
     cfg = spec.config_class(**KIND_CFG[kind])

@@ -9,10 +9,10 @@ import torch
 
 from draftinfer.conventions.slots import Slots
 from draftinfer.models.target import FeatureSpec
+from drafttrain.frozen.target import FrozenTarget
 from drafttrain.jobs.config import TargetConfig
 from drafttrain.jobs.errors import ConfigError, TargetError
 from drafttrain.kinds.eagle3.objective import default_aux_layer_ids
-from drafttrain.target.frozen import FrozenTarget
 
 
 def _batch():

@@ -3,7 +3,7 @@
 - the fused linear + soft cross-entropy (`drafttrain.objectives.fused_ce`) against the materialized
   logits, values and gradients, with groups, masked rows and awkward chunk sizes;
 - the target distribution computed from the final hidden state and head in chunks
-  (`drafttrain.target.head`) against the target's own logits, and no logits in a training
+  (`drafttrain.frozen.head`) against the target's own logits, and no logits in a training
   target's output;
 - every kind's objective against its previous formulation (full-vocabulary logits, shifted
   copies, per-row cross-entropy): loss, metrics and gradients;
@@ -23,16 +23,16 @@ import pytest
 import torch
 
 from draftinfer.conventions.window import TokenEmbeds, shift_left
-from drafttrain.jobs.errors import ConfigError
-from drafttrain.objectives.fused_ce import linear_soft_ce, linear_soft_ce_ref
-from drafttrain.objectives.losses import DraftLoss, metric_values, soft_cross_entropy, top1_agrees
-from drafttrain.registry import train_spec
-from drafttrain.target.frozen import batch_slots
-from drafttrain.target.head import (
+from drafttrain.frozen.head import (
     TrainTargetOutput,
     target_distribution,
     target_logits,
 )
+from drafttrain.frozen.target import batch_slots
+from drafttrain.jobs.errors import ConfigError
+from drafttrain.objectives.fused_ce import linear_soft_ce, linear_soft_ce_ref
+from drafttrain.objectives.losses import DraftLoss, metric_values, soft_cross_entropy, top1_agrees
+from drafttrain.registry import train_spec
 from tests.support.kind_factories import _frozen, drafter_for, small_target_dir
 from tests.support.utils import assert_close, poisoned_empty
 
@@ -124,7 +124,7 @@ def test_target_distribution_from_head_equals_logits(small_target, chunk, monkey
     """`batch_output` computes no logits; the distribution restricted to a vocabulary subset
     (and over all of it), its top-1 and the in-subset flag equal those of the target's own
     full logits, chunked or not."""
-    import drafttrain.target.head as th
+    import drafttrain.frozen.head as th
 
     monkeypatch.setattr(th, "CHUNK_ELEMENTS", chunk)
     t = small_target

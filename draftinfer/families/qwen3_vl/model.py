@@ -57,9 +57,9 @@ import torch
 from torch import nn
 
 from draftinfer.conventions.slots import Slots
-from draftinfer.decoding.kv_cache import resolve_attn_len, visibility_mask, write_index
 from draftinfer.files.errors import ConfigError
 from draftinfer.models.decoder import Backbone, NativeCausalLM, NativeConfig, PrefillPlan
+from draftinfer.models.kv_cache import resolve_attn_len, visibility_mask, write_index
 from draftinfer.models.target import FeatureSpec, TargetInputs, TargetOutput, as_inputs
 
 EXTRA_KEYS = ("image_embeds", "deepstack", "visual_mask")

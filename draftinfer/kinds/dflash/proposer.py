@@ -35,13 +35,6 @@ import torch
 from draftinfer.conventions.positions import block_positions
 from draftinfer.conventions.slots import Slots
 from draftinfer.decoding.compiled import compiled
-from draftinfer.decoding.kv_cache import (
-    KVCache,
-    default_attention,
-    resolve_attn_len,
-    write_cache,
-    write_index,
-)
 from draftinfer.decoding.proposer import (
     DraftChooser,
     FirstPass,
@@ -51,6 +44,13 @@ from draftinfer.decoding.proposer import (
 )
 from draftinfer.kinds.dflash.attention import CONTEXT, STALE, nonempty, visible
 from draftinfer.kinds.dflash.module import selector_logits
+from draftinfer.models.kv_cache import (
+    KVCache,
+    default_attention,
+    resolve_attn_len,
+    write_cache,
+    write_index,
+)
 from draftinfer.models.layers import causal_attention
 
 

@@ -15,7 +15,6 @@ import torch
 from draftinfer.conventions.positions import draft_step_positions
 from draftinfer.conventions.window import TokenEmbeds
 from draftinfer.decoding.compiled import cached_drafter_forward, compiled
-from draftinfer.decoding.kv_cache import KVCache
 from draftinfer.decoding.proposer import (
     DraftChooser,
     FirstPass,
@@ -24,6 +23,7 @@ from draftinfer.decoding.proposer import (
     greedy_chooser,
     last_valid,
 )
+from draftinfer.models.kv_cache import KVCache
 
 
 class Eagle3ChainProposer(Proposer):

@@ -39,7 +39,6 @@ import torch
 from draftinfer.conventions.slots import Slots
 from draftinfer.conventions.window import TokenEmbeds
 from draftinfer.decoding.compiled import compiled
-from draftinfer.decoding.kv_cache import KVCache, bind_cache
 from draftinfer.decoding.proposer import (
     DraftChooser,
     FirstPass,
@@ -48,6 +47,7 @@ from draftinfer.decoding.proposer import (
     greedy_chooser,
 )
 from draftinfer.files.errors import CheckpointError
+from draftinfer.models.kv_cache import KVCache, bind_cache
 
 
 def cached_mtp_forward(

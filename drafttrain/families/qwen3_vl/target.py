@@ -24,7 +24,7 @@ import torch
 
 from draftinfer.conventions.slots import Slots
 from draftinfer.models.target import TargetInputs
-from drafttrain.target.frozen import FrozenTarget
+from drafttrain.frozen.target import FrozenTarget
 
 
 class Qwen3VLFrozenTarget(FrozenTarget):

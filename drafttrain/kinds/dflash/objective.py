@@ -41,6 +41,7 @@ from draftinfer.kinds.dflash import DFlashDrafter
 from draftinfer.kinds.dflash.attention import CONTEXT, PAD
 from draftinfer.kinds.dflash.module import selector_logits
 from draftinfer.models.target import TargetOutput
+from drafttrain.frozen.head import target_distribution
 from drafttrain.jobs.errors import ConfigError
 from drafttrain.kinds.dflash.blocks import make_block_attention
 from drafttrain.kinds.dflash.config import PAPER_GAMMA, DFlashTrainConfig
@@ -48,7 +49,6 @@ from drafttrain.objectives.fused_ce import linear_soft_ce_rows
 from drafttrain.objectives.loss_fns import SOFT_CE
 from drafttrain.objectives.loss_weights import dpace_weights, exp_decay_weights
 from drafttrain.objectives.losses import DraftLoss
-from drafttrain.target.head import target_distribution
 
 
 def resolve_gamma(cfg: DFlashTrainConfig) -> float:

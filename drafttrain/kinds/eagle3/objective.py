@@ -30,13 +30,13 @@ from draftinfer.conventions.window import TokenEmbeds, shift_left
 from draftinfer.kinds.eagle3 import Eagle3Config, Eagle3Drafter
 from draftinfer.models.rope import rope_from_hf
 from draftinfer.models.target import TargetOutput
+from drafttrain.frozen.head import target_distribution
 from drafttrain.jobs.errors import ConfigError
 from drafttrain.kinds.eagle3.config import Eagle3TrainConfig
 from drafttrain.objectives.loss_fns import SOFT_CE
 from drafttrain.objectives.losses import DraftLoss
 from drafttrain.objectives.position_loss import RowPart, score_positions
 from drafttrain.objectives.ttt import TTTAttention
-from drafttrain.target.head import target_distribution
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:

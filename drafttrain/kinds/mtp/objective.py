@@ -24,11 +24,11 @@ from draftinfer.conventions.window import TokenEmbeds, shift_left
 from draftinfer.decoding.proposer import causal_attn
 from draftinfer.kinds.mtp import MTPDrafter
 from draftinfer.models.target import TargetOutput
+from drafttrain.frozen.head import target_distribution
 from drafttrain.kinds.mtp.config import MTPTrainConfig
 from drafttrain.objectives.loss_fns import SOFT_CE
 from drafttrain.objectives.losses import DraftLoss
 from drafttrain.objectives.position_loss import RowPart, score_positions
-from drafttrain.target.head import target_distribution
 
 
 class MTPObjective:

@@ -32,12 +32,12 @@ from draftinfer.conventions.window import TokenEmbeds, shift_left
 from draftinfer.kinds.ptd import PTDDrafter
 from draftinfer.models.layers import causal_attention
 from draftinfer.models.target import TargetOutput
+from drafttrain.frozen.head import target_distribution
 from drafttrain.kinds.ptd.config import PTDTrainConfig
 from drafttrain.objectives.fused_ce import linear_soft_ce
 from drafttrain.objectives.loss_fns import SOFT_CE
 from drafttrain.objectives.losses import DraftLoss
 from drafttrain.objectives.position_loss import RowPart, dpace_row_weights
-from drafttrain.target.head import target_distribution
 
 PAD_ANCHOR = 1 << 30  # anchor/depth of padding slots: they see depth-0 rows, nobody sees them
 

@@ -29,8 +29,8 @@ from draftinfer.conventions.slots import Slots
 from draftinfer.files.paths import resolve_path
 from draftinfer.models.target import FeatureSpec, TargetInfo, TargetInputs, TargetOutput, as_inputs
 from draftinfer.registry import FAMILIES
+from drafttrain.frozen.head import HeadLogits, TargetHead, TrainTargetOutput
 from drafttrain.jobs.errors import TargetError
-from drafttrain.target.head import HeadLogits, TargetHead, TrainTargetOutput
 
 if TYPE_CHECKING:  # annotations only
     from drafttrain.jobs.config import TargetConfig
@@ -231,7 +231,7 @@ class FrozenTarget:
         """The output for a collated training batch (`input_ids`, `attention_mask`,
         `position_ids`, plus the family's `input_keys`; `index` = dataset rows, which only a
         feature cache reads): a `TrainTargetOutput` whose logits are left to its `head` (the
-        final hidden state and the output embedding, `drafttrain.target.head`), so no
+        final hidden state and the output embedding, `drafttrain.frozen.head`), so no
         `[B, T, V]` logits are ever computed for training."""
         extra = {k: batch[k] for k in self.input_keys if k in batch}
         inputs, slots = TargetInputs(batch["input_ids"], extra), batch_slots(batch)
@@ -346,7 +346,7 @@ class FrozenTarget:
         if err > 1e-2 * float(ref.abs().max()) + 1e-4:
             raise TargetError(
                 f"the target's logits are not lm_head(final_norm(h)) (max difference {err:.3g}):"
-                " its head does more (scaling) than drafttrain.target.head computes"
+                " its head does more (scaling) than drafttrain.frozen.head computes"
             )
         self._head_checked = True
 
