@@ -42,7 +42,7 @@ def test_the_composed_default_leaves_the_fast_path_to_the_device():
 
     register_configs()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = OmegaConf.to_object(compose(config_name="infer", overrides=["drafter=d"]))
+        cfg = OmegaConf.to_object(compose(config_name="infer"))
     assert (cfg.compile, cfg.cuda_graphs, cfg.baseline) == (None, None, "auto")
 
 
