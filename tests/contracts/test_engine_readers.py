@@ -18,7 +18,13 @@ from draftinfer.conventions.slots import Slots
 from draftinfer.files.checkpoint import SPECULATORS_DIR
 from draftinfer.files.paths import ZOO_DIR, resolve_path
 from draftinfer.registry import drafter_spec, registered_kinds
-from tests.support.engine_readers import LAYOUTS, files_naming, machine_paths, run_record
+from tests.support.engine_readers import (
+    LAYOUTS,
+    files_naming,
+    machine_paths,
+    run_record,
+    shipped,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -111,10 +117,6 @@ def test_no_machine_path_in_what_engines_read(zoo_run, kind, tmp_path_factory, t
     absolute directory (so speculators resolves it from anywhere on this machine); the Hub
     upload names the hub id there (`drafttrain.export.hub.name_verifier`), and the shipped
     folder is what is grepped."""
-    import shutil
-
-    from drafttrain.export.hub import name_verifier
-
     summary = zoo_run(kind)
     export = Path(summary["export_dir"])
     paths = machine_paths(summary["run_dir"], export, tmp_path_factory.getbasetemp())
@@ -122,14 +124,13 @@ def test_no_machine_path_in_what_engines_read(zoo_run, kind, tmp_path_factory, t
     if spec_cfg.is_file():  # the local field, as written: the zoo target's own directory
         verifier = json.loads(spec_cfg.read_text())["speculators_config"]["verifier"]
         assert verifier["name_or_path"] == str(Path(resolve_path("zoo:llama-tiny")).resolve())
-    shipped = shutil.copytree(export, tmp_path / "shipped")
-    name_verifier(shipped / SPECULATORS_DIR / "config.json", "org/target")
-    hits = files_naming(shipped, paths)
-    print(f"{kind}: scanned {sum(1 for _ in shipped.rglob('*'))} entries for {paths}")
+    ship = shipped(export, tmp_path / "shipped")
+    hits = files_naming(ship, paths)
+    print(f"{kind}: scanned {sum(1 for _ in ship.rglob('*'))} entries for {paths}")
     assert not hits, hits
     # The check can fail: the resolved config the user keeps does name the run directory, and
     # the local speculators config names the zoo's.
-    assert str(summary["run_dir"]).encode() in (shipped / "training_args.yaml").read_bytes()
+    assert str(summary["run_dir"]).encode() in (ship / "training_args.yaml").read_bytes()
     if spec_cfg.is_file():
         local = files_naming(export, paths)
         assert local and all(h.startswith(f"{SPECULATORS_DIR}/config.json: ") for h in local)

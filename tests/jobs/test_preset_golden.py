@@ -24,7 +24,13 @@ import pytest
 
 from draftinfer.files.checkpoint import SPECULATORS_DIR
 from draftinfer.registry import registered_kinds
-from tests.support.engine_readers import LAYOUTS, files_naming, machine_paths, run_record
+from tests.support.engine_readers import (
+    LAYOUTS,
+    files_naming,
+    machine_paths,
+    run_record,
+    shipped,
+)
 from tests.support.presets import cpu_presets, text_preset_of
 
 pytestmark = pytest.mark.slow
@@ -94,7 +100,9 @@ def test_preset_export_read_from_outside(preset_run, preset, tmp_path_factory):
             v.draft_vocab is not None and v.draft_vocab.equal(rec.draft_vocab) for v in views
         )
     paths = machine_paths(summary["run_dir"], export, tmp_path_factory.getbasetemp())
-    assert not files_naming(export, paths)
+    # As shipped: locally speculators' verifier of a zoo target is its absolute directory.
+    ship = shipped(export, tmp_path_factory.mktemp(f"ship_{preset}") / "export")
+    assert not files_naming(ship, paths)
     folder = export / SPECULATORS_DIR
     if folder.is_dir():
         assert speculators_python() is not None, "no speculators venv (.ci/run creates it)"

@@ -626,6 +626,20 @@ def machine_paths(*extra: str | Path) -> list[str]:
     return sorted({p for p in paths if p and p != "/"}, key=len)
 
 
+def shipped(export: Path, dest: Path) -> Path:
+    """A copy of `export` as the Hub upload ships it: speculators' verifier named by the
+    target's hub id (`drafttrain.export.hub.name_verifier`; locally it may be a local target's
+    absolute path, which resolves from any directory of this machine)."""
+    import shutil
+
+    from draftinfer.files.checkpoint import SPECULATORS_DIR
+    from drafttrain.export.hub import name_verifier
+
+    shutil.copytree(export, dest)
+    name_verifier(dest / SPECULATORS_DIR / "config.json", "org/target")
+    return dest
+
+
 def files_naming(folder: Path, paths: list[str]) -> list[str]:
     """`grep -r` for `paths` over every file an engine or loader reads (text and the headers
     and metadata of safetensors files alike: all read as bytes)."""
