@@ -25,6 +25,13 @@ from draftinfer.files.target_dir import (
 from draftinfer.models.decoder import NativeCausalLM, NativeConfig, TensorSource
 from draftinfer.registry import FAMILIES
 
+try:  # transformers 5 validates config classes as strict dataclasses (huggingface_hub)
+    from huggingface_hub.errors import StrictDataclassError
+
+    _STRICT_ERRORS: tuple[type[Exception], ...] = (StrictDataclassError,)
+except ImportError:  # an older huggingface_hub: its config errors are ValueErrors
+    _STRICT_ERRORS = ()
+
 # Checkpoint tensors that carry no weights of ours: old checkpoints saved RoPE tables.
 _IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -143,8 +150,10 @@ def load_native_config(path: str | Path) -> tuple[type[NativeCausalLM], NativeCo
 
     try:
         hf = AutoConfig.from_pretrained(str(ckpt))
-    except (OSError, ValueError, KeyError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    except (OSError, ValueError, KeyError, *_STRICT_ERRORS) as e:
+        # A strict config class's validation error says what is wrong in its cause.
+        cause = e.__cause__ if isinstance(e, _STRICT_ERRORS) and e.__cause__ else e
+        first = (str(cause).strip().splitlines() or [type(e).__name__])[0]
         raise ConfigError(f"cannot parse {cfg_path}: {first}") from None
     return cls, cls.config_from_hf(hf, eos_token_ids(ckpt, raw)), ckpt
 
