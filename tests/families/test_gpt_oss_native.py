@@ -154,6 +154,18 @@ def test_bf16_target_runs_and_follows_fp32(gpt_oss_dir):
     assert (lo.argmax(-1) == hi.argmax(-1)).float().mean() > 0.8
 
 
+def test_serving_transforms_keep_parity(gpt_oss_dir):
+    """Fused q/k/v (with biases) and gate/up GEMMs, another attention backend and the skinny
+    linear (each a no-op in maths on the CPU) leave the rounds equal to transformers'."""
+    from draftinfer.models.transforms import fuse_projections, use_attention, use_skinny_gemm
+
+    model = native(gpt_oss_dir)
+    fuse_projections(model)
+    use_attention(model, "maths_decode")
+    use_skinny_gemm(model)
+    speculative_rounds(model, hf_model(str(gpt_oss_dir)), prompt_lengths(8), taps=(1, 3)).check()
+
+
 def _edit_config(src, dst, **changes):
     shutil.copytree(src, dst)
     cfg = json.loads((dst / "config.json").read_text())

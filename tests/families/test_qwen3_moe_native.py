@@ -122,6 +122,18 @@ def test_static_attn_len_and_greedy_generate(qwen3_moe_dir):
         assert out[0, len(p) :].tolist() == mine
 
 
+def test_serving_transforms_keep_parity(qwen3_moe_dir):
+    """Fused q/k/v (with biases) and gate/up GEMMs, another attention backend and the skinny
+    linear (each a no-op in maths on the CPU) leave the rounds equal to transformers'."""
+    from draftinfer.models.transforms import fuse_projections, use_attention, use_skinny_gemm
+
+    model = native(qwen3_moe_dir)
+    fuse_projections(model)
+    use_attention(model, "maths_decode")
+    use_skinny_gemm(model)
+    speculative_rounds(model, hf_model(str(qwen3_moe_dir)), LENGTHS, taps=(1, 3)).check()
+
+
 def _edit_config(src, dst, **changes):
     shutil.copytree(src, dst)
     cfg = json.loads((dst / "config.json").read_text())
