@@ -115,6 +115,8 @@ def test_static_attn_len_and_greedy_generate(qwen3_moe_dir):
     diffs.check()
     prompts = [rand_ids(5, 1), rand_ids(11, 2), rand_ids(9, 3)]
     ours = greedy_generate(native(qwen3_moe_dir), prompts, 12, [])
+    # One request alone: its one-token steps take the experts' gather path.
+    assert greedy_generate(native(qwen3_moe_dir, max_batch=1), prompts[1:2], 12, []) == ours[1:2]
     for p, mine in zip(prompts, ours):
         out = hf.generate(
             torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
