@@ -136,6 +136,30 @@ def test_serving_transforms_keep_parity(qwen3_moe_dir):
     speculative_rounds(model, hf_model(str(qwen3_moe_dir)), LENGTHS, taps=(1, 3)).check()
 
 
+def test_fixed_attn_len_forward_traces_as_one_graph(qwen3_moe_dir):
+    """With a fixed `attn_len` (the compiled round's call) the whole forward, routing and
+    grouped expert products included, traces as one graph: no host sync, no data-dependent
+    shape (the eager backend: tracing only). bf16, the dtype the grouped products trace in."""
+    from draftinfer.conventions.slots import Slots
+
+    torch._dynamo.reset()
+    model = native(qwen3_moe_dir, max_batch=2, max_seq_len=32, dtype=torch.bfloat16)
+
+    def step(ids, rows, pos):
+        return model(ids, Slots(rows, pos, attn_len=32)).logits
+
+    compiled = torch.compile(step, backend="eager", fullgraph=True)
+    rows = torch.tensor([0, 1])
+    for ids, pos in (
+        (
+            torch.tensor([rand_ids(4, 5), rand_ids(4, 6)]),
+            torch.tensor([[0, 1, 2, 3], [0, 1, -1, -1]]),
+        ),
+        (torch.tensor([rand_ids(1, 7), rand_ids(1, 8)]), torch.tensor([[4], [2]])),
+    ):
+        assert torch.equal(compiled(ids, rows, pos), step(ids, rows, pos))
+
+
 def _edit_config(src, dst, **changes):
     shutil.copytree(src, dst)
     cfg = json.loads((dst / "config.json").read_text())
