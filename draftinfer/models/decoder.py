@@ -10,12 +10,25 @@ an HF safetensors checkpoint loads by name with no renaming table.
 `draftinfer.models.target`; `Slots` (cache rows, cache index, RoPE position, attention length) and
 the KV-cache design (scratch column for padding slots, no rollback ever needed) are described
 in `draftinfer.conventions.slots` and `draftinfer.models.kv_cache`.
+
+The seams a family plugs into (DESIGN 2.1; no family is named here):
+- `NativeCausalLM.config_from_hf`: the family's HF config fields onto its `NativeConfig`
+  (a subclass for what the base lacks); a one-line `ConfigError` for what it does not serve.
+- `NativeCausalLM.decoder_layer(cfg, index)`: layer `index`, built from `DecoderLayer`'s
+  pieces: a `CachedAttention` with that layer's `AttentionOptions` (biases, q/k norm, sliding
+  window, per-head sinks), the MLP (`SwiGLU`, or a routed block of `draftinfer.models.moe`), the
+  norms (`NativeCausalLM.rms_norm`, also the final norm). `forward` gives each layer the
+  visibility mask of its window (one mask per distinct window, `layer_masks`).
+- `NativeCausalLM.checkpoint_sources(param, available)`: the checkpoint tensors a parameter
+  is made of when the checkpoint does not hold it under its own name (per-expert tensors into
+  slices of stacked experts, quantized blocks and scales), read by
+  `draftinfer.files.loading.load_weights`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Container, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import torch
@@ -62,6 +75,23 @@ class NativeConfig:
         return self.num_layers
 
 
+@dataclass(frozen=True)
+class AttentionOptions:
+    """What one layer's attention has besides the model's shapes; a family chooses them per
+    layer (`NativeCausalLM.decoder_layer`)."""
+
+    qkv_bias: bool = False  # bias on q/k/v projections
+    o_bias: bool = False  # bias on the output projection
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k, before RoPE (Qwen3)
+    window: int | None = None  # sliding window: a query at p reads keys p - window < j <= p
+    sinks: bool = False  # a learned logit per query head in the softmax, carrying no value
+
+    @classmethod
+    def of(cls, cfg: NativeConfig, **changes: Any) -> AttentionOptions:
+        """The model-wide options of `cfg` (its biases, q/k norm), with `changes`."""
+        return replace(cls(cfg.qkv_bias, cfg.o_bias, cfg.qk_norm), **changes)
+
+
 class CachedAttention(nn.Module):
     """GQA attention that writes its K/V into a static cache and reads the cache prefix.
 
@@ -71,25 +101,38 @@ class CachedAttention(nn.Module):
 
     Serving transforms swap two pieces from outside (`draftinfer.models.transforms`): `project`
     (one fused q/k/v GEMM) and `attention` (a backend of `draftinfer.models.kv_cache.ATTENTION`).
+
+    `options` (default: the model's, `AttentionOptions.of(cfg)`): a sliding `window` is read by
+    `NativeCausalLM.layer_masks` (the layer is given the mask of its window); `sinks` adds the
+    parameter `sinks [nh]` (HF name `self_attn.sinks`), passed to the backend in fp32.
     """
 
     # How this forward's K/V are written to the cache and attended; an instance may hold
     # another backend of `kv_cache.ATTENTION` (`transforms.use_attention`).
     attention = staticmethod(default_attention)
 
-    def __init__(self, cfg: NativeConfig):
+    def __init__(self, cfg: NativeConfig, options: AttentionOptions | None = None):
         super().__init__()
+        opts = options if options is not None else AttentionOptions.of(cfg)
         self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(h, self.n_heads * d, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(h, self.n_kv * d, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(h, self.n_kv * d, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.n_heads * d, h, bias=cfg.o_bias)
-        if cfg.qk_norm:
+        self.q_proj = nn.Linear(h, self.n_heads * d, bias=opts.qkv_bias)
+        self.k_proj = nn.Linear(h, self.n_kv * d, bias=opts.qkv_bias)
+        self.v_proj = nn.Linear(h, self.n_kv * d, bias=opts.qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * d, h, bias=opts.o_bias)
+        if opts.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        if opts.window is not None and opts.window < 1:
+            raise ConfigError(f"sliding window must be >= 1 keys, got {opts.window}")
+        self.window = opts.window
+        self.sinks: nn.Parameter | None
+        if opts.sinks:
+            self.sinks = nn.Parameter(torch.zeros(self.n_heads))
+        else:
+            self.register_parameter("sinks", None)
         self.k_cache: torch.Tensor | None
         self.v_cache: torch.Tensor | None
         self.register_buffer("k_cache", None, persistent=False)
@@ -102,7 +145,7 @@ class CachedAttention(nn.Module):
         sin: torch.Tensor,  # [B, T, head_dim] fp32
         rows: torch.Tensor,  # [B] cache row of each batch row
         write_pos: torch.Tensor,  # [B, T] cache index of each slot (scratch column for padding)
-        mask: torch.Tensor,  # [B, 1, T * group, L] bool, True = may attend
+        mask: torch.Tensor,  # [B, 1, T * group, L] bool, True = may attend (this layer's window)
         attn_len: int,  # L: number of cache indices read
     ) -> torch.Tensor:
         return self.o_proj(self.attend(*self.project(x), cos, sin, rows, write_pos, mask, attn_len))
@@ -129,7 +172,11 @@ class CachedAttention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # Write first, then read: a slot sees its own K/V and those of earlier slots of the
         # same forward (causal prefill chunk) through the same cache path.
-        o = self.attention(q, k, v, self.k_cache, self.v_cache, rows, write_pos, mask, attn_len)
+        cache = (self.k_cache, self.v_cache, rows, write_pos, mask, attn_len)
+        if self.sinks is None:  # a backend from outside need not take sinks
+            o = self.attention(q, k, v, *cache)
+        else:
+            o = self.attention(q, k, v, *cache, self.sinks.float())
         return o.reshape(B, T, nh * d)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -138,12 +185,27 @@ class CachedAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: NativeConfig):
+    """A pre-norm block: `h = x + attn(norm(x))`, `h + mlp(norm(h))`. Its pieces are the
+    family's (`NativeCausalLM.decoder_layer`); by default the dense Llama block: attention with
+    the model's options, `SwiGLU` of `intermediate_size`, `RMSNorm`s. Any `mlp` maps `[B, T, H]`
+    to `[B, T, H]`; `norm(dim)` builds the two norms."""
+
+    def __init__(
+        self,
+        cfg: NativeConfig,
+        self_attn: CachedAttention | None = None,
+        mlp: nn.Module | None = None,
+        norm: Callable[[int], nn.Module] | None = None,
+    ):
         super().__init__()
-        self.self_attn = CachedAttention(cfg)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = self_attn if self_attn is not None else CachedAttention(cfg)
+        if mlp is None:
+            mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.mlp = mlp
+        if norm is None:
+            norm = lambda dim: RMSNorm(dim, cfg.rms_norm_eps)  # noqa: E731
+        self.input_layernorm = norm(cfg.hidden_size)
+        self.post_attention_layernorm = norm(cfg.hidden_size)
 
     def forward(self, x: torch.Tensor, *attn_args: Any) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), *attn_args)
@@ -165,20 +227,39 @@ class PrefillPlan:
 
 
 class Backbone(nn.Module):
-    """HF's `model.*` submodule: embeddings, decoder layers, final norm."""
+    """HF's `model.*` submodule: embeddings, decoder layers (`decoder_layer(cfg, index)`, by
+    default the dense `DecoderLayer`), final norm (`norm`, by default an `RMSNorm`)."""
 
-    def __init__(self, cfg: NativeConfig):
+    def __init__(
+        self,
+        cfg: NativeConfig,
+        decoder_layer: Callable[[NativeConfig, int], nn.Module] | None = None,
+        norm: nn.Module | None = None,
+    ):
         super().__init__()
+        make = decoder_layer if decoder_layer is not None else (lambda c, _i: DecoderLayer(c))
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(make(cfg, i) for i in range(cfg.num_layers))
+        self.norm = norm if norm is not None else RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+@dataclass(frozen=True)
+class TensorSource:
+    """Checkpoint tensors that together fill one parameter, or a slice of it:
+    `param[index] = convert(*tensors named names)` (`NativeCausalLM.checkpoint_sources`)."""
+
+    names: tuple[str, ...]
+    index: tuple = ()  # into the parameter, e.g. `(e, slice(0, I))`; () = all of it
+    convert: Callable[..., torch.Tensor] | None = None  # None: the one tensor as it is
 
 
 class NativeCausalLM(nn.Module):
     """A Llama-shaped causal LM with a preallocated static KV cache (base of the family).
 
-    Subclasses only say how an HF config maps onto `NativeConfig` (`config_from_hf`).
-    Call `setup_caches` before `forward`.
+    Subclasses say how an HF config maps onto `NativeConfig` (`config_from_hf`) and, where the
+    family's layers differ from the dense Llama block, how layer `i` is built
+    (`decoder_layer`), the norm (`rms_norm`) and how checkpoint tensors map onto parameters
+    (`checkpoint_sources`). Call `setup_caches` before `forward`.
     """
 
     hf_model_types: tuple[str, ...] = ()
@@ -188,7 +269,7 @@ class NativeCausalLM(nn.Module):
     def __init__(self, config: NativeConfig):
         super().__init__()
         self.config = config
-        self.model = Backbone(config)
+        self.model = Backbone(config, self.decoder_layer, self.rms_norm(config, config.hidden_size))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.max_batch = 0
@@ -198,20 +279,28 @@ class NativeCausalLM(nn.Module):
     # ---- construction -----------------------------------------------------------------
     @classmethod
     def config_from_hf(cls, hf: Any, eos_token_ids: list[int]) -> NativeConfig:
-        """Map an HF config to `NativeConfig`; a one-line `ConfigError` on what we lack."""
+        """Map an HF config to `NativeConfig`; a one-line `ConfigError` on what we lack (here:
+        sliding windows, which a family that has them maps itself)."""
+        layer_types = getattr(hf, "layer_types", None) or []
+        if getattr(hf, "use_sliding_window", False) or "sliding_attention" in layer_types:
+            raise ConfigError(f"{cls.__name__}: sliding-window attention layers are not supported")
+        return NativeConfig(**cls.decoder_fields(hf, eos_token_ids))
+
+    @classmethod
+    def decoder_fields(cls, hf: Any, eos_token_ids: list[int]) -> dict[str, Any]:
+        """The `NativeConfig` fields of an HF config's decoder (sizes, heads, RoPE, block
+        flags), for `config_from_hf` and a family's subclass of the config; a one-line
+        `ConfigError` for an activation or rope we lack."""
         arch = cls.__name__
         act = getattr(hf, "hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"{arch}: hidden_act {act!r} is not supported (only silu)")
-        layer_types = getattr(hf, "layer_types", None) or []
-        if getattr(hf, "use_sliding_window", False) or "sliding_attention" in layer_types:
-            raise ConfigError(f"{arch}: sliding-window attention layers are not supported")
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         theta, scaling = rope_from_hf(hf, head_dim)  # strict: unknown rope keys are errors
         qkv_bias, o_bias, mlp_bias, qk_norm = cls.block_flags(
             bool(getattr(hf, "attention_bias", False)), bool(getattr(hf, "mlp_bias", False))
         )
-        return NativeConfig(
+        return dict(
             architecture=arch,
             vocab_size=hf.vocab_size,
             hidden_size=hf.hidden_size,
@@ -237,6 +326,26 @@ class NativeCausalLM(nn.Module):
         """(qkv_bias, o_bias, mlp_bias, qk_norm) of this family's decoder layer, from the HF
         config's `attention_bias` / `mlp_bias` (one rule for the target and MTP blocks)."""
         return attention_bias, attention_bias, mlp_bias, False
+
+    @classmethod
+    def decoder_layer(cls, cfg: NativeConfig, index: int) -> nn.Module:
+        """Decoder layer `index` (by default the dense Llama block, the same for every layer).
+        A family whose layers differ (windows, sinks, routed experts) builds them here."""
+        return DecoderLayer(cfg, norm=lambda dim: cls.rms_norm(cfg, dim))
+
+    @classmethod
+    def rms_norm(cls, cfg: NativeConfig, dim: int) -> nn.Module:
+        """The family's RMSNorm over `dim` (the layers' norms and the final norm)."""
+        return RMSNorm(dim, cfg.rms_norm_eps)
+
+    def checkpoint_sources(
+        self, param: str, available: Container[str]
+    ) -> list[TensorSource] | None:
+        """How parameter `param` is filled when the checkpoint holds no tensor of that name
+        (`available`: the checkpoint's tensor names): the sources, or None (then it is a
+        missing tensor). Every checkpoint tensor no parameter consumes is an unknown one
+        (`draftinfer.files.loading.load_weights`)."""
+        return None
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -368,7 +477,7 @@ class NativeCausalLM(nn.Module):
         valid = slots.cache_pos >= 0  # [B, T]
         ids = torch.where(valid, ids, torch.zeros_like(ids))
         write_pos = write_index(slots.cache_pos, self.max_seq_len)
-        mask = visibility_mask(slots.cache_pos, attn_len, c.num_heads // c.num_kv_heads)
+        masks = self.layer_masks(slots.cache_pos, attn_len)
         rope_pos = slots.rope_pos
         if rope_pos is None:
             rope_pos = self.rope_positions(slots.cache_pos, slots.rows)
@@ -379,8 +488,24 @@ class NativeCausalLM(nn.Module):
         for j, layer in enumerate(self.model.layers):
             if j in wanted:
                 taps[j] = x
-            x = layer(x, cos, sin, slots.rows, write_pos, mask, attn_len)
+            x = layer(x, cos, sin, slots.rows, write_pos, masks[j], attn_len)
         return self.head_output(x, taps, features, logit_index, rope_pos, embeds)
+
+    def layer_masks(self, cache_pos: torch.Tensor, attn_len: int) -> list[torch.Tensor]:
+        """The visibility mask `[B, 1, T * g, L]` of each decoder layer: one per distinct
+        sliding window (None: full causal) among the layers, shared by the layers of that
+        window. Rebuilt from `cache_pos` at every call (convention 7: window bounds never go
+        stale between draft steps)."""
+        c = self.config
+        group = c.num_heads // c.num_kv_heads
+        by_window: dict[int | None, torch.Tensor] = {}
+        masks = []
+        for layer in self.model.layers:
+            window = layer.self_attn.window
+            if window not in by_window:
+                by_window[window] = visibility_mask(cache_pos, attn_len, group, window)
+            masks.append(by_window[window])
+        return masks
 
     def head_output(
         self,

@@ -8,7 +8,10 @@ padded batch needs no boolean indexing and no host sync, and with a fixed `attn_
 forward has static shapes.
 
 Visibility: a query at cache index `p` reads cache indices `0..p` of its row (padding slots
-read index 0 only, so no softmax row is empty). Why no rollback is ever needed: a round writes
+read index 0 only, so no softmax row is empty); in a sliding-window layer of `w` keys only
+`p - w < j <= p` (HF `kv_idx > q_idx - sliding_window`), a mask like any other. The cache of a
+window layer stays full-length (a ring buffer is later work), so it trivially keeps the
+`window + K + 1` rows of history DESIGN 14 asks for. Why no rollback is ever needed: a round writes
 indices from the committed length on, in order, and each layer writes before it reads; a query
 at `p` never looks past `p`. An entry a rejected draft left past the committed length is
 therefore overwritten before any query can see it, or never read at all. Conventions 6 and 7
@@ -22,6 +25,13 @@ the split-KV Triton kernel `draftkernels.decode_attention`, and everything else 
 `sdpa` runs `F.scaled_dot_product_attention` over the rows' cache prefix; `maths_decode` writes a compiled
 one-token step (T == 1) as plain tensor maths that inductor fuses into its own reduction
 kernels (how gpt-fast's decode step is compiled), and is `sdpa` everywhere else.
+
+Attention sinks (gpt-oss): every backend takes an optional `sinks [nh]` fp32, one learned logit
+per query head that joins the softmax and carries no value: `softmax([scores, sink])` with the
+sink's column dropped before the product with V (HF `eager_attention_forward` of gpt-oss).
+`sdpa` adds it exactly as an extra zero key/value column whose additive float-mask entry is the
+head's sink; `maths_decode` as a column of its explicit softmax; `split_kv` falls back to `sdpa`
+when sinks are given (the kernel has none yet).
 """
 
 from __future__ import annotations
@@ -40,13 +50,19 @@ def write_index(cache_pos: torch.Tensor, scratch: int) -> torch.Tensor:
     return torch.where(cache_pos >= 0, cache_pos, torch.full_like(cache_pos, scratch))
 
 
-def visibility_mask(cache_pos: torch.Tensor, attn_len: int, group: int) -> torch.Tensor:
+def visibility_mask(
+    cache_pos: torch.Tensor, attn_len: int, group: int, window: int | None = None
+) -> torch.Tensor:
     """Bool `[B, 1, T * group, attn_len]`: query slot `(b, t)` (repeated for the `group` query
     heads of each KV head, see `cached_attention`) may read cache index `j` iff
-    `j <= cache_pos[b, t]`; padding slots read index 0 only."""
+    `j <= cache_pos[b, t]`, and with a sliding `window` of keys also `j > cache_pos[b, t] -
+    window`; padding slots read index 0 only."""
     B, T = cache_pos.shape
     keys = torch.arange(attn_len, device=cache_pos.device)
-    mask = keys <= cache_pos.clamp(min=0)[..., None]  # [B, T, L]
+    pos = cache_pos.clamp(min=0)[..., None]  # [B, T, 1]
+    mask = keys <= pos  # [B, T, L]
+    if window is not None:
+        mask = mask & (keys > pos - window)
     return mask[:, None, :, None, :].expand(B, 1, T, group, attn_len).reshape(B, 1, T * group, -1)
 
 
@@ -75,6 +91,7 @@ def cached_attention(
     write_pos: torch.Tensor,  # [B, T] from `write_index`
     mask: torch.Tensor,  # [B, 1, T * g, L] from `visibility_mask`
     attn_len: int,  # L
+    sinks: torch.Tensor | None = None,  # [nh] fp32: per-head sink logits
 ) -> torch.Tensor:
     """Write this forward's K/V, then attend over the row's first `attn_len` cache indices.
     -> `[B, T, nh, D]`.
@@ -89,8 +106,34 @@ def cached_attention(
     vc = read_rows(v_cache, rows, attn_len).transpose(1, 2).to(q.dtype)
     g = nh // nkv
     qf = q.view(B, T, nkv, g, d).permute(0, 2, 1, 3, 4).reshape(B, nkv, T * g, d)
+    if sinks is not None:
+        kc, vc, mask = sink_column(kc, vc, mask, sinks, T)
     o = F.scaled_dot_product_attention(qf, kc, vc, attn_mask=mask)  # [B, nkv, T * g, D]
     return o.view(B, nkv, T, g, d).permute(0, 2, 1, 3, 4).reshape(B, T, nh, d)
+
+
+def sink_column(
+    kc: torch.Tensor,  # [B, nkv, L, D]
+    vc: torch.Tensor,  # [B, nkv, L, D]
+    mask: torch.Tensor,  # [B, 1, T * g, L] bool
+    sinks: torch.Tensor,  # [nh] fp32
+    T: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention sinks for SDPA, exactly: a zero key and a zero value appended at column L, and
+    an additive float mask `[B, nkv, T * g, L + 1]` (0 where the bool mask allows, -inf where
+    not, the head's sink logit at column L). The sink column's score is `q . 0 * scale + sink
+    = sink`, so the softmax runs over `[scores, sink]`, and its zero value adds nothing to the
+    output. Row `t * g + i` of KV head `n` is query head `n * g + i` (the folded layout)."""
+    B, nkv, L, d = kc.shape
+    g = sinks.shape[0] // nkv
+    zero = kc.new_zeros(B, nkv, 1, d)
+    kc, vc = torch.cat([kc, zero], dim=2), torch.cat([vc, zero], dim=2)
+    dtype = kc.dtype
+    zero_s = torch.zeros((), dtype=dtype, device=kc.device)
+    add = torch.where(mask, zero_s, torch.full_like(zero_s, float("-inf")))  # [B, 1, T * g, L]
+    sink = sinks.to(dtype).view(1, nkv, 1, g, 1).expand(B, nkv, T, g, 1).reshape(B, nkv, T * g, 1)
+    add = torch.cat([add.expand(B, nkv, T * g, L), sink], dim=-1)
+    return kc, vc, add
 
 
 def write_cache(
@@ -125,6 +168,7 @@ def decode_attention(
     kc: torch.Tensor,  # [B, L, nkv, D] from `read_rows`
     vc: torch.Tensor,  # [B, L, nkv, D]
     mask: torch.Tensor,  # [B, 1, g, L] bool from `visibility_mask` (T == 1)
+    sinks: torch.Tensor | None = None,  # [nh] fp32 sink logits
 ) -> torch.Tensor:
     """Attention of one query per row as plain tensor maths, fp32 -> `[B, 1, nh, D]`.
 
@@ -142,7 +186,11 @@ def decode_attention(
     vf = vc.permute(0, 2, 1, 3)[:, :, None].float()
     s = (qf * kf).sum(-1)  # [B, nkv, g, L]
     s = s.masked_fill(~mask, float("-inf"))  # mask [B, 1, g, L] broadcasts over kv heads
-    p = torch.softmax(s, dim=-1)
+    if sinks is not None:  # the sink joins the softmax as one more column, then is dropped
+        sink = sinks.float().view(1, nkv, g, 1).expand(B, nkv, g, 1)
+        p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        p = torch.softmax(s, dim=-1)
     o = (p[..., None] * vf).sum(-2)  # [B, nkv, g, D]
     return o.reshape(B, 1, nh, d).to(q.dtype)
 
@@ -157,16 +205,17 @@ def cached_attention_maths_decode(
     write_pos: torch.Tensor,
     mask: torch.Tensor,
     attn_len: int,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`cached_attention` (same arguments) whose one-token step (T == 1), when traced by
     `torch.compile`, is `decode_attention`: the attention inductor generates itself. Eager
     calls and T > 1 (prefill, verify) run `cached_attention`'s SDPA kernel."""
     if q.shape[1] != 1 or not torch.compiler.is_compiling():
-        return cached_attention(q, k, v, k_cache, v_cache, rows, write_pos, mask, attn_len)
+        return cached_attention(q, k, v, k_cache, v_cache, rows, write_pos, mask, attn_len, sinks)
     write_cache(k, v, k_cache, v_cache, rows, write_pos)
     kc = read_rows(k_cache, rows, attn_len)
     vc = read_rows(v_cache, rows, attn_len)
-    return decode_attention(q, kc, vc, mask)
+    return decode_attention(q, kc, vc, mask, sinks)
 
 
 def cached_attention_split_kv(
@@ -179,17 +228,23 @@ def cached_attention_split_kv(
     write_pos: torch.Tensor,
     mask: torch.Tensor,
     attn_len: int,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`cached_attention` (same arguments) whose attention of a few query slots per row
     (decode, verify, drafting: `T * g <= 64`) on CUDA is `draftkernels.decode_attention`, a
-    split-KV Triton kernel reading the cache in place; prefill chunks and the CPU run SDPA."""
-    if not (q.is_cuda and split_kv.TRITON and split_kv.fits(q, k_cache)):
-        return cached_attention(q, k, v, k_cache, v_cache, rows, write_pos, mask, attn_len)
+    split-KV Triton kernel reading the cache in place; prefill chunks and the CPU run SDPA.
+    A sliding window is only a mask, which the kernel reads like any other."""
+    # Sinks: the kernel has no sink column yet, so a layer with sinks (gpt-oss) runs SDPA with
+    # the exact extra column (`sink_column`). Kernel support (the `o * sigmoid(lse - sink)`
+    # fix-up of its merged output) is later GPU work.
+    if sinks is not None or not (q.is_cuda and split_kv.TRITON and split_kv.fits(q, k_cache)):
+        return cached_attention(q, k, v, k_cache, v_cache, rows, write_pos, mask, attn_len, sinks)
     write_cache(k, v, k_cache, v_cache, rows, write_pos)
     return split_kv.decode_attention(q, k_cache, v_cache, rows, mask, attn_len)
 
 
-# attention(q, k, v, k_cache, v_cache, rows, write_pos, mask, attn_len) -> o [B, T, nh, D]
+# attention(q, k, v, k_cache, v_cache, rows, write_pos, mask, attn_len, sinks=None)
+#   -> o [B, T, nh, D]
 AttentionFn = Callable[..., torch.Tensor]
 ATTENTION: dict[str, AttentionFn] = {
     "split_kv": cached_attention_split_kv,
@@ -200,10 +255,15 @@ ATTENTION: dict[str, AttentionFn] = {
 DEFAULT_ATTENTION = "split_kv"
 
 
-def default_attention(q, k, v, k_cache, v_cache, rows, write_pos, mask, attn_len) -> torch.Tensor:
+def default_attention(
+    q, k, v, k_cache, v_cache, rows, write_pos, mask, attn_len, sinks=None
+) -> torch.Tensor:
     """`cached_attention`'s signature through the `DEFAULT_ATTENTION` backend (looked up per
     call): the one place targets' layers, `bind_cache` and the block drafter name it."""
-    return ATTENTION[DEFAULT_ATTENTION](q, k, v, k_cache, v_cache, rows, write_pos, mask, attn_len)
+    backend = ATTENTION[DEFAULT_ATTENTION]
+    if sinks is None:  # a backend from outside may not take sinks: only pass them when set
+        return backend(q, k, v, k_cache, v_cache, rows, write_pos, mask, attn_len)
+    return backend(q, k, v, k_cache, v_cache, rows, write_pos, mask, attn_len, sinks)
 
 
 def bind_cache(k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], slots: Slots):

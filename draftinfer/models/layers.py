@@ -27,16 +27,26 @@ AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
+    """`x / rms(x) * weight` with fp32 statistics, as HF Llama/Qwen compute it (so bf16 runs
+    match the target's numerics): the normalised `x` is cast back to its dtype, then scaled.
+
+    `scale_in_fp32` (gpt-oss, HF `GptOssRMSNorm`): the weight multiplies the fp32 normalised
+    `x` in fp32 and the product is cast back ("main diff with Llama"); HF keeps those weights
+    in fp32 (`_keep_in_fp32_modules`), the same values as ours when the checkpoint's are bf16.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, *, scale_in_fp32: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.scale_in_fp32 = scale_in_fp32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # fp32 statistics, as HF Llama/Qwen do, so bf16 runs match the target's numerics.
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.scale_in_fp32:
+            return (self.weight.float() * x).to(dtype)
         return self.weight * x.to(dtype)
 
 

@@ -3,8 +3,9 @@
 Rotary embeddings read only RoPE positions (`Slots.rope_pos`), never the KV-cache index
 (DESIGN 2.1 seam 3). Positions are tensors `[..., N]`, or `[3, ..., N]` for M-RoPE targets.
 
-Supported `rope_type`s: `default`, `linear`, `llama3`, each optionally with *interleaved
-M-RoPE* (`mrope_section`, Qwen3-VL): the `head_dim // 2` frequencies are split over three
+Supported `rope_type`s: `default`, `linear`, `llama3`, `yarn` (gpt-oss: `truncate: false`, the
+attention factor multiplying cos and sin), each optionally with *interleaved M-RoPE*
+(`mrope_section`, Qwen3-VL): the `head_dim // 2` frequencies are split over three
 position axes (T, H, W) by interleaving, H at frequency indices 1, 4, 7, ... (`mrope_section[1]`
 of them), W at 2, 5, 8, ... (`mrope_section[2]`), T everywhere else. Where all three axes are
 equal (text tokens) M-RoPE equals plain RoPE.
@@ -31,6 +32,13 @@ _TYPE_KEYS: dict[str, frozenset[str]] = {
     "llama3": frozenset(
         {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
     ),
+    "yarn": frozenset({"factor", "original_max_position_embeddings"}),
+}
+# Keys a rope_type may carry besides its required ones (transformers' defaults apply when absent).
+_OPTIONAL_KEYS: dict[str, frozenset[str]] = {
+    "yarn": frozenset(
+        {"beta_fast", "beta_slow", "truncate", "attention_factor", "mscale", "mscale_all_dim"}
+    ),
 }
 _MROPE_KEYS = frozenset({"mrope_section", "mrope_interleaved"})
 
@@ -50,7 +58,7 @@ def parse_rope(params: dict[str, Any] | None, head_dim: int, where: str = "confi
         raise ConfigError(
             f"{where}: unsupported rope_type {rope_type!r} (supported: {', '.join(_TYPE_KEYS)})"
         )
-    known = _TYPE_KEYS[rope_type] | _MROPE_KEYS
+    known = _TYPE_KEYS[rope_type] | _OPTIONAL_KEYS.get(rope_type, frozenset()) | _MROPE_KEYS
     for key in params:
         if key not in known:
             raise ConfigError(
@@ -96,10 +104,17 @@ def rope_from_hf(config: Any, head_dim: int | None = None):
     name = type(config).__name__
     params = getattr(config, "rope_parameters", None)
     if isinstance(params, dict) and params:
-        return parse_rope(params, head_dim, f"{name}.rope_parameters")
-    scaling = dict(getattr(config, "rope_scaling", None) or {})
-    scaling.setdefault("rope_theta", float(getattr(config, "rope_theta", 10000.0)))
-    return parse_rope(scaling, head_dim, f"{name}.rope_scaling")
+        params, where = dict(params), f"{name}.rope_parameters"
+    else:
+        params, where = dict(getattr(config, "rope_scaling", None) or {}), f"{name}.rope_scaling"
+        params.setdefault("rope_theta", float(getattr(config, "rope_theta", 10000.0)))
+    if params.get("rope_type", params.get("type")) == "yarn":
+        # transformers' `standardize_rope_params`: the pretraining length defaults to the
+        # model's own.
+        default = getattr(config, "max_position_embeddings", None)
+        if default is not None:
+            params.setdefault("original_max_position_embeddings", default)
+    return parse_rope(params, head_dim, where)
 
 
 def rope_axes(scaling: dict[str, Any] | None) -> int:
@@ -108,8 +123,9 @@ def rope_axes(scaling: dict[str, Any] | None) -> int:
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies `[head_dim // 2]` fp32 for default, linear and llama3 RoPE, computed
-    in fp32 the way transformers computes them (so the rotary matches the target's bit for bit)."""
+    """Inverse frequencies `[head_dim // 2]` fp32 for default, linear, llama3 and yarn RoPE,
+    computed in fp32 the way transformers computes them (so the rotary matches the target's bit
+    for bit)."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     rope_type = (scaling or {}).get("rope_type", "default")
     if rope_type == "default":
@@ -127,7 +143,58 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
         return torch.where(medium, blended, scaled).float()
+    if rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling)
     raise ConfigError(f"unsupported rope_type {rope_type!r} (supported: {', '.join(_TYPE_KEYS)})")
+
+
+def _yarn_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN (transformers' `_compute_yarn_parameters`, expression for expression): frequencies
+    whose wavelength fits the pretraining context `beta_fast` times keep their value, those that
+    fit fewer than `beta_slow` times are divided by `factor`, a linear ramp over the dimension
+    index blends the two in between. `truncate` (default true) floors/ceils the ramp's ends;
+    gpt-oss sets it false."""
+    factor = float(scaling["factor"])
+    old_ctx = float(scaling["original_max_position_embeddings"])
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        # The dimension whose wavelength fits `rotations` times into the pretraining context.
+        return (head_dim * math.log(old_ctx / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # transformers: prevent a zero-width ramp
+    ramp = torch.clamp(
+        (torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1
+    )
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).to(dtype=torch.float) / head_dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp  # 1: keep the frequency, 0: divide it by `factor`
+    return (interpolation * (1 - keep) + extrapolation * keep).float()
+
+
+def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """The factor multiplying cos and sin (YaRN's attention scaling; 1 for the other types):
+    `attention_factor` if given, else `0.1 * mscale * ln(factor) + 1` ratios as transformers
+    computes it (gpt-oss: `0.1 ln 32 + 1 = 1.3466`)."""
+    if (scaling or {}).get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def mscale_of(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all:
+        return float(mscale_of(factor, mscale) / mscale_of(factor, mscale_all))
+    return mscale_of(factor)
 
 
 def mrope_axis_of_freq(head_dim: int, section: list[int]) -> torch.Tensor:
@@ -143,12 +210,14 @@ class RotaryEmbedding(nn.Module):
     """cos/sin rows for RoPE positions.
 
     forward(positions) -> (cos, sin), each `[..., N, head_dim]` fp32, where positions are
-    `[..., N]` for plain RoPE and `[3, ..., N]` (T, H, W rows) for M-RoPE.
+    `[..., N]` for plain RoPE and `[3, ..., N]` (T, H, W rows) for M-RoPE. Both carry the rope
+    type's attention factor (YaRN), as transformers' rotaries do.
     """
 
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None = None):
         super().__init__()
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
+        self.attention_factor = rope_attention_factor(scaling)
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
         section = (scaling or {}).get("mrope_section")
         axis = mrope_axis_of_freq(head_dim, section) if section else None
@@ -192,6 +261,8 @@ class RotaryEmbedding(nn.Module):
             index = self.freq_axis.expand(1, *per_axis.shape[1:])  # [1, ..., N, D/2]
             freqs = per_axis.gather(0, index)[0]
         emb = torch.cat([freqs, freqs], dim=-1)
+        if self.attention_factor != 1.0:
+            return emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
         return emb.cos(), emb.sin()
 
 

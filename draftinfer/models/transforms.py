@@ -133,11 +133,14 @@ def norms_fusable(layer: DecoderLayer) -> bool:
     gate/up, on CUDA in a dtype the kernel takes (elsewhere the fused layer would only
     round its folded weights differently, so CPU numerics stay as they are)."""
     a, m = layer.self_attn, layer.mlp
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
     return (
         isinstance(a, FusedQKVAttention)
         and isinstance(m, FusedSwiGLU)
         and a.qkv_weight.is_cuda
         and a.qkv_weight.dtype in skinny.DTYPES
+        # The kernels scale like Llama's norm; an fp32-scaled norm (gpt-oss) stays as it is.
+        and not any(getattr(n, "scale_in_fp32", False) for n in norms)
     )
 
 

@@ -1,4 +1,4 @@
-"""RoPE against transformers' implementations: plain/llama3 inverse frequencies, interleaved
+"""RoPE against transformers' implementations: plain/llama3/yarn inverse frequencies, interleaved
 M-RoPE cos/sin by value against `Qwen3VLTextRotaryEmbedding`, strict rope parsing."""
 
 from __future__ import annotations
@@ -71,6 +71,48 @@ def test_interleaved_mrope_matches_transformers_qwen3_vl():
     assert not torch.allclose(ours(moved)[0], cos)
 
 
+YARN_CASES = [
+    # gpt-oss: no floor/ceil of the ramp's ends.
+    {"factor": 32.0, "original_max_position_embeddings": 4096, "truncate": False},
+    {"factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 16.0, "beta_slow": 2.0},
+    {"factor": 8.0, "original_max_position_embeddings": 256, "attention_factor": 1.25},
+    {
+        "factor": 40.0,
+        "original_max_position_embeddings": 4096,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.7,
+    },
+]
+
+
+@pytest.mark.parametrize("yarn", YARN_CASES)
+def test_yarn_matches_transformers(yarn):
+    """YaRN inverse frequencies bit for bit, and cos/sin (the attention factor on both) by value,
+    against transformers' `_compute_yarn_parameters` and a rotary that applies it."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    cfg = LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        head_dim=16,
+        max_position_embeddings=8192,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, **yarn},
+    )
+    theta, scaling = rope_from_hf(cfg)
+    assert scaling["rope_type"] == "yarn"
+    ref_inv, ref_factor = ROPE_INIT_FUNCTIONS["yarn"](cfg, "cpu")
+    ours = RotaryEmbedding(16, theta, scaling)
+    assert torch.equal(ours.inv_freq, ref_inv.float())
+    assert ours.attention_factor == pytest.approx(ref_factor, rel=1e-15) and ref_factor != 1.0
+    pos = torch.arange(0, 9000, 37)[None]
+    cos_r, sin_r = LlamaRotaryEmbedding(cfg)(torch.zeros(1, dtype=torch.float32), pos)
+    cos, sin = ours(pos)
+    torch.testing.assert_close(cos, cos_r, rtol=0, atol=0)
+    torch.testing.assert_close(sin, sin_r, rtol=0, atol=0)
+
+
 def test_mrope_needs_three_rows():
     cfg = qwen3_vl_text_config()
     rot = RotaryEmbedding(16, *rope_from_hf(cfg))
@@ -82,6 +124,11 @@ def test_mrope_needs_three_rows():
     "params, message",
     [
         ({"rope_type": "yarnish"}, "unsupported rope_type 'yarnish'"),
+        ({"rope_type": "yarn", "factor": 4.0}, "needs 'original_max_position_embeddings'"),
+        (
+            {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "x": 1},
+            "unknown rope key 'x'",
+        ),
         ({"rope_type": "linear", "factor": 2.0, "beta_fast": 32}, "unknown rope key 'beta_fast'"),
         ({"rope_type": "default", "partial_rotary_factor": 0.5}, "unknown rope key"),
         ({"rope_type": "llama3", "factor": 8.0}, "needs 'high_freq_factor'"),

@@ -8,7 +8,6 @@ HF `generate(do_sample=False)` token for token.
 
 from __future__ import annotations
 
-import functools
 import json
 import shutil
 from pathlib import Path
@@ -20,8 +19,8 @@ from draftinfer.conventions.slots import Slots
 from draftinfer.decoding.baseline import greedy_generate
 from draftinfer.files.errors import CheckpointError, ConfigError
 from draftinfer.files.loading import load_native_target
-from draftinfer.models.target import FeatureSpec
 from draftinfer.registry import FAMILIES
+from tests.support.native_parity import hf_model, rand_ids, run
 
 ATOL = 1e-4  # fp32 logits, our SDPA vs HF eager attention
 TARGETS = ["tiny_llama3_dir", "tiny_qwen3_dir"]
@@ -70,16 +69,6 @@ def tiny_qwen2_dir(tmp_path_factory):
     return path
 
 
-@functools.lru_cache(maxsize=8)
-def hf_model(path: str):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager"
-    )
-    return model.eval().requires_grad_(False)
-
-
 def hf_logits(path: Path, ids: list[int]) -> torch.Tensor:
     """HF logits `[len(ids), V]` for one unpadded sequence."""
     return hf_model(str(path))(torch.tensor([ids])).logits[0].float()
@@ -87,22 +76,6 @@ def hf_logits(path: Path, ids: list[int]) -> torch.Tensor:
 
 def native(path: Path, max_batch: int = 4, max_seq_len: int = 64):
     return load_native_target(path, "cpu", torch.float32, max_batch, max_seq_len)
-
-
-def rand_ids(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 500, (n,), generator=g).tolist()
-
-
-def run(model, ids, positions, rows, aux_layer_ids=None, final_hidden=None, attn_len=None):
-    """(logits, features) of one forward: slots at cache indices `positions` (RoPE = cache
-    index), features = the inputs of `aux_layer_ids` then the final hidden state."""
-    t = functools.partial(torch.tensor, dtype=torch.long)
-    feats = None
-    if aux_layer_ids is not None or final_hidden is not None:
-        feats = FeatureSpec(tuple(aux_layer_ids or ()), final_hidden)
-    out = model(t(ids), Slots(t(rows), t(positions), attn_len=attn_len), feats)
-    return out.logits, out.features
 
 
 @pytest.mark.parametrize("which", [*TARGETS, "tiny_qwen2_dir"])

@@ -19,9 +19,10 @@ DTYPE = torch.float32 if DEVICE.type == "cpu" else torch.bfloat16
 TOL = 1e-5 if DTYPE == torch.float32 else 2e-2
 
 
-def case(B, T, nh, nkv, d, max_len, attn_len, seed=0, pad=True):
+def case(B, T, nh, nkv, d, max_len, attn_len, seed=0, pad=True, window=None):
     """Random q/k/v for `B` rows at random cache rows of a larger cache; slot positions
-    `< attn_len`, one padding slot (-1) when `pad`; the new K/V already written."""
+    `< attn_len`, one padding slot (-1) when `pad`; the new K/V already written; the mask of a
+    sliding `window` of keys when given."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, T, nh, d, generator=g)
     k, v = torch.randn(2, B, T, nkv, d, generator=g)
@@ -33,7 +34,7 @@ def case(B, T, nh, nkv, d, max_len, attn_len, seed=0, pad=True):
     if pad and B * T > 1:
         cache_pos[-1, 0] = -1
     wpos = write_index(cache_pos, max_len)
-    mask = visibility_mask(cache_pos, attn_len, nh // nkv)
+    mask = visibility_mask(cache_pos, attn_len, nh // nkv, window)
     to = dict(device=DEVICE)
     t = [x.to(**to, dtype=DTYPE) for x in (q, k, v, kc, vc)]
     return (*t, rows.to(**to), wpos.to(**to), mask.to(**to), attn_len)
@@ -64,6 +65,15 @@ SHAPES = [
 def test_kernel_and_reference_match_sdpa(shape, poison_empty):  # noqa: F811
     want, ref, got = run_all(*case(*shape))
     assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(ref.float(), want.float(), atol=TOL, rtol=TOL)
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("window", [1, 7, 100])
+def test_sliding_window_is_a_mask_the_kernel_reads(window, poison_empty):  # noqa: F811
+    """A sliding window (gpt-oss) is only the mask `p - w < j <= p`: splits whose keys are all
+    outside it merge with weight 0, a window of one key reads the slot's own key only."""
+    want, ref, got = run_all(*case(3, 5, 8, 2, 32, 400, 333, seed=4, window=window))
     torch.testing.assert_close(ref.float(), want.float(), atol=TOL, rtol=TOL)
     torch.testing.assert_close(got.float(), want.float(), atol=TOL, rtol=TOL)
 

@@ -59,7 +59,7 @@ from torch import nn
 from draftinfer.conventions.slots import Slots
 from draftinfer.files.errors import ConfigError
 from draftinfer.models.decoder import Backbone, NativeCausalLM, NativeConfig, PrefillPlan
-from draftinfer.models.kv_cache import resolve_attn_len, visibility_mask, write_index
+from draftinfer.models.kv_cache import resolve_attn_len, write_index
 from draftinfer.models.target import FeatureSpec, TargetInputs, TargetOutput, as_inputs
 
 EXTRA_KEYS = ("image_embeds", "deepstack", "visual_mask")
@@ -416,7 +416,7 @@ class Qwen3VLForConditionalGeneration(NativeCausalLM):
             features.check(c.num_layers)
         ids = torch.where(slots.cache_pos >= 0, ids, torch.zeros_like(ids))
         write_pos = write_index(slots.cache_pos, self.max_seq_len)
-        mask = visibility_mask(slots.cache_pos, attn_len, c.num_heads // c.num_kv_heads)
+        masks = self.layer_masks(slots.cache_pos, attn_len)
         rope_pos = slots.rope_pos
         if rope_pos is None:
             if visual is not None:
@@ -437,7 +437,7 @@ class Qwen3VLForConditionalGeneration(NativeCausalLM):
         for j, layer in enumerate(self.model.layers):
             if j in wanted:
                 taps[j] = x  # what layer j receives: DeepStack add of layer j-1 included
-            x = layer(x, cos, sin, slots.rows, write_pos, mask, attn_len)
+            x = layer(x, cos, sin, slots.rows, write_pos, masks[j], attn_len)
             if j < len(deepstack):
                 x = torch.where(vmask, x + deepstack[j], x)
         out = self.head_output(x, taps, features, logit_index, rope_pos, embeds)

@@ -1,0 +1,20 @@
+"""The gpt-oss target family (sinks, alternating sliding windows, routed experts, MXFP4
+checkpoints): the native model (`model.py`), the MXFP4 dequantizer (`mxfp4.py`) and the
+family's registration. Text prompts render through the tokenizer's (Harmony) chat template,
+as for any text target; drafters get the layer-input taps and the final hidden state."""
+
+from __future__ import annotations
+
+from draftinfer.families.gpt_oss.model import FAMILY, GptOssForCausalLM
+from draftinfer.registry import FEATURES, FamilySpec, register_family
+
+
+class GptOssFamily(FamilySpec):
+    name = FAMILY
+    models = {"GptOssForCausalLM": GptOssForCausalLM}
+    provides = FEATURES  # layer_inputs (residual stream taps), final_hidden
+
+
+register_family(GptOssFamily())
+
+__all__ = ["GptOssFamily", "GptOssForCausalLM"]

@@ -1,0 +1,327 @@
+"""The routed-experts block the MoE target families share (DESIGN 14: one block, one router per
+routing rule): a router picks `k` of `E` experts per token with weights, the experts run as
+grouped matrix products, and the token's output is the weighted sum of its experts' outputs.
+
+    router = TopKSoftmaxRouter(H, E, k)            # gpt-oss: top-k logits, softmax over the k
+    router = SoftmaxTopKRouter(H, E, k, norm=True)  # Qwen3-MoE: softmax over E, top-k, renormalise
+    experts = Experts(E, H, I, ClampedSwiGLU(1.702, 7.0), bias=True, x_at_w=True)
+    block = MoEBlock(router, experts, router_name="router")   # [B, T, H] -> [B, T, H]
+
+Vocabulary: a *route* of a token is its `k` (expert, weight) pairs, `experts [N, k]` int64 and
+`weights [N, k]`; a *row* is one (token, expert) pair, `S = N * k` of them.
+
+Experts are stacked 3-D parameters with Hugging Face's names, in either layout transformers
+uses: `x_at_w` (gpt-oss: `gate_up_proj [E, H, 2I]`, `down_proj [E, I, H]`, `out = x @ W`) or
+not (Qwen3-MoE: `gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`, `out = x @ W.T`), optional
+biases `gate_up_proj_bias [E, 2I]`, `down_proj_bias [E, H]`. The activation maps the `2I`
+gate/up columns to `I`: `SiluGLU` (gate, then up halves) or `ClampedSwiGLU` (gpt-oss:
+interleaved columns, clamped).
+
+Three computations with one signature `(x [N, H], weights [N, k], experts [N, k], w1 [E, H,
+2I], b1 [E, 2I] | None, w2 [E, I, H], b2 [E, H] | None, act) -> [N, H]` (`w1`/`w2` are views
+in the `x @ W` layout whatever the parameters' layout):
+
+- `experts_grouped`: rows sorted by expert, per-expert row counts by `torch.histc` and their
+  `cumsum` as the group offsets, two `F.grouped_mm` (each expert's weights read once for all
+  its rows: a verify pass of K + 1 tokens reads the union of their experts), biases gathered
+  per row, the inverse permutation, the weighted sum over each token's `k` rows;
+- `experts_gather`: gpt-fast's `ConditionalFeedForward`: each token's `k` experts' weights
+  gathered by index and two einsums (a one-token decode step: no sort, no offsets; compiled,
+  the gather fuses into the GEMV and reads exactly `k` experts);
+- `experts_reference`: dense, each expert over every token, masked by the route; the test
+  oracle and the fallback where neither of the others applies.
+
+No host-device sync anywhere (no `.item()`, `nonzero`, boolean indexing or data-dependent
+shape): every shape follows from `N`, `k`, `E`, so a round with MoE layers stays capturable in
+a CUDA graph. `Experts.forward` picks the computation from shapes and dtypes alone:
+`experts_gather` for at most `GATHER_MAX_TOKENS` tokens, `experts_grouped` where
+`grouped_mm_supported` says the device and dtype take `F.grouped_mm`, `experts_reference`
+otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Tokens up to which `Experts.forward` gathers each token's experts (`experts_gather`) instead
+# of grouping rows by expert: a one-token decode step. Above it the grouped products read each
+# touched expert once.
+GATHER_MAX_TOKENS = 1
+
+
+class TopKSoftmaxRouter(nn.Module):
+    """gpt-oss (HF `GptOssTopKRouter`): `logits = x W^T + b`, the top `k` logits, a softmax over
+    those `k` (no softmax over all experts). Parameters `weight [E, H]`, `bias [E]`."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, bias: bool = True):
+        super().__init__()
+        self.top_k = top_k
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden))
+        self.bias = nn.Parameter(torch.zeros(num_experts)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x `[N, H]` -> (weights `[N, k]` in x's dtype, experts `[N, k]` int64)."""
+        logits = F.linear(x, self.weight, self.bias)  # [N, E]
+        top, experts = torch.topk(logits, self.top_k, dim=-1)
+        return torch.softmax(top, dim=-1), experts
+
+
+class SoftmaxTopKRouter(nn.Module):
+    """Qwen3-MoE (HF `Qwen3MoeTopKRouter`): `p = softmax(x W^T)` over all experts in fp32, the
+    top `k` probabilities, renormalised to sum to 1 when `norm_topk_prob`. `weight [E, H]`."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x `[N, H]` -> (weights `[N, k]` in x's dtype, experts `[N, k]` int64)."""
+        logits = F.linear(x, self.weight)  # [N, E]
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return top.to(logits.dtype), experts
+
+
+class SiluGLU(nn.Module):
+    """SwiGLU on `[..., 2I]` whose first half is the gate, the second the up projection:
+    `silu(gate) * up` (Qwen3-MoE's experts, HF `chunk(2, dim=-1)`)."""
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class ClampedSwiGLU(nn.Module):
+    """gpt-oss's expert activation on interleaved columns (gate at even, up at odd indices):
+    `gate = min(gate, limit)`, `up = clamp(up, -limit, limit)`,
+    `(up + 1) * gate * sigmoid(alpha * gate)` (HF `GptOssExperts._apply_gate`)."""
+
+    def __init__(self, alpha: float = 1.702, limit: float = 7.0):
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha}, limit={self.limit}"
+
+
+Activation = Callable[[torch.Tensor], torch.Tensor]
+
+
+def experts_reference(
+    x: torch.Tensor,  # [N, H]
+    weights: torch.Tensor,  # [N, k]
+    experts: torch.Tensor,  # [N, k] int64
+    w1: torch.Tensor,  # [E, H, 2I]
+    b1: torch.Tensor | None,  # [E, 2I]
+    w2: torch.Tensor,  # [E, I, H]
+    b2: torch.Tensor | None,  # [E, H]
+    act: Activation,
+) -> torch.Tensor:
+    """Dense: every expert over every token, each token keeping its routed experts' outputs
+    times their weights. `E` times the FLOPs of the routed computation, obviously right; the
+    oracle of the other two and the fallback where they do not apply. -> `[N, H]`."""
+    out = torch.zeros_like(x)
+    for e in range(w1.shape[0]):
+        h = x @ w1[e]
+        if b1 is not None:
+            h = h + b1[e]
+        y = act(h) @ w2[e]
+        if b2 is not None:
+            y = y + b2[e]
+        chosen = experts == e  # [N, k]
+        weight = (weights * chosen).sum(-1, keepdim=True)  # [N, 1]: 0 where e is not routed
+        # `where`, not a product: an expert a token does not use contributes nothing, even
+        # if its output there is not finite.
+        out = out + torch.where(chosen.any(-1, keepdim=True), weight * y, 0)
+    return out
+
+
+def experts_gather(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    w1: torch.Tensor,
+    b1: torch.Tensor | None,
+    w2: torch.Tensor,
+    b2: torch.Tensor | None,
+    act: Activation,
+) -> torch.Tensor:
+    """gpt-fast style: each token's `k` experts' weights gathered (`w1[experts]`, `[N, k, H,
+    2I]`) and two einsums. Eager materialises the gathered weights; compiled, the gather
+    fuses into the product and a one-token step reads exactly its `k` experts. -> `[N, H]`."""
+    h = torch.einsum("nh,nkhf->nkf", x, w1[experts])  # [N, k, 2I]
+    if b1 is not None:
+        h = h + b1[experts]
+    y = torch.einsum("nki,nkih->nkh", act(h), w2[experts])  # [N, k, H]
+    if b2 is not None:
+        y = y + b2[experts]
+    return (y * weights[..., None]).sum(1)
+
+
+def expert_offsets(sorted_experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """`[E]` int32: the end of each expert's rows among `sorted_experts [S]` (row ids sorted by
+    expert), i.e. the cumulative row counts `F.grouped_mm` takes as `offs`. Counted on device
+    with `torch.histc` (a `bincount` sizes its output from the data: a host sync on CUDA), one
+    bin per expert; histc takes float input on the CPU and int on CUDA (transformers'
+    `grouped_mm_experts_forward` does the same, deterministic on both)."""
+    ids = sorted_experts.float() if sorted_experts.device.type == "cpu" else sorted_experts.int()
+    counts = torch.histc(ids, bins=num_experts, min=0, max=num_experts)  # bin e = [e, e + 1)
+    return torch.cumsum(counts, dim=0, dtype=torch.int32)
+
+
+def experts_grouped(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    w1: torch.Tensor,
+    b1: torch.Tensor | None,
+    w2: torch.Tensor,
+    b2: torch.Tensor | None,
+    act: Activation,
+) -> torch.Tensor:
+    """Rows sorted by expert, two grouped products over per-expert row groups
+    (`F.grouped_mm` with offsets from `expert_offsets`; its `bias` is not supported, so biases
+    are gathered per row and added), then back to token order and the weighted sum over each
+    token's `k` rows. Needs `grouped_mm_supported`. -> `[N, H]`."""
+    N, k = experts.shape
+    flat = experts.reshape(-1)  # [S]
+    sorted_experts, order = torch.sort(flat, stable=True)  # order: row ids, by expert
+    offs = expert_offsets(sorted_experts, w1.shape[0])
+    rows = x[order // k]  # [S, H]
+    h = F.grouped_mm(rows, w1, offs=offs)  # [S, 2I]
+    if b1 is not None:
+        h = h + b1[sorted_experts]
+    y = F.grouped_mm(act(h), w2, offs=offs)  # [S, H]
+    if b2 is not None:
+        y = y + b2[sorted_experts]
+    y = y * weights.reshape(-1)[order, None]
+    # Back to token order (a permutation: index_copy_ with unique indices is deterministic),
+    # then each token's k rows summed in a fixed order (no atomics).
+    y = torch.empty_like(y).index_copy_(0, order, y)
+    return y.view(N, k, -1).sum(1)
+
+
+# Device and dtypes `F.grouped_mm` runs without a host sync: CUDA sm80 to sm100 in bf16 (its
+# CUTLASS path; other architectures loop over the groups with a device-to-host sync, pytorch
+# #194227); the CPU in any float dtype.
+_GROUPED_CUDA_MAJORS = (8, 9, 10)
+_GROUPED_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def grouped_mm_supported(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether `experts_grouped` runs for these operands, from device, dtype and shapes only
+    (no sync, so a compiled step decides it at trace time): `F.grouped_mm` exists (torch >=
+    2.10), the device and dtype are in the table above (compiled: bf16 only; inductor lowers
+    no other dtype), and every row of the operands starts on a 16-byte boundary (the kernel's
+    stride rule: `H`, `2I` and `I` times the element size are multiples of 16)."""
+    if not hasattr(F, "grouped_mm") or not (x.dtype == w1.dtype == w2.dtype):
+        return False
+    if x.device.type == "cuda":
+        major = torch.cuda.get_device_capability(x.device)[0]
+        if x.dtype != torch.bfloat16 or major not in _GROUPED_CUDA_MAJORS:
+            return False
+    elif x.device.type != "cpu" or x.dtype not in _GROUPED_CPU_DTYPES:
+        return False
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+        return False
+    size = x.element_size()
+    H, two_i = w1.shape[1], w1.shape[2]
+    return all(n * size % 16 == 0 for n in (H, two_i, two_i // 2))
+
+
+ExpertsFn = Callable[..., torch.Tensor]
+EXPERTS: dict[str, ExpertsFn] = {
+    "grouped": experts_grouped,
+    "gather": experts_gather,
+    "reference": experts_reference,
+}
+
+
+class Experts(nn.Module):
+    """`E` gated experts as stacked parameters with HF's names (module docstring): each maps
+    `x [H]` to `down(act(gate_up(x)))`, `act` taking the `2I` gate/up columns to `I`.
+
+    `path` (None: chosen per call from shapes and dtypes, module docstring) forces one of
+    `EXPERTS` (tests, benchmarks).
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        intermediate: int,
+        act: nn.Module,
+        *,
+        bias: bool,
+        x_at_w: bool,
+    ):
+        super().__init__()
+        E, H, inter = num_experts, hidden, intermediate
+        self.num_experts, self.x_at_w, self.act = E, x_at_w, act
+        self.path: str | None = None
+        gate_up = (E, H, 2 * inter) if x_at_w else (E, 2 * inter, H)
+        self.gate_up_proj = nn.Parameter(torch.zeros(gate_up))
+        self.down_proj = nn.Parameter(torch.zeros((E, inter, H) if x_at_w else (E, H, inter)))
+        if bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.zeros(E, 2 * inter))
+            self.down_proj_bias = nn.Parameter(torch.zeros(E, H))
+        else:
+            self.register_parameter("gate_up_proj_bias", None)
+            self.register_parameter("down_proj_bias", None)
+
+    def mats(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w1 `[E, H, 2I]`, w2 `[E, I, H]`): the weights in the `x @ W` layout (views)."""
+        if self.x_at_w:
+            return self.gate_up_proj, self.down_proj
+        return self.gate_up_proj.transpose(-2, -1), self.down_proj.transpose(-2, -1)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [N, H]
+        weights: torch.Tensor,  # [N, k]
+        experts: torch.Tensor,  # [N, k] int64
+    ) -> torch.Tensor:
+        w1, w2 = self.mats()
+        path = self.path
+        if path is None:
+            if x.shape[0] <= GATHER_MAX_TOKENS:
+                path = "gather"
+            elif grouped_mm_supported(x, w1, w2):
+                path = "grouped"
+            else:
+                path = "reference"
+        fn = EXPERTS[path]
+        return fn(
+            x, weights, experts, w1, self.gate_up_proj_bias, w2, self.down_proj_bias, self.act
+        )
+
+
+class MoEBlock(nn.Module):
+    """A routed-experts MLP `[B, T, H] -> [B, T, H]`: the router's `k` experts per token, their
+    outputs summed with the router's weights. The router sits under the family's HF name
+    (`router_name`: gpt-oss `mlp.router`, Qwen3-MoE `mlp.gate`), the experts under
+    `experts`."""
+
+    def __init__(self, router: nn.Module, experts: Experts, router_name: str = "router"):
+        super().__init__()
+        self.router_name = router_name
+        self.add_module(router_name, router)
+        self.experts = experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # [N, H]
+        weights, experts = getattr(self, self.router_name)(flat)
+        return self.experts(flat, weights, experts).view_as(x)
