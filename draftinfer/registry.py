@@ -105,7 +105,10 @@ class NamedRegistry(dict):
 
 DEFAULT_FAMILY = "causal_lm"
 # The vocabulary of `FamilySpec.provides` / `requires` and `DrafterSpec.needs` / `handles`.
-FEATURES = frozenset({"layer_inputs", "final_hidden"})
+# `dense_decoder_layer`: the target's decoder layer is a dense (Llama-shaped) block a drafter
+# may copy or mirror (an MTP module is such a block, initialised from the target's last layer);
+# a family whose layers route tokens to experts does not provide it.
+FEATURES = frozenset({"layer_inputs", "final_hidden", "dense_decoder_layer"})
 INPUT_FORMS = frozenset({"multimodal_window", "mrope_positions"})
 
 

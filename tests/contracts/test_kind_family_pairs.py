@@ -38,7 +38,10 @@ def test_capabilities_are_declared_in_the_shared_vocabulary():
 
 # The shipped pairs that do not fit yet, each with the work that would make it fit: a pair is
 # listed here on purpose (and refused in one line), never dropped from the catalogue silently.
-NOT_YET: dict[tuple[str, str], str] = {}
+NOT_YET: dict[tuple[str, str], str] = {
+    ("mtp", "gpt_oss"): "MTP modules with routed-expert blocks (MoE targets, part 2)",
+    ("mtp", "qwen3_moe"): "MTP modules with routed-expert blocks (MoE targets, part 2)",
+}
 
 
 @pytest.mark.parametrize("family", registered_families())

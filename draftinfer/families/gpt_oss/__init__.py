@@ -12,7 +12,9 @@ from draftinfer.registry import FEATURES, FamilySpec, register_family
 class GptOssFamily(FamilySpec):
     name = FAMILY
     models = {"GptOssForCausalLM": GptOssForCausalLM}
-    provides = FEATURES  # layer_inputs (residual stream taps), final_hidden
+    # layer_inputs (residual stream taps), final_hidden; not dense_decoder_layer: its layers
+    # route tokens to experts, which no MTP module (a dense block here) can mirror yet.
+    provides = FEATURES - {"dense_decoder_layer"}
 
 
 register_family(GptOssFamily())

@@ -34,7 +34,9 @@ class MTPSpec(DrafterSpec):
     module_class = MTPDrafter
     proposer_class = MTPProposer
     mode = "multi-token prediction"
-    needs = frozenset({"final_hidden"})
+    # Each module is a decoder block of the target's layer shape (initialised from its last
+    # layer by default): a dense one.
+    needs = frozenset({"final_hidden", "dense_decoder_layer"})
     handles = frozenset({"multimodal_window", "mrope_positions"})
 
     def conventions(self, arch) -> dict[str, Any]:
