@@ -7,21 +7,22 @@ import functools
 import random
 
 
-@functools.lru_cache(maxsize=1)
-def _zoo_prompt_pool() -> tuple[tuple[int, ...], ...]:
+@functools.lru_cache(maxsize=4)
+def _zoo_prompt_pool(target: str = "zoo:llama-tiny") -> tuple[tuple[int, ...], ...]:
     from transformers import AutoTokenizer
 
     from draftinfer.evaluation.prompts import load_conversations, render_prompts
     from draftinfer.files.paths import resolve_path
 
-    tok = AutoTokenizer.from_pretrained(resolve_path("zoo:llama-tiny"))
+    tok = AutoTokenizer.from_pretrained(resolve_path(target))
     convs = load_conversations("zoo:chat", "test", 200)
     return tuple(tuple(p) for p in render_prompts(convs, tok, 300))
 
 
-def zoo_prompts(n: int, seed: int = 0) -> list[list[int]]:
-    """`n` held-out chat prompts of mixed lengths, chosen by `seed`."""
-    pool = _zoo_prompt_pool()
+def zoo_prompts(n: int, seed: int = 0, target: str = "zoo:llama-tiny") -> list[list[int]]:
+    """`n` held-out chat prompts of mixed lengths, chosen by `seed`, rendered by the chat
+    template of zoo `target`'s tokenizer."""
+    pool = _zoo_prompt_pool(target)
     rng = random.Random(seed)
     return [list(pool[i]) for i in rng.sample(range(len(pool)), n)]
 
