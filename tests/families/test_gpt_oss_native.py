@@ -13,7 +13,6 @@ checkpoints: `test_mxfp4.py`.
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
@@ -29,7 +28,13 @@ from draftinfer.registry import FAMILIES, FEATURES, family_spec
 from tests.support.kind_factories import kinds_for_family
 from tests.support.moe_checkpoints import save_moe_target
 from tests.support.moe_models import gpt_oss_config, random_gpt_oss_configs
-from tests.support.native_parity import hf_model, rand_ids, speculative_rounds
+from tests.support.native_parity import (
+    assert_forward_traces_as_one_graph,
+    edited_config,
+    hf_model,
+    rand_ids,
+    speculative_rounds,
+)
 
 CONFIGS = random_gpt_oss_configs(20)
 MAX_SEQ_LEN = 64
@@ -170,34 +175,11 @@ def test_serving_transforms_keep_parity(gpt_oss_dir):
 
 def test_fixed_attn_len_forward_traces_as_one_graph(gpt_oss_dir):
     """With a fixed `attn_len` (the compiled round's call) the whole forward, routing and
-    grouped expert products included, traces as one graph: no host sync, no data-dependent
-    shape (the eager backend: tracing only). bf16, the dtype the grouped products trace in."""
-    from draftinfer.conventions.slots import Slots
-
-    torch._dynamo.reset()
-    model = native(gpt_oss_dir, max_batch=2, max_seq_len=32, dtype=torch.bfloat16)
-
-    def step(ids, rows, pos):
-        return model(ids, Slots(rows, pos, attn_len=32)).logits
-
-    compiled = torch.compile(step, backend="eager", fullgraph=True)
-    rows = torch.tensor([0, 1])
-    for ids, pos in (
-        (
-            torch.tensor([rand_ids(4, 5), rand_ids(4, 6)]),
-            torch.tensor([[0, 1, 2, 3], [0, 1, -1, -1]]),
-        ),
-        (torch.tensor([rand_ids(1, 7), rand_ids(1, 8)]), torch.tensor([[4], [2]])),
-    ):
-        assert torch.equal(compiled(ids, rows, pos), step(ids, rows, pos))
-
-
-def _edit_config(src, dst, **changes):
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg.update(changes)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
+    grouped expert products included, traces as one graph. bf16, the dtype the grouped
+    products trace in."""
+    assert_forward_traces_as_one_graph(
+        native(gpt_oss_dir, max_batch=2, max_seq_len=32, dtype=torch.bfloat16)
+    )
 
 
 @pytest.mark.parametrize(
@@ -213,7 +195,7 @@ def _edit_config(src, dst, **changes):
 )
 def test_unsupported_configs_are_one_line_config_errors(gpt_oss_dir, tmp_path, changes, message):
     with pytest.raises(ConfigError, match=message) as e:
-        native(_edit_config(gpt_oss_dir, tmp_path / "t", **changes))
+        native(edited_config(gpt_oss_dir, tmp_path / "t", **changes))
     assert "\n" not in str(e.value)
 
 

@@ -187,3 +187,41 @@ def speculative_rounds(
                 recovered = 3 + (recovered - 2) % (vocab - 3)
             bonus[b] = recovered
     return diffs
+
+
+def assert_forward_traces_as_one_graph(model) -> None:
+    """With a fixed `attn_len` (the compiled round's call) the model's whole forward traces as
+    one graph (`fullgraph=True`, the eager backend: tracing only): no host sync, no
+    data-dependent shape; and the traced forward equals the eager one on a prefill (with a
+    padding slot) and a decode step. `model` has at least 2 cache rows of 32 positions."""
+    import torch
+
+    from draftinfer.conventions.slots import Slots
+
+    torch._dynamo.reset()
+
+    def step(ids, rows, pos):
+        return model(ids, Slots(rows, pos, attn_len=32)).logits
+
+    compiled = torch.compile(step, backend="eager", fullgraph=True)
+    rows = torch.tensor([0, 1])
+    for ids, pos in (
+        (
+            torch.tensor([rand_ids(4, 5), rand_ids(4, 6)]),
+            torch.tensor([[0, 1, 2, 3], [0, 1, -1, -1]]),
+        ),
+        (torch.tensor([rand_ids(1, 7), rand_ids(1, 8)]), torch.tensor([[4], [2]])),
+    ):
+        assert torch.equal(compiled(ids, rows, pos), step(ids, rows, pos))
+
+
+def edited_config(src, dst, **changes):
+    """A copy of target directory `src` at `dst` with `config.json` fields changed."""
+    import json
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
