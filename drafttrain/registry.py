@@ -32,7 +32,10 @@ belongs to is the runner's answer, from the architecture in its `config.json`
 (`draftinfer.registry.FAMILIES.for_architectures`; an unclaimed architecture is a `causal_lm`).
 
 A `TrainFamily` gives
-- `target(cfg, device)`: the frozen target (a `drafttrain.frozen.target.FrozenTarget` subclass);
+- `target(cfg, device)`: the frozen target (a `drafttrain.frozen.target.FrozenTarget` subclass),
+  loaded with `target_config(cfg)`: the target config as the family loads it (e.g. gpt-oss
+  forces eager attention: its sinks have no SDPA path in transformers), which every job that
+  loads the target through transformers uses (regeneration's HF backend too);
 - `data(target_name, tokenizer)`: the data adapter: tokenized splits with their collate
   function (text chat, or image+text chat through a processor);
 - `feature_cache`: whether the offline feature cache (`drafttrain.cache`) can stand in for
@@ -127,6 +130,10 @@ class TrainFamily:
     name: ClassVar[str] = ""
     feature_cache: ClassVar[bool] = True
     pipeline_tag: ClassVar[str] = "text-generation"
+
+    def target_config(self, cfg: TargetConfig) -> TargetConfig:
+        """`cfg` as this family loads the target (default: unchanged)."""
+        return cfg
 
     def target(self, cfg: TargetConfig, device: torch.device):
         """The frozen target (a `drafttrain.frozen.target.FrozenTarget`); each family's own."""

@@ -3,8 +3,9 @@
 Rotary embeddings read only RoPE positions (`Slots.rope_pos`), never the KV-cache index
 (DESIGN 2.1 seam 3). Positions are tensors `[..., N]`, or `[3, ..., N]` for M-RoPE targets.
 
-Supported `rope_type`s: `default`, `linear`, `llama3`, each optionally with *interleaved
-M-RoPE* (`mrope_section`, Qwen3-VL): the `head_dim // 2` frequencies are split over three
+Supported `rope_type`s: `default`, `linear`, `llama3`, `yarn` (gpt-oss: its inverse frequencies
+and the `attention_factor` that scales cos and sin, as transformers' `_compute_yarn_parameters`),
+each optionally with *interleaved M-RoPE* (`mrope_section`, Qwen3-VL): the `head_dim // 2` frequencies are split over three
 position axes (T, H, W) by interleaving, H at frequency indices 1, 4, 7, ... (`mrope_section[1]`
 of them), W at 2, 5, 8, ... (`mrope_section[2]`), T everywhere else. Where all three axes are
 equal (text tokens) M-RoPE equals plain RoPE.
@@ -31,6 +32,13 @@ _TYPE_KEYS: dict[str, frozenset[str]] = {
     "llama3": frozenset(
         {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
     ),
+    "yarn": frozenset({"factor", "original_max_position_embeddings"}),
+}
+# Keys a rope_type may have besides those it needs (transformers' defaults when absent).
+_OPTIONAL_KEYS: dict[str, frozenset[str]] = {
+    "yarn": frozenset(
+        {"beta_fast", "beta_slow", "truncate", "attention_factor", "mscale", "mscale_all_dim"}
+    ),
 }
 _MROPE_KEYS = frozenset({"mrope_section", "mrope_interleaved"})
 
@@ -50,7 +58,7 @@ def parse_rope(params: dict[str, Any] | None, head_dim: int, where: str = "confi
         raise ConfigError(
             f"{where}: unsupported rope_type {rope_type!r} (supported: {', '.join(_TYPE_KEYS)})"
         )
-    known = _TYPE_KEYS[rope_type] | _MROPE_KEYS
+    known = _TYPE_KEYS[rope_type] | _OPTIONAL_KEYS.get(rope_type, frozenset()) | _MROPE_KEYS
     for key in params:
         if key not in known:
             raise ConfigError(
@@ -127,7 +135,54 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
         return torch.where(medium, blended, scaled).float()
+    if rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling)
     raise ConfigError(f"unsupported rope_type {rope_type!r} (supported: {', '.join(_TYPE_KEYS)})")
+
+
+def _yarn_correction_range(head_dim: int, theta: float, scaling: dict[str, Any]):
+    """The frequency indices between which YaRN blends interpolation into extrapolation."""
+    original = float(scaling["original_max_position_embeddings"])
+
+    def dim_of(rotations: float) -> float:
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = dim_of(float(scaling.get("beta_fast") or 32))
+    high = dim_of(float(scaling.get("beta_slow") or 1))
+    if scaling.get("truncate", True):  # gpt-oss: `truncate: false`
+        low, high = math.floor(low), math.ceil(high)
+    return max(low, 0), min(high, head_dim - 1)
+
+
+def _yarn_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN's inverse frequencies: high frequencies kept, low ones divided by `factor`, a
+    linear ramp between (transformers' `_compute_yarn_parameters`, op for op)."""
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (float(scaling["factor"]) * pos_freqs)
+    low, high = _yarn_correction_range(head_dim, theta, scaling)
+    if low == high:
+        high += 0.001  # as transformers: no singular ramp
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # the share of extrapolation (the unscaled frequency)
+    return (interpolation * (1 - keep) + extrapolation * keep).float()
+
+
+def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """The factor cos and sin are multiplied by: YaRN's `attention_factor` (given, or
+    `0.1 ln(factor) + 1`, with DeepSeek's `mscale` / `mscale_all_dim` when both are set), 1.0
+    for every other rope_type."""
+    if (scaling or {}).get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(float(scaling["mscale"])) / mscale(float(scaling["mscale_all_dim"]))
+    return mscale()
 
 
 def mrope_axis_of_freq(head_dim: int, section: list[int]) -> torch.Tensor:
@@ -153,6 +208,7 @@ class RotaryEmbedding(nn.Module):
         section = (scaling or {}).get("mrope_section")
         axis = mrope_axis_of_freq(head_dim, section) if section else None
         self.register_buffer("freq_axis", axis, persistent=False)
+        self.attention_factor = rope_attention_factor(scaling)
 
         self.first_axis_only = False
 
@@ -192,6 +248,8 @@ class RotaryEmbedding(nn.Module):
             index = self.freq_axis.expand(1, *per_axis.shape[1:])  # [1, ..., N, D/2]
             freqs = per_axis.gather(0, index)[0]
         emb = torch.cat([freqs, freqs], dim=-1)
+        if self.attention_factor != 1.0:
+            return emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
         return emb.cos(), emb.sin()
 
 

@@ -270,7 +270,10 @@ def _regenerate(cfg: RegenConfig) -> dict[str, Any]:
         backend = NativeBackend(target_path, device, dtype, r.batch_size, max_model_len, stop_ids)
     else:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
-        backend = HFBackend(target_path, cfg.target, device, dtype, max_model_len, stop_ids, pad)
+        backend = HFBackend(
+            target_path, ts.family.target_config(cfg.target), device, dtype, max_model_len,
+            stop_ids, pad,
+        )  # fmt: skip
 
     output.remove_temp_files()
     output.save()  # the output directory is claimed (fingerprinted) before the first shard
