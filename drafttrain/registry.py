@@ -38,6 +38,10 @@ A `TrainFamily` gives
   loads the target through transformers uses (regeneration's HF backend too);
 - `data(target_name, tokenizer)`: the data adapter: tokenized splits with their collate
   function (text chat, or image+text chat through a processor);
+- `chat_tokenizer(tokenizer)`: the tokenizer as the family renders text chat with (gpt-oss pins
+  its template's date), and `assistant_message(text)`: a decoded generation as the assistant
+  message the family's template renders back (gpt-oss splits the harmony channels into
+  `thinking` and `content`): what regeneration (`drafttrain.regenerate`) uses;
 - `feature_cache`: whether the offline feature cache (`drafttrain.cache`) can stand in for
   the target (it stores text features only);
 - `pipeline_tag`: the Hub pipeline tag of its drafters' model cards;
@@ -142,6 +146,14 @@ class TrainFamily:
     def data(self, target_name: str, tokenizer):
         """The data adapter (tokenized splits and their collate function); each family's own."""
         raise NotImplementedError(f"{type(self).__name__} has no data adapter")
+
+    def chat_tokenizer(self, tokenizer):
+        """The tokenizer as this family renders text chat with (default: as it is)."""
+        return tokenizer
+
+    def assistant_message(self, text: str) -> dict[str, Any]:
+        """A generation decoded with its special tokens, as an assistant message."""
+        return {"role": "assistant", "content": text}
 
     def export_fields(self, target_config: Any) -> dict[str, Any]:
         return {}

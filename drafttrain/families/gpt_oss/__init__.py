@@ -10,7 +10,9 @@ text target interface, with
 - **the harmony chat format** with a pinned date (`harmony.py`): a hub tokenizer whose template
   stamps today's date renders with the pinned harmony template instead, so tokenized data and
   cached features stay the same from one day to the next; the loss mask covers the assistant's
-  channels and their headers (`drafttrain.data.chat`, harmony's `<|return|>` / `<|end|>`).
+  channels and their headers (`drafttrain.data.chat`, harmony's `<|return|>` / `<|end|>`);
+  a regenerated answer is split at the channels into `thinking` (analysis) and `content`
+  (final), which the template renders back as the target wrote them.
 
 The taps need nothing of their own: a forward pre-hook on decoder layer `j` reads the residual
 stream entering it (convention 2), whatever the layer's attention type, which is what vLLM's
@@ -20,10 +22,10 @@ stream entering it (convention 2), whatever the layer's attention type, which is
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from drafttrain.families.causal_lm import CausalLMTrainFamily
-from drafttrain.families.gpt_oss.harmony import PINNED_DATE, pinned_tokenizer
+from drafttrain.families.gpt_oss.harmony import PINNED_DATE, pinned_tokenizer, split_channels
 from drafttrain.registry import register_train_family
 
 if TYPE_CHECKING:  # annotations only
@@ -39,8 +41,14 @@ class GptOssTrainFamily(CausalLMTrainFamily):
     def target_config(self, cfg: TargetConfig) -> TargetConfig:
         return replace(cfg, attn_implementation=ATTN_IMPLEMENTATION)
 
+    def chat_tokenizer(self, tokenizer):
+        return pinned_tokenizer(tokenizer)
+
     def data(self, target_name: str, tokenizer):
-        return super().data(target_name, pinned_tokenizer(tokenizer))
+        return super().data(target_name, self.chat_tokenizer(tokenizer))
+
+    def assistant_message(self, text: str) -> dict[str, Any]:
+        return {"role": "assistant", **split_channels(text)}
 
     def card_notes(self, spec, arch) -> list[str]:
         notes = [

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 
 log = logging.getLogger(__name__)
 
@@ -163,3 +164,21 @@ def pinned_tokenizer(tokenizer):
     pinned = copy.copy(tokenizer)
     pinned.chat_template = HARMONY_TEMPLATE
     return pinned
+
+
+_ANALYSIS = re.compile(r"<\|channel\|>analysis<\|message\|>(.*?)(?:<\|end\|>|$)", re.S)
+_FINAL = re.compile(r"<\|channel\|>final<\|message\|>(.*?)(?:<\|end\|>|<\|return\|>|$)", re.S)
+
+
+def split_channels(text: str) -> dict[str, str]:
+    """A harmony generation (what follows `<|start|>assistant`, decoded with its special
+    tokens) as message fields: `thinking` = the analysis message's text (the first one),
+    `content` = the final message's text ("" when the generation stopped before it). Text
+    without harmony channels is the content as it is."""
+    analysis, final = _ANALYSIS.search(text), _FINAL.search(text)
+    if analysis is None and final is None:
+        return {"content": text}
+    out = {"content": final.group(1) if final else ""}
+    if analysis is not None:
+        out["thinking"] = analysis.group(1)
+    return out
