@@ -56,11 +56,10 @@ def test_family_keeps_the_configured_attention(target):
 def _check_taps(target, rows, layers) -> None:
     ids, mask, slots = padded_batch(rows, 0)
     out = target(ids, slots, FeatureSpec(layer_inputs=tuple(layers)))
-    hidden, _ = hf_hidden_states(target.cfg.name_or_path, ids, mask)
+    hidden, _ = hf_hidden_states(target.cfg.name_or_path, ids, mask, attn="sdpa")
     expected = torch.cat([hidden[j] for j in layers], dim=-1)
     real = mask.bool()
-    # The frozen target runs SDPA, the oracle eager: equal up to the kernels' rounding.
-    torch.testing.assert_close(out.features[real], expected[real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.features[real], expected[real], rtol=0, atol=0)
 
 
 def test_taps_equal_output_hidden_states_on_every_layer(env, target):

@@ -75,13 +75,16 @@ def make_moe_env(root: Path, family: str, layers: int = 8, seed: int = 0) -> dic
     return {"target": str(target), "data": str(data)}
 
 
-def hf_hidden_states(target_dir: str, ids: torch.Tensor, attention_mask: torch.Tensor):
-    """transformers' own `output_hidden_states` of the target (eager attention: the reference
-    every attention implementation is checked against), a fresh model from disk."""
+def hf_hidden_states(
+    target_dir: str, ids: torch.Tensor, attention_mask: torch.Tensor, attn: str = "eager"
+):
+    """transformers' own `output_hidden_states` of the target, a fresh model from disk run
+    with attention implementation `attn` (the frozen target's, so the two differ only in how
+    the hidden states are read: hooks against transformers' recording)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
-        target_dir, dtype=torch.float32, attn_implementation="eager"
+        target_dir, dtype=torch.float32, attn_implementation=attn
     ).eval()
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
