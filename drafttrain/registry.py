@@ -32,9 +32,16 @@ belongs to is the runner's answer, from the architecture in its `config.json`
 (`draftinfer.registry.FAMILIES.for_architectures`; an unclaimed architecture is a `causal_lm`).
 
 A `TrainFamily` gives
-- `target(cfg, device)`: the frozen target (a `drafttrain.frozen.target.FrozenTarget` subclass);
+- `target(cfg, device)`: the frozen target (a `drafttrain.frozen.target.FrozenTarget` subclass),
+  loaded with `target_config(cfg)`: the target config as the family loads it (e.g. gpt-oss
+  forces eager attention: its sinks have no SDPA path in transformers), which every job that
+  loads the target through transformers uses (regeneration's HF backend too);
 - `data(target_name, tokenizer)`: the data adapter: tokenized splits with their collate
   function (text chat, or image+text chat through a processor);
+- `chat_tokenizer(tokenizer)`: the tokenizer as the family renders text chat with (gpt-oss pins
+  its template's date), and `assistant_message(text)`: a decoded generation as the assistant
+  message the family's template renders back (gpt-oss splits the harmony channels into
+  `thinking` and `content`): what regeneration (`drafttrain.regenerate`) uses;
 - `feature_cache`: whether the offline feature cache (`drafttrain.cache`) can stand in for
   the target (it stores text features only);
 - `pipeline_tag`: the Hub pipeline tag of its drafters' model cards;
@@ -128,6 +135,10 @@ class TrainFamily:
     feature_cache: ClassVar[bool] = True
     pipeline_tag: ClassVar[str] = "text-generation"
 
+    def target_config(self, cfg: TargetConfig) -> TargetConfig:
+        """`cfg` as this family loads the target (default: unchanged)."""
+        return cfg
+
     def target(self, cfg: TargetConfig, device: torch.device):
         """The frozen target (a `drafttrain.frozen.target.FrozenTarget`); each family's own."""
         raise NotImplementedError(f"{type(self).__name__} builds no target")
@@ -135,6 +146,14 @@ class TrainFamily:
     def data(self, target_name: str, tokenizer):
         """The data adapter (tokenized splits and their collate function); each family's own."""
         raise NotImplementedError(f"{type(self).__name__} has no data adapter")
+
+    def chat_tokenizer(self, tokenizer):
+        """The tokenizer as this family renders text chat with (default: as it is)."""
+        return tokenizer
+
+    def assistant_message(self, text: str) -> dict[str, Any]:
+        """A generation decoded with its special tokens, as an assistant message."""
+        return {"role": "assistant", "content": text}
 
     def export_fields(self, target_config: Any) -> dict[str, Any]:
         return {}

@@ -11,7 +11,9 @@ Per conversation (`regenerate.turns`):
 System, user and tool messages, messages after the last assistant turn and the dataset's other
 columns are kept as they are. A regenerated assistant message is `{"role": "assistant",
 "content": <decoded response>}` (the stop token is not part of the content: the template
-writes its own end-of-turn marker when the row is rendered for training).
+writes its own end-of-turn marker when the row is rendered for training), or what the target
+family makes of the response (`TrainFamily.assistant_message`: gpt-oss splits its harmony
+channels into `thinking` and `content`).
 
 Skipped conversations (not written; counted per reason in the manifest and the summary):
 - `no_assistant_turn`: nothing to regenerate, and training would drop the row anyway;
@@ -96,14 +98,18 @@ def regenerate_rows(
     cfg: Any,  # RegenerateConfig
     max_model_len: int,
     on_done=None,
+    message=None,
 ) -> tuple[list[tuple[int, list[dict[str, Any]], list[dict[str, Any]]] | None], dict]:
-    """Regenerate the conversations `convs` (source row ids `source_rows`).
+    """Regenerate the conversations `convs` (source row ids `source_rows`). `message(text)`:
+    a decoded response as the assistant message (the target family's `assistant_message`;
+    default `{"role": "assistant", "content": text}`).
 
     Returns `(results, skipped)`: per conversation `(source_row, messages, turns)` or None
     when skipped, `turns` = `[{"message", "finish_reason", "num_tokens"}]` per regenerated
     turn; `skipped` counts the skipped conversations by reason. `on_done(n)` is called as
     conversations finish (progress bars)."""
     stop = set(backend.stop_ids)
+    message = message or (lambda text: {"role": "assistant", "content": text})
     msgs = [normalize_messages(c) for c in convs]
     plan = [turns_to_regenerate(m, cfg.turns) for m in msgs]
     turns: list[list[dict[str, Any]]] = [[] for _ in msgs]
@@ -156,7 +162,7 @@ def regenerate_rows(
                 m = plan[i][step]
                 body = tokens[:-1] if tokens and tokens[-1] in stop else tokens
                 text = tokenizer.decode(body, skip_special_tokens=False)
-                msgs[i][m] = {"role": "assistant", "content": text}
+                msgs[i][m] = message(text)
                 turns[i].append({"message": m, "finish_reason": reason, "num_tokens": len(tokens)})
                 finished += step == len(plan[i]) - 1
             if on_done and finished:
@@ -219,7 +225,8 @@ def _regenerate(cfg: RegenConfig) -> dict[str, Any]:
     r = cfg.regenerate
     single_process("regeneration")
     ts = setup_target(cfg.target, chat_template=True)  # the job setup training shares
-    tokenizer, target_path = ts.tokenizer, ts.path
+    # Prompts rendered as the family renders training chat (gpt-oss: the harmony date pinned).
+    tokenizer, target_path = ts.family.chat_tokenizer(ts.tokenizer), ts.path
     device = job_device(r.device)
     dtype = resolve_dtype(cfg.target.dtype, device)
     backend_name = pick_backend(
@@ -270,7 +277,10 @@ def _regenerate(cfg: RegenConfig) -> dict[str, Any]:
         backend = NativeBackend(target_path, device, dtype, r.batch_size, max_model_len, stop_ids)
     else:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
-        backend = HFBackend(target_path, cfg.target, device, dtype, max_model_len, stop_ids, pad)
+        backend = HFBackend(
+            target_path, ts.family.target_config(cfg.target), device, dtype, max_model_len,
+            stop_ids, pad,
+        )  # fmt: skip
 
     output.remove_temp_files()
     output.save()  # the output directory is claimed (fingerprinted) before the first shard
@@ -291,7 +301,14 @@ def _regenerate(cfg: RegenConfig) -> dict[str, Any]:
             chunk = data[a:b]
             convs = chunk[field]
             results, skipped = regenerate_rows(
-                convs, list(range(a, b)), tokenizer, backend, r, max_model_len, bar.update
+                convs,
+                list(range(a, b)),
+                tokenizer,
+                backend,
+                r,
+                max_model_len,
+                bar.update,
+                ts.family.assistant_message,
             )
             rows, reasons = [], {}
             for j, res in enumerate(results):

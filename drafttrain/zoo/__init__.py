@@ -7,10 +7,13 @@ resolves there) and are committed: rebuilding them changes the golden numbers.
 - `build_vl` (CLI): synthetic image-caption chat (`vl_data`, also a CLI), a tokenizer with
   Qwen3-VL's special tokens, a trained tiny Qwen3-VL (`vl_train`) -> `qwen3-vl-tiny/`,
   `vl_caption/`.
+- `build_moe` (CLI): the MoE targets `gpt-oss-tiny` (harmony chat, `chat_harmony/`) and
+  `qwen3-moe-tiny` (Qwen3 chat) on the zoo chat (`moe_targets` says what each is); the steps
+  every text build shares are `target_build`.
 
-Both targets train on the project's trainer (`target_train`: the optimizer loop of drafter
+Every target trains on the project's trainer (`target_train`: the optimizer loop of drafter
 training, `drafttrain.trainer.loop`, with the zoo's next-token objective and token-budget batches).
 
-`python -m drafttrain.zoo.build_text --out DIR` / `build_vl --out DIR`; `draftinfer/zoo/README.md`
-gives the recipes and what each build measured.
+`python -m drafttrain.zoo.build_text --out DIR` / `build_vl --out DIR` / `build_moe --out DIR`;
+`draftinfer/zoo/README.md` gives the recipes and what each build measured.
 """

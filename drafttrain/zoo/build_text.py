@@ -14,18 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from drafttrain.zoo import text_data, text_train
+from drafttrain.zoo import target_build, text_data, text_train
 
 MODEL_DIR = "llama-tiny"
-N_EVAL_TRAIN = 400  # train rows re-scored after training (same size as the test split)
-N_EXAMPLES = 8
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -46,60 +42,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def save_tokenizer(tok, out: Path) -> None:
-    """Save, then make tokenizer_config.json what Llama-3 ships: the chat template inline and
-    the class transformers 4.x and 5.x both know (5.x writes its own `TokenizersBackend`)."""
-    tok.save_pretrained(out)
-    path = out / "tokenizer_config.json"
-    cfg = json.loads(path.read_text())
-    cfg.pop("backend", None)
-    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
-    cfg["chat_template"] = text_data.CHAT_TEMPLATE
-    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    (out / "chat_template.jinja").unlink(missing_ok=True)  # one copy of the template
-
-
-def save_model(model, tokenizer, out: Path) -> None:
-    """bf16 safetensors + config with legacy `rope_scaling`/`rope_theta` keys beside
-    transformers-5 `rope_parameters`, so 4.x-era loaders (and engines) read the same RoPE."""
-    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
-    model.generation_config = text_train.generation_config(tokenizer)
-    model.generation_config.save_pretrained(out)
-    cfg_path = out / "config.json"
-    cfg = json.loads(cfg_path.read_text())
-    rope = dict(cfg["rope_parameters"])
-    cfg["rope_theta"] = rope.pop("rope_theta")
-    cfg["rope_scaling"] = rope
-    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    model.to(torch.float32)
-
-
 def main(argv=None) -> dict:
     a = parse_args(argv)
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
     out, mdir = a.out, a.out / MODEL_DIR
-    times = {}
-    t = time.time()
+    timer = target_build.Timer()
 
-    train_rows, test_rows = text_data.build_chat()
-    text_data.write_jsonl(train_rows, out / "chat" / "train.jsonl")
-    text_data.write_jsonl(test_rows, out / "chat" / "test.jsonl")
-    times["data_s"] = time.time() - t
+    with timer("data_s"):
+        train_rows, test_rows = text_data.build_chat()
+        text_data.write_jsonl(train_rows, out / "chat" / "train.jsonl")
+        text_data.write_jsonl(test_rows, out / "chat" / "test.jsonl")
     print(f"chat: {len(train_rows)} train / {len(test_rows)} test conversations", flush=True)
 
-    t = time.time()
-    tok = text_data.train_tokenizer(train_rows, vocab_size=a.vocab_size)
-    mdir.mkdir(parents=True, exist_ok=True)
-    save_tokenizer(tok, mdir)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    with timer("tokenizer_s"):
+        tok = text_data.train_tokenizer(train_rows, vocab_size=a.vocab_size)
+        mdir.mkdir(parents=True, exist_ok=True)
+        target_build.save_tokenizer(tok, mdir, text_data.CHAT_TEMPLATE)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(mdir)  # everything below uses the shipped files
-    train_ex = [text_data.encode_with_mask(tok, r["messages"]) for r in train_rows]
-    test_ex = [text_data.encode_with_mask(tok, r["messages"]) for r in test_rows]
-    sample = train_rows[0]["messages"]
-    assert tok.apply_chat_template(sample, tokenize=False) == text_data.render_chat(sample)
-    times["tokenizer_s"] = time.time() - t
+        tok = AutoTokenizer.from_pretrained(mdir)  # everything below uses the shipped files
+        train_ex = [text_data.encode_with_mask(tok, r["messages"]) for r in train_rows]
+        test_ex = [text_data.encode_with_mask(tok, r["messages"]) for r in test_rows]
+        sample = train_rows[0]["messages"]
+        assert tok.apply_chat_template(sample, tokenize=False) == text_data.render_chat(sample)
 
     config = text_train.llama_config(tok)
     model = AutoModelForCausalLM.from_config(
@@ -113,56 +79,37 @@ def main(argv=None) -> dict:
     targs = text_train.TrainArgs(
         steps=a.steps, lr=a.lr, tokens_per_batch=a.tokens_per_batch, seed=a.seed
     )
-    t = time.time()
-    log, losses = text_train.train(model, train_ex, tok.pad_token_id, targs)
-    times["train_s"] = time.time() - t
+    with timer("train_s"):
+        log, losses = text_train.train(model, train_ex, tok.pad_token_id, targs)
 
-    save_model(model, tok, mdir)
+    target_build.save_model(model, mdir, text_train.generation_config(tok))
     # Score the shipped (bf16-rounded) weights, loaded back from disk as a user would.
-    t = time.time()
-    model, info = AutoModelForCausalLM.from_pretrained(
-        mdir, dtype=torch.float32, output_loading_info=True
-    )
-    assert not any(info.values()), f"loading {mdir}: {info}"
-    metrics = {
-        "train": text_train.evaluate(model, train_ex[:N_EVAL_TRAIN], tok.pad_token_id),
-        "test": text_train.evaluate(model, test_ex, tok.pad_token_id),
-    }
-    gen_stats = text_train.generate_answers(model, tok, test_rows[: a.gen_rows])
-    examples = gen_stats[:N_EXAMPLES]
-    metrics["test_generation"] = {
-        "rows": len(gen_stats),
-        "ends_with_eot": sum(g["ends_with_eot"] for g in gen_stats) / max(1, len(gen_stats)),
-        "exact_match": sum(g["exact"] for g in gen_stats) / max(1, len(gen_stats)),
-    }
-    times["eval_s"] = time.time() - t
+    with timer("eval_s"):
+        model = target_build.load_shipped(mdir)
+        metrics, examples = target_build.score(model, tok, train_ex, test_ex, test_rows, a.gen_rows)
 
-    report = {
-        "command": "python -m drafttrain.zoo.build_text "
+    report = target_build.write_report(
+        out / "build_log.json",
+        command="python -m drafttrain.zoo.build_text "
         + " ".join(argv if argv is not None else sys.argv[1:]),
-        "args": {k: str(v) for k, v in vars(a).items()},
-        "train_args": vars(targs),
-        "shape": text_train.shape_dict(),
-        "n_params": n_params,
-        "rows": {"train": len(train_rows), "test": len(test_rows)},
-        "tokens": {
+        args=a,
+        targs=targs,
+        shape=text_train.shape_dict(),
+        n_params=n_params,
+        rows={"train": len(train_rows), "test": len(test_rows)},
+        tokens={
             "train": sum(len(x) for x, _ in train_ex),
             "train_assistant": sum(sum(m) for _, m in train_ex),
             "test": sum(len(x) for x, _ in test_ex),
         },
-        "metrics": metrics,
-        "times_s": times,
-        "env": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "threads": a.threads,
-        },
-        "examples": examples,
-        "log": log,
-        "losses": losses,  # per optimizer step
-    }
-    (out / "build_log.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps({"metrics": metrics, "times_s": times}, indent=2))
+        metrics=metrics,
+        times=timer.times,
+        threads=a.threads,
+        examples=examples,
+        log=log,
+        losses=losses,
+    )
+    print(json.dumps({"metrics": metrics, "times_s": timer.times}, indent=2))
     return report
 
 

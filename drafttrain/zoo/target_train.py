@@ -68,9 +68,14 @@ def trainer_config(a: TargetArgs, progress: bool = True) -> TrainerConfig:
 
 
 def decay_groups(named: Sequence[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
-    """Weight decay on matrices only (not on the embedding, norms or biases): two groups."""
-    matrix = [p for n, p in named if p.ndim >= 2 and "embed" not in n]
-    other = [p for n, p in named if not (p.ndim >= 2 and "embed" not in n)]
+    """Weight decay on matrices only (not on the embedding, norms or biases, per-expert bias
+    tables `[E, out]` included): two groups."""
+
+    def decays(n: str, p: nn.Parameter) -> bool:
+        return p.ndim >= 2 and "embed" not in n and not n.endswith("bias")
+
+    matrix = [p for n, p in named if decays(n, p)]
+    other = [p for n, p in named if not decays(n, p)]
     return [
         {"params": matrix, "weight_decay": weight_decay},
         {"params": other, "weight_decay": 0.0},
@@ -118,20 +123,29 @@ class TokenBudgetBatches:
 class NextTokenLM(nn.Module):
     """`forward(batch) -> (loss, metrics)` of a causal LM: cross-entropy of the next token at
     every position `labels [B, T]` trains (-100 elsewhere), summed and divided by the number of
-    trained tokens. The rest of the batch is the model's input."""
+    trained tokens. The rest of the batch is the model's input. With `aux_loss_coef > 0` (an
+    MoE model), its routers' load-balancing loss (the model's `aux_loss`) is added with that
+    weight and logged as `aux_loss`."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, aux_loss_coef: float = 0.0):
         super().__init__()
-        self.model = model
+        self.model, self.aux_loss_coef = model, aux_loss_coef
 
     def forward(self, batch: dict[str, torch.Tensor]):
         labels = batch["labels"]  # [B, T]: the token at t + 1, or -100
         inputs = {k: v for k, v in batch.items() if k != "labels"}
-        logits = self.model(**inputs, use_cache=False).logits  # [B, T, V]
+        if self.aux_loss_coef:
+            inputs["output_router_logits"] = True
+        out = self.model(**inputs, use_cache=False)
+        logits = out.logits  # [B, T, V]
         n = (labels != -100).sum()
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
         loss = loss / n
-        return loss, {"loss": loss.detach(), "tokens": n}
+        metrics = {"loss": loss.detach(), "tokens": n}
+        if self.aux_loss_coef:
+            metrics["aux_loss"] = out.aux_loss.detach()
+            loss = loss + self.aux_loss_coef * out.aux_loss
+        return loss, metrics
 
 
 class BuildLog:
@@ -165,15 +179,17 @@ def train_target(
     device: torch.device,
     progress: bool = True,
     hooks: Sequence[LoopHook] = (),
+    aux_loss_coef: float = 0.0,
 ) -> tuple[list[dict[str, Any]], list[float]]:
     """Train `model` in place on `device` with AdamW over param `groups` (a group's `lr` is its
     base rate; default `a.lr`). Returns the build log's rows (one per `LOG_EVERY` steps and
-    the last; hooks' metrics merged) and the per-step losses. Leaves the model in eval mode."""
+    the last; hooks' metrics merged) and the per-step losses (`NextTokenLM`'s objective, with
+    its MoE load-balancing term at `aux_loss_coef`). Leaves the model in eval mode."""
     tc = trainer_config(a, progress)
     accelerator = make_accelerator(tc, cpu=device.type == "cpu")
     optimizer = build_optimizer(groups, tc)
     scheduler = warmup_cosine(optimizer, tc)
-    module, optimizer = accelerator.prepare(NextTokenLM(model), optimizer)
+    module, optimizer = accelerator.prepare(NextTokenLM(model, aux_loss_coef), optimizer)
     log = BuildLog(echo=not progress)
     result = run_loop(
         accelerator,

@@ -508,11 +508,26 @@ LLAMA3_SPLIT = (
 )
 
 
-def train_tokenizer(train_rows: list[dict], vocab_size: int = 4096):
-    """Byte-level BPE (GPT-2 / Llama-3 style pre-tokenization) trained on the train split."""
+def train_tokenizer(
+    train_rows: list[dict],
+    vocab_size: int = 4096,
+    render=None,
+    specials: list[str] | None = None,
+    bos: str | None = BOS,
+    eos: str = EOT,
+    pad: str = PAD,
+    chat_template: str = CHAT_TEMPLATE,
+):
+    """Byte-level BPE (GPT-2 / Llama-3 style pre-tokenization) trained on the train split.
+
+    Defaults: the Llama-3 format (`render_chat`, `SPECIAL_TOKENS`, `CHAT_TEMPLATE`); another
+    chat format gives `render(messages) -> text`, its specials, bos (None: `tokenizer(text)`
+    adds none, as gpt-oss's tokenizer), eos, pad and template."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
+    render = render or render_chat
+    specials = list(specials or SPECIAL_TOKENS)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -523,26 +538,29 @@ def train_tokenizer(train_rows: list[dict], vocab_size: int = 4096):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     # Train on the pieces between special tokens (specials never take part in merges).
-    split = re.compile("|".join(re.escape(s) for s in SPECIAL_TOKENS))
-    texts = [p for r in train_rows for p in split.split(render_chat(r["messages"])) if p]
+    split = re.compile("|".join(re.escape(s) for s in specials))
+    texts = [p for r in train_rows for p in split.split(render(r["messages"])) if p]
     tok.train_from_iterator(texts, trainer=trainer)
-    # Like Llama-3: plain `tokenizer(text)` prepends <|begin_of_text|>; chat templates render
-    # it themselves and are tokenized with add_special_tokens=False.
-    bos_id = tok.token_to_id(BOS)
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS}:0 $A:0", pair=f"{BOS}:0 $A:0 {BOS}:1 $B:1", special_tokens=[(BOS, bos_id)]
-    )
+    if bos is not None:
+        # Like Llama-3: plain `tokenizer(text)` prepends <|begin_of_text|>; chat templates
+        # render it themselves and are tokenized with add_special_tokens=False.
+        bos_id = tok.token_to_id(bos)
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos}:0 $A:0",
+            pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+            special_tokens=[(bos, bos_id)],
+        )
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        bos_token=BOS,
-        eos_token=EOT,
-        pad_token=PAD,
-        chat_template=CHAT_TEMPLATE,
+        bos_token=bos,
+        eos_token=eos,
+        pad_token=pad,
+        chat_template=chat_template,
         model_max_length=2048,
         clean_up_tokenization_spaces=False,
     )

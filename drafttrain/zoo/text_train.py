@@ -120,15 +120,17 @@ def collate(examples: list[Example], idx: list[int], pad_id: int) -> dict[str, t
 
 
 def train(
-    model, examples: list[Example], pad_id: int, args: TrainArgs
+    model, examples: list[Example], pad_id: int, args: TrainArgs, aux_loss_coef: float = 0.0
 ) -> tuple[list[dict], list[float]]:
     """Train in place on the CPU; returns the log (a row per 25 steps and the last) and the
-    per-step losses."""
+    per-step losses. `aux_loss_coef`: an MoE model's load-balancing weight (`NextTokenLM`)."""
     batches = TokenBudgetBatches(
         examples, args.tokens_per_batch, args.seed, lambda idx: collate(examples, idx, pad_id)
     )
     groups = decay_groups(list(model.named_parameters()), args.weight_decay)
-    return train_target(model, batches, args, groups, torch.device("cpu"))
+    return train_target(
+        model, batches, args, groups, torch.device("cpu"), aux_loss_coef=aux_loss_coef
+    )
 
 
 @torch.no_grad()
@@ -149,8 +151,22 @@ def evaluate(model, examples: list[Example], pad_id: int, batch: int = 32) -> di
 
 
 @torch.no_grad()
-def generate_answers(model, tokenizer, rows: list[dict], max_new_tokens: int = 96) -> list[dict]:
-    """Greedy answers to the last user turn of each row (batch 1, HF `generate`)."""
+def generate_answers(
+    model,
+    tokenizer,
+    rows: list[dict],
+    max_new_tokens: int = 96,
+    stop_ids: list[int] | None = None,
+    answer=None,
+) -> list[dict]:
+    """Greedy answers to the last user turn of each row (batch 1, HF `generate`).
+
+    `stop_ids`: the ids a finished answer ends with (default `<|eot_id|>`, `ends_with_eot`);
+    `answer(text)`: the answer in a generation decoded with its special tokens (a format whose
+    answer sits among channel or think markers), compared with the reference for `exact`;
+    default: the generation decoded without them. With `answer`, `generated` keeps the
+    special tokens (what the target wrote)."""
+    stops = set(stop_ids or [tokenizer.convert_tokens_to_ids(EOT)])
     out = []
     for r in rows:
         msgs = r["messages"][:-1]
@@ -159,14 +175,15 @@ def generate_answers(model, tokenizer, rows: list[dict], max_new_tokens: int = 9
         )
         gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)
         new = gen[0, enc["input_ids"].shape[1] :].tolist()
+        text = tokenizer.decode(new, skip_special_tokens=answer is None)
+        said = answer(text) if answer is not None else text
         out.append(
             {
                 "prompt": msgs[-1]["content"],
                 "reference": r["messages"][-1]["content"],
-                "generated": tokenizer.decode(new, skip_special_tokens=True),
-                "ends_with_eot": bool(new) and new[-1] == tokenizer.convert_tokens_to_ids(EOT),
-                "exact": tokenizer.decode(new, skip_special_tokens=True).strip()
-                == r["messages"][-1]["content"].strip(),
+                "generated": text,
+                "ends_with_eot": bool(new) and new[-1] in stops,
+                "exact": said.strip() == r["messages"][-1]["content"].strip(),
             }
         )
     return out

@@ -134,3 +134,18 @@ def make_qwen3_tokenizer(tmpdir: str | Path) -> PreTrainedTokenizerFast:
 def make_tokenizer_without_template(tmpdir: str | Path) -> PreTrainedTokenizerFast:
     """A tiny fast tokenizer that has no chat template at all."""
     return _save_and_load(_train_bpe(["<|endoftext|>"]), tmpdir, None, eos_token="<|endoftext|>")
+
+
+def make_harmony_tokenizer(tmpdir: str | Path) -> PreTrainedTokenizerFast:
+    """A tiny fast tokenizer with gpt-oss's harmony specials and the harmony chat template
+    training renders with (`drafttrain.families.gpt_oss.harmony`), loaded back. No BOS, as
+    o200k_harmony; EOS `<|return|>`, pad `<|endoftext|>`."""
+    from drafttrain.families.gpt_oss.harmony import HARMONY_TEMPLATE, SPECIAL_TOKENS
+
+    return _save_and_load(
+        _train_bpe(list(SPECIAL_TOKENS)),
+        tmpdir,
+        HARMONY_TEMPLATE,
+        eos_token="<|return|>",
+        pad_token="<|endoftext|>",
+    )

@@ -2,11 +2,9 @@
 chat data loading (json / jsonl / parquet / directory / zoo / ShareGPT) and its errors.
 
 The expected masks are derived independently of `drafttrain.data.chat`: each test writes the
-rendered conversation out literally as segments flagged generated (1) or not (0); walking the
-tokens of the full text, each decoded on its own, gives every token's segment and so its
-expected mask bit (and checks that no token straddles a segment boundary). Segments are not
-tokenized separately: byte-level BPE merges differently at a string's end ("\n\n" alone is one
-token, before a word it is two), as real tokenizers do.
+rendered conversation out literally as segments flagged generated (1) or not (0)
+(`tests.support.chat_masks`). The harmony format of gpt-oss is checked the same way in
+`tests/families/test_gpt_oss_harmony.py`.
 """
 
 from __future__ import annotations
@@ -25,6 +23,7 @@ from drafttrain.data import (
 )
 from drafttrain.jobs.config import DataConfig
 from drafttrain.jobs.errors import DataError
+from tests.support.chat_masks import assert_mask_matches, expected_from_segments
 from tests.support.tiny_tokenizers import (
     make_llama3_tokenizer,
     make_qwen3_tokenizer,
@@ -88,50 +87,6 @@ def llama3(tmp_path_factory):
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
     return make_qwen3_tokenizer(tmp_path_factory.mktemp("qwen3"))
-
-
-def expected_from_segments(tokenizer, segments):
-    """(ids, mask) expected for the conversation written out as `segments`."""
-    text = "".join(seg for seg, _ in segments)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    ends, flags, pos = [], [], 0
-    for seg, generated in segments:
-        pos += len(seg)
-        ends.append(pos)
-        flags.append(generated)
-    mask, pos, k = [], 0, 0
-    for tok_id in ids:
-        piece = tokenizer.decode([tok_id])
-        while pos >= ends[k]:
-            k += 1
-        assert pos + len(piece) <= ends[k], f"token {piece!r} straddles a segment boundary"
-        mask.append(flags[k])
-        pos += len(piece)
-    assert pos == len(text)
-    return ids, mask
-
-
-def assert_mask_matches(tokenizer, messages, segments):
-    text, spans = assistant_spans(tokenizer, messages)
-    assert text == "".join(s for s, _ in segments)
-    assert [text[a:b] for a, b in spans] == [s for s, g in segments if g]
-
-    out = tokenize_conversation(tokenizer, messages, max_length=10_000)
-    ids, mask = expected_from_segments(tokenizer, segments)
-    assert out["input_ids"] == ids
-    assert out["loss_mask"] == mask  # token by token
-    # And read back: the masked tokens decode to exactly the generated strings.
-    runs, current = [], []
-    for tok_id, m in zip(out["input_ids"], out["loss_mask"]):
-        if m:
-            current.append(tok_id)
-        elif current:
-            runs.append(tokenizer.decode(current))
-            current = []
-    if current:
-        runs.append(tokenizer.decode(current))
-    assert runs == [s for s, g in segments if g]
-    return out
 
 
 def test_end_of_turn_marker_is_probed_from_the_template(llama3, qwen3):

@@ -20,7 +20,7 @@ class CausalLMTrainFamily(TrainFamily):
     def target(self, cfg: TargetConfig, device: torch.device):
         from drafttrain.frozen.target import FrozenTarget
 
-        return FrozenTarget(cfg, device)
+        return FrozenTarget(self.target_config(cfg), device)
 
     def data(self, target_name: str, tokenizer):
         from drafttrain.data.batching import ChatData

@@ -32,7 +32,7 @@ class Qwen3VLTrainFamily(TrainFamily):
     def target(self, cfg: TargetConfig, device: torch.device):
         from drafttrain.families.qwen3_vl.target import Qwen3VLFrozenTarget
 
-        return Qwen3VLFrozenTarget(cfg, device)
+        return Qwen3VLFrozenTarget(self.target_config(cfg), device)
 
     def data(self, target_name: str, tokenizer):
         from draftinfer.families.qwen3_vl.processor import load_processor
