@@ -20,6 +20,7 @@ from draftinfer.kinds.dflash.taps import default_dflash_ids
 from draftinfer.models.target import FeatureSpec
 from drafttrain.kinds.eagle3.objective import default_aux_layer_ids
 from drafttrain.registry import InitContext, train_family, train_spec
+from tests.support.kind_factories import kinds_for_family
 from tests.support.moe_targets import (
     family_target,
     hf_hidden_states,
@@ -132,7 +133,7 @@ def test_training_head_is_the_models_own(env, target):
     torch.testing.assert_close(logits[real], ref[real], rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "ptd", "dflash", "mtp"])
+@pytest.mark.parametrize("kind", kinds_for_family(FAMILY))
 def test_every_kind_trains_through_the_family(env, tmp_path, kind):
     """A drafter of each kind, built by its own `init_drafter` against the family's target
     (YaRN rope included), fits one batch of harmony chat: its loss falls (by more than 10% in
@@ -209,3 +210,14 @@ def test_yarn_keys_are_parsed_strictly():
         parse_rope({**ok, "low_freq_factor": 1.0}, 64)
     with pytest.raises(ConfigError, match="needs 'original_max_position_embeddings'"):
         parse_rope({"rope_type": "yarn", "factor": 8.0}, 64)
+
+
+def test_a_kind_the_family_does_not_fit_is_refused_in_one_line():
+    """MTP modules are dense blocks of the target's layer shape; this family's layers route
+    tokens to experts (`dense_decoder_layer` not provided): refused before anything loads."""
+    from draftinfer.files.errors import ConfigError
+    from draftinfer.registry import drafter_spec
+
+    assert "mtp" not in kinds_for_family(FAMILY)
+    with pytest.raises(ConfigError, match="cannot run on a 'gpt_oss' target: it needs dense"):
+        train_family(FAMILY).check_kind(drafter_spec("mtp"))

@@ -17,7 +17,8 @@ import torch
 
 from draftinfer.kinds.dflash.taps import default_dflash_ids
 from draftinfer.models.target import FeatureSpec
-from drafttrain.registry import InitContext, train_spec
+from drafttrain.registry import InitContext, train_family, train_spec
+from tests.support.kind_factories import kinds_for_family
 from tests.support.moe_models import qwen3_moe_config
 from tests.support.moe_targets import (
     family_target,
@@ -103,7 +104,7 @@ def test_think_block_is_in_the_loss_mask(env):
     assert generated.startswith("<think>\n\n</think>\n\n") and generated.endswith("<|im_end|>")
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "ptd", "dflash", "mtp"])
+@pytest.mark.parametrize("kind", kinds_for_family(FAMILY))
 def test_every_kind_trains_through_the_family(env, tmp_path, kind):
     losses, _ = train_a_few_steps(FAMILY, env, kind, tmp_path)
     assert all(torch.isfinite(torch.tensor(losses))), losses
@@ -124,3 +125,14 @@ def test_train_job_selects_the_family_by_architecture(env, tmp_path):
     assert summary["last_loss"] < summary["first_loss"]
     out = Path(export_run(summary["run_dir"]))
     assert (out / "model.safetensors").is_file()
+
+
+def test_a_kind_the_family_does_not_fit_is_refused_in_one_line():
+    """MTP modules are dense blocks of the target's layer shape; this family's layers route
+    tokens to experts (`dense_decoder_layer` not provided): refused before anything loads."""
+    from draftinfer.files.errors import ConfigError
+    from draftinfer.registry import drafter_spec
+
+    assert "mtp" not in kinds_for_family(FAMILY)
+    with pytest.raises(ConfigError, match="cannot run on a 'qwen3_moe' target: it needs dense"):
+        train_family(FAMILY).check_kind(drafter_spec("mtp"))
