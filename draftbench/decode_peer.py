@@ -69,8 +69,10 @@ FEATURES = ("qkv", "gateup", "skinny", "norms", "nocdt", "pdl", "pdlk", "pdli")
 
 
 # ---- the two models -------------------------------------------------------------------
-def load_gpt_fast(peer_dir: Path):
-    path = peer_dir / "model.py"
+def load_gpt_fast(peer_dir: Path, file: str = "model.py"):
+    """gpt-fast's `file` under `peer_dir` as a module (`model.py`: the dense Transformer;
+    `mixtral-moe/model.py`: its MoE one)."""
+    path = peer_dir / file
     if not path.is_file():
         raise SystemExit(
             f"bench_decode_peer: {path} is missing; run `bash scripts/fetch_peers.sh` "
@@ -78,7 +80,8 @@ def load_gpt_fast(peer_dir: Path):
         )
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("gpt_fast_model", path)
+    name = "gpt_fast_" + file.removesuffix(".py").replace("/", "_").replace("-", "_")
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dynamo resolves the model's globals by module name
     spec.loader.exec_module(module)
@@ -109,6 +112,22 @@ def build_gpt_fast(gf, shape: dict, device, dtype, batch: int, max_len: int):
             p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
     model.requires_grad_(False).eval()
     with torch.device(device):  # as gpt-fast's generate()
+        model.setup_caches(max_batch_size=batch, max_seq_length=max_len)
+    return model
+
+
+def build_gpt_fast_moe(gf, args: dict, device, dtype, batch: int, max_len: int):
+    """gpt-fast's `mixtral-moe` Transformer with `ModelArgs(**args, block_size=max_len)`
+    (`draftbench.shapes.moe_peer_shape`), random weights as `build_gpt_fast`."""
+    with torch.device("meta"):
+        model = gf.Transformer(gf.ModelArgs(block_size=max_len, **args))
+    model = model.to(dtype=dtype).to_empty(device=device)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
+    model.requires_grad_(False).eval()
+    with torch.device(device):
         model.setup_caches(max_batch_size=batch, max_seq_length=max_len)
     return model
 

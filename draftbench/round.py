@@ -70,39 +70,23 @@ from draftkernels.runtime import enable_pdl, pdl
 
 from draftbench.shapes import (
     DRAFT_VOCAB,
+    GPT_OSS_20B,
     LLAMA31_8B,
+    QWEN3_30B_A3B,
     QWEN3_VL_8B,
     TINY,
+    TINY_GPT_OSS,
+    TINY_QWEN3_MOE,
     TINY_VL,
     bench_drafter_arch,
+    hf_config,
+    moe_peer_shape,
+    native_shape,
     random_llama_target,
+    random_native_target,
     vl_native_shape,
 )
 from draftinfer.decoding.compiled import RUNNER_CUDA_OPTIONS, runner_compile_options
-
-
-def build_vl_target(hf_kwargs: dict, device, dtype, max_batch: int, max_len: int):
-    """The native Qwen3-VL target (our decoder + transformers' vision tower), random weights."""
-    from transformers import Qwen3VLConfig
-
-    from draftinfer.families.qwen3_vl.model import Qwen3VLForConditionalGeneration as VL
-
-    cfg = VL.config_from_hf(Qwen3VLConfig(**hf_kwargs), [])
-    with torch.device("meta"):
-        model = VL(cfg)
-    model = model.to(dtype=dtype).to_empty(device=device)
-    model.tie_weights()
-    model.init_rope(device)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():  # norms 1, biases 0, the rest N(0, 0.02)
-            if p.dim() == 1:
-                p.zero_() if name.endswith("bias") else p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02)
-    model.requires_grad_(False).eval()
-    model.setup_caches(max_batch, max_len)
-    return model
 
 
 def build_drafter(kind: str, target, shape: dict, draft_vocab: int, k_max: int, device, dtype):
@@ -212,17 +196,25 @@ def plain_step_ms(
 
 
 @torch.no_grad()
-def gpt_fast_step(shape, batch, context, steps, device, dtype, max_len, peer_dir) -> dict:
+def gpt_fast_step(shape, batch, context, steps, device, dtype, max_len, peer_dir, moe=None) -> dict:
     """gpt-fast's compiled, CUDA-graphed decode step at `batch` x `context` (its generate.py's
     `decode_one_token` and inductor settings; `draftbench.decode_peer`), timed in this process
-    and freed again: {ms (median), warmup_s, same_first_token_as_eager}."""
+    and freed again: {ms (median), warmup_s, same_first_token_as_eager}. `moe`: the
+    `mixtral-moe/model.py` Transformer with these `ModelArgs` (`shapes.moe_peer_shape`) in
+    place of the dense one (then also `step_bytes`, its floor's numerator: `draftbench.floor`
+    with each token's top-k experts gathered, as its `ConditionalFeedForward` reads them)."""
     from types import SimpleNamespace
 
     from draftbench import decode_peer as dp
 
-    gf = dp.load_gpt_fast(peer_dir)
-    model = dp.build_gpt_fast(gf, shape, device, dtype, batch, max_len)
-    ids = torch.tensor(prompts(batch, context, shape["vocab_size"]), device=device)
+    if moe is None:
+        gf = dp.load_gpt_fast(peer_dir)
+        model = dp.build_gpt_fast(gf, shape, device, dtype, batch, max_len)
+    else:
+        gf = dp.load_gpt_fast(peer_dir, "mixtral-moe/model.py")
+        model = dp.build_gpt_fast_moe(gf, moe, device, dtype, batch, max_len)
+    vocab = model.tok_embeddings.weight.shape[0]
+    ids = torch.tensor(prompts(batch, context, vocab), device=device)
     tok0 = model(ids, torch.arange(context, device=device))[:, -1].argmax(-1)
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
         pos = torch.tensor([context], device=device)
@@ -230,10 +222,33 @@ def gpt_fast_step(shape, batch, context, steps, device, dtype, max_len, peer_dir
     a = SimpleNamespace(compile=True, context=context, steps=steps, profile=0)
     with torch._inductor.config.patch(dp.GPT_FAST_INDUCTOR):
         r = dp.run_gpt_fast(model, a, device, tok0, eager_first, warm=3)
+    keep = ("ms", "ms_mean", "warmup_s", "same_first_token_as_eager")
+    out = {k: r[k] for k in keep}
+    if moe is not None:
+        out["step_bytes"] = peer_moe_step_bytes(model, moe, batch, max_len)
     dp.reset_compile_state()
     del model
     torch.cuda.empty_cache()
-    return {k: r[k] for k in ("ms", "ms_mean", "warmup_s", "same_first_token_as_eager")}
+    return out
+
+
+def peer_moe_step_bytes(model, moe: dict, batch: int, max_len: int) -> int:
+    """Bytes gpt-fast's MoE step reads at `batch`: every weight but the embedding table and the
+    experts, one embedding row per token, `batch * top-k` experts per layer (gathered per
+    token), and its whole K/V cache (it attends over all `max_len` positions, masked)."""
+
+    def nbytes(ts):
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    emb = model.tok_embeddings.weight
+    experts = [p for layer in model.layers for p in layer.block_sparse_moe.cond_ffn.parameters()]
+    ids = {id(p) for p in experts}
+    weights = nbytes(p for p in model.parameters() if p is not emb and id(p) not in ids)
+    per_layer = nbytes(model.layers[0].block_sparse_moe.cond_ffn.parameters())
+    per_expert = per_layer // moe["num_experts"]
+    routed = len(model.layers) * batch * moe["num_activated_experts"] * per_expert
+    kv = nbytes(b for layer in model.layers for b in layer.attention.kv_cache.buffers())
+    return weights + batch * emb[0].nbytes + routed + kv
 
 
 def breakdown_ms(dec, target, k: int, context: int, profile: int = 0) -> dict:
@@ -305,6 +320,32 @@ INDUCTOR_OPTIONS = {
 KERNEL_PDL = {"default", "pdl", "nocombo", "cdt", "combo"}
 
 
+@torch.no_grad()
+def floor(target, batch: int, context: int, device) -> dict:
+    """The memory floor of one plain decode step of `target` at `batch` x `context`
+    (`draftbench.floor`: the experts counted from one eager step's routes of random tokens),
+    over the copy bandwidth measured here: {bytes by part, bandwidth B/s, floor_ms}."""
+    from draftbench.decode_peer import copy_bandwidth
+    from draftbench.floor import routed_experts, step_bytes
+    from draftinfer.conventions.slots import attn_bucket
+
+    rows = torch.arange(batch, device=device)
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(5, target.config.vocab_size, (batch, 1), generator=g).to(device)
+    cache = torch.full((batch, 1), context, device=device)
+    rope = target.rope_positions(cache, rows)
+    attn_len = attn_bucket(context + 1, target.max_seq_len)
+    touched = routed_experts(target, tokens, rows, cache, rope, attn_len)
+    parts = step_bytes(target, batch, context, touched)
+    bw = copy_bandwidth(device, 1 << 30)
+    return {
+        **parts,
+        "experts_touched": touched,
+        "bandwidth": bw,
+        "floor_ms": round(parts["total"] / bw * 1e3, 4),
+    }
+
+
 def prompts(batch: int, context: int, vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(5)
     return torch.randint(5, vocab, (batch, context), generator=g).tolist()
@@ -374,11 +415,15 @@ def run_spec(
     return outs, stats, dec
 
 
-TARGETS = {  # name -> (builder, shape, draft vocabulary key)
+TARGETS = {  # name -> (builder, shape); DRAFT_VOCAB[name] is the drafters' vocabulary
     "llama3.1-8b": ("llama", LLAMA31_8B),
     "qwen3-vl-8b": ("vl", QWEN3_VL_8B),
+    "gpt-oss-20b": ("moe", GPT_OSS_20B),
+    "qwen3-30b-a3b": ("moe", QWEN3_30B_A3B),
     "tiny": ("llama", TINY),
     "tiny-vl": ("vl", TINY_VL),
+    "tiny-gpt-oss": ("moe", TINY_GPT_OSS),
+    "tiny-qwen3-moe": ("moe", TINY_QWEN3_MOE),
 }
 
 
@@ -403,19 +448,34 @@ def bench_target(name: str, a, device, dtype, batches, ks, kinds) -> dict:
         "lossless": {},
         "rows": [],
     }
-    # gpt-fast first, alone on the device and on a process that has compiled nothing yet.
-    peer = device.type == "cuda" and builder == "llama" and (a.peer_dir / "model.py").is_file()
+    # gpt-fast first, alone on the device and on a process that has compiled nothing yet:
+    # its dense model for a dense target, its mixtral-moe model for a MoE one.
+    moe = moe_peer_shape(shape) if builder == "moe" else None
+    peer_file = a.peer_dir / ("mixtral-moe/model.py" if moe else "model.py")
+    peer = device.type == "cuda" and builder != "vl" and peer_file.is_file()
     for b in batches if peer else []:
         res["gpt_fast"][b] = gpt_fast_step(
-            shape, b, a.context, a.rounds + 8, device, dtype, max_len, a.peer_dir
+            shape, b, a.context, a.rounds + 8, device, dtype, max_len, a.peer_dir, moe
         )
         print(json.dumps({"gpt_fast": b, **res["gpt_fast"][b]}), flush=True)
     if builder == "vl":
-        target = build_vl_target(shape, device, dtype, max(batches), max_len)
+        from transformers import Qwen3VLConfig
+
+        hf = Qwen3VLConfig(**shape)
+        target = random_native_target(hf, device, dtype, max(batches), max_len)
         dshape = vl_native_shape(shape)
+    elif builder == "moe":
+        target = random_native_target(hf_config(shape), device, dtype, max(batches), max_len)
+        dshape = native_shape(target.config, shape["drafter_mlp"])
     else:
         target = random_llama_target(shape, device, dtype, max(batches), max_len)
         dshape = shape
+    # The memory floor of a plain step (a Qwen3-VL target's text decoder is not counted apart).
+    res["floor"] = {b: floor(target, b, a.context, device) for b in batches if builder != "vl"}
+    for b, g in res["gpt_fast"].items():
+        if "step_bytes" in g:
+            g["floor_ms"] = round(g["step_bytes"] / res["floor"][b]["bandwidth"] * 1e3, 4)
+    print(json.dumps({"floor": res["floor"]}), flush=True)
     drafters = {
         kind: build_drafter(kind, target, dshape, DRAFT_VOCAB[name], max(ks[kind]), device, dtype)
         for kind in kinds
@@ -467,12 +527,20 @@ def bench_batch(
     reqs = image_prompts(target, b, a.context)
     t1 = time.perf_counter()
     graph_ms, ms = float("nan"), float("nan")
-    if not a.graph_only or device.type != "cuda":
+    if a.plain == "runner" and device.type == "cuda":
+        # Only the runner's baseline: the reference tokens and the round's cost unit.
+        ms, (plain_tokens, margins) = plain_step_ms(
+            target, b, a.context, a.rounds + 8, device, "runner", reqs, opts
+        )
+        res["plain"][tag] = {"ms": float("nan"), "runner_step_ms": round(ms, 4)}
+        res["plain"][tag]["first_call_s"] = round(time.perf_counter() - t1, 1)
+    elif not a.graph_only or device.type != "cuda":
         ms, (plain_tokens, margins) = plain_step_ms(
             target, b, a.context, a.rounds + 8, device, reqs=reqs, options=opts
         )
-    res["plain"][tag] = {"ms": round(ms, 4), "first_call_s": round(time.perf_counter() - t1, 1)}
-    if device.type == "cuda" and not a.no_graph:
+    if a.plain != "runner" or device.type != "cuda":
+        res["plain"][tag] = {"ms": round(ms, 4), "first_call_s": round(time.perf_counter() - t1, 1)}
+    if device.type == "cuda" and not a.no_graph and a.plain != "runner":
         graph_ms, (graph_tokens, graph_margins) = plain_step_ms(
             target, b, a.context, a.rounds + 8, device, "reduce-overhead", reqs, opts
         )
@@ -489,11 +557,14 @@ def bench_batch(
     for kind, d in drafters.items():
         k4 = 4 if 4 in ks[kind] else max(ks[kind])
         # Sync check: any host-device sync inside a round raises.
-        try:
-            run_spec(target, d, k4, b, a.context, 4, device, a.compile, True, reqs, False, opts)
-            res["sync_check"][f"{kind} K={k4} b={tag}"] = "no sync"
-        except RuntimeError as e:
-            res["sync_check"][f"{kind} K={k4} b={tag}"] = f"SYNC: {str(e).splitlines()[0]}"
+        if a.no_sync_check:
+            res["sync_check"][f"{kind} K={k4} b={tag}"] = "skipped"
+        else:
+            try:
+                run_spec(target, d, k4, b, a.context, 4, device, a.compile, True, reqs, False, opts)
+                res["sync_check"][f"{kind} K={k4} b={tag}"] = "no sync"
+            except RuntimeError as e:
+                res["sync_check"][f"{kind} K={k4} b={tag}"] = f"SYNC: {str(e).splitlines()[0]}"
         modes = {"on": [True], "off": [False], "both": [False, True]}[a.round_graphs]
         ahead = {"on": [True], "off": [False], "both": [False, True]}[a.pipeline]
         for k, graphs, pipe in ((k, g, p) for k in ks[kind] for g in modes for p in ahead):
@@ -555,6 +626,9 @@ def bench_batch(
                 "ratio_vs_gptfast": round(t_round / gf_ms, 3),
                 "t_plain_ms": round(ms, 4),
                 "ratio": round(t_round / ms, 3),
+                # The round in plain steps of the runner's own baseline (`PlainStep`, what
+                # `python -m draftinfer` measures against), else the best plain step timed.
+                "round_cost": round(t_round / plain_base_ms(res["plain"][tag]), 4),
                 "t_plain_graph_ms": round(graph_ms, 4),
                 "ratio_vs_graph": round(t_round / graph_ms, 3),
                 "speedup_at_al3": round(3 * min(ms, graph_ms, gf_ms) / t_round, 3),
@@ -575,19 +649,80 @@ def bench_batch(
             del dec
 
 
+def plain_base_ms(plain: dict) -> float:
+    """The runner's plain baseline where it was timed, else the best plain step timed."""
+    if "runner_step_ms" in plain:
+        return plain["runner_step_ms"]
+    return min(plain.get("cuda_graph_ms", float("inf")), plain["ms"])
+
+
+def write_costs(res: dict, out_dir: Path) -> list[Path]:
+    """One `round_costs=` file per (kind, batch, configuration) of a target's rows:
+    `{out_dir}/{target}_{kind}_b{batch}[_{tag}].json` with `round_cost: {K: t_round /
+    t_plain}` (`draftinfer.conventions.metrics.choose_k`) and where it was measured."""
+    groups: dict[str, dict] = {}
+    for r in res["rows"]:
+        if not r["pipeline"]:
+            continue
+        tag = "".join(f"_{n}" for n in ("fused", "swiglu", "norms") if r.get(n)) + (
+            "" if r["round_graphs"] else "_nographs"
+        )
+        if r.get("inductor", "default") != "default":
+            tag += f"_{r['inductor']}"
+        name = f"{res['shape']}_{r['kind']}_b{r['batch']}{tag}"
+        g = groups.setdefault(
+            name,
+            {
+                "target": res["shape"],
+                "kind": r["kind"],
+                "batch": r["batch"],
+                "device": res["device"],
+                "torch": res["torch"],
+                "dtype": res["dtype"],
+                "context": res["context"],
+                "round_graphs": r["round_graphs"],
+                "fused": r["fused"],
+                "round_cost": {},
+                "t_round_ms": {},
+            },
+        )
+        g["round_cost"][str(r["k"])] = r["round_cost"]
+        g["t_round_ms"][str(r["k"])] = r["t_round_ms"]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, g in groups.items():
+        path = out_dir / f"{name}.json"
+        path.write_text(json.dumps(g, indent=2) + "\n")
+        paths.append(path)
+    return paths
+
+
 def print_summary(res: dict, batches, kinds) -> None:
     """One table per target, led by t_round / t_gptfast (DESIGN section 7)."""
     print(
         f"\nround vs plain decode, {res['shape']} ({res['prompts']} prompts), {res['device']}, "
         f"compile={res['compile']}"
     )
+    for b, f in res.get("floor", {}).items():
+        parts = ", ".join(f"{k} {f[k] / 1e9:.2f}" for k in ("weights", "experts", "kv"))
+        print(
+            f"batch {b}: floor {f['floor_ms']:.3f} ms ({f['total'] / 1e9:.2f} GB: {parts}; "
+            f"copy {f['bandwidth'] / 1e12:.2f} TB/s)"
+        )
     for b, g in res["gpt_fast"].items():
-        print(f"batch {b}: gpt-fast compiled step {g['ms']:.3f} ms")
+        own = f", {g['floor_ms'] / g['ms']:.0%} of its own floor" if "floor_ms" in g else ""
+        print(f"batch {b}: gpt-fast compiled step {g['ms']:.3f} ms{own}")
     for tag, p in res["plain"].items():
+        b = int(tag.split()[0])
+        fl = res.get("floor", {}).get(b, {}).get("floor_ms")
+        gf = res["gpt_fast"].get(b, {}).get("ms")
+        base = plain_base_ms(p)
         print(
             f"batch {tag}: ours plain step {p['ms']:.3f} ms compiled, "
             f"{p.get('cuda_graph_ms', float('nan')):.3f} ms compiled + CUDA graph, "
             f"{p.get('runner_step_ms', float('nan')):.3f} ms the runner's baseline (PlainStep)"
+            + (f"; {fl / base:.0%} of the floor" if fl else "")
+            + (f"; {base / gf:.3f}x gpt-fast's step" if gf else "")
         )
     cols = ["kind", "k", "batch", "fused", "swiglu", "norms", "round_graphs", "pipeline"]
     if any(r.get("inductor", "default") != "default" for r in res["rows"]):
@@ -595,7 +730,7 @@ def print_summary(res: dict, batches, kinds) -> None:
     cols.append("pdl")
     cols += ["t_round_ms"]
     cols += ["ratio_vs_gptfast"]
-    cols += ["ratio_vs_graph", "ratio"]
+    cols += ["ratio_vs_graph", "ratio", "round_cost"]
     extra = [
         "t_verify_ms",
         "t_one_slot_ms",
@@ -695,6 +830,25 @@ def main() -> int:
         help="time our plain step only as a CUDA graph (skip the compiled step without one)",
     )
     ap.add_argument("--out", default="")
+    ap.add_argument(
+        "--costs-out",
+        type=Path,
+        default=None,
+        help="write one round-cost file per target, kind and batch here (the runner's "
+        "`round_costs=`: the report then names the best K for its measured acceptance)",
+    )
+    ap.add_argument(
+        "--plain",
+        default="all",
+        choices=["all", "runner"],
+        help="plain steps timed on CUDA: all (compiled, + CUDA graph, the runner's PlainStep) "
+        "or only the runner's PlainStep (its tokens are then the lossless reference)",
+    )
+    ap.add_argument(
+        "--no-sync-check",
+        action="store_true",
+        help="skip the uncaptured K=4 sync-check rounds (a captured round cannot sync)",
+    )
     a = ap.parse_args()
     if a.profile and any(x in KERNEL_PDL for x in a.inductor.split(",")):
         print(
@@ -746,6 +900,9 @@ def main() -> int:
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
+    for res in results if a.costs_out else []:
+        for path in write_costs(res, a.costs_out):
+            print(f"round costs: {path}")
     for res in results:
         print_summary(res, batches, kinds)
     return 0

@@ -34,7 +34,16 @@ TINY = dict(
     num_kv_heads=2,
     head_dim=16,
 )
-DRAFT_VOCAB = {"llama3.1-8b": 32000, "tiny": 256, "qwen3-vl-8b": 32000, "tiny-vl": 256}
+DRAFT_VOCAB = {
+    "llama3.1-8b": 32000,
+    "tiny": 256,
+    "qwen3-vl-8b": 32000,
+    "tiny-vl": 256,
+    "gpt-oss-20b": 32000,
+    "qwen3-30b-a3b": 32000,
+    "tiny-gpt-oss": 256,
+    "tiny-qwen3-moe": 256,
+}
 
 # Qwen3-VL-8B-Instruct (text: a Qwen3-8B decoder with interleaved M-RoPE [24, 20, 20], rope
 # theta 5e6, untied head; vision: 27 blocks of width 1152, patch 16, merge 2, DeepStack after
@@ -105,6 +114,132 @@ TINY_VL = dict(
     vision_start_token_id=502,
     vision_end_token_id=503,
 )
+
+
+# MoE targets (REFERENCES part D): transformers config classes and their keyword arguments, the
+# MLP width of the drafters the benchmarks build for them (the published recipes':
+# SpecForge's gpt-oss-20B EAGLE-3 17280, its Qwen3-30B-A3B EAGLE-3 6144), and the sizes of
+# gpt-fast's `mixtral-moe/model.py` peer at the same widths (its `ModelArgs` fixes head_dim
+# = dim // n_head and a query width of dim: the heads are chosen to keep the target's head_dim,
+# so the peer's attention is narrower than the target's; its experts, head and layer count
+# are the target's).
+GPT_OSS_20B = dict(
+    config_class="GptOssConfig",
+    vocab_size=201088,
+    hidden_size=2880,
+    intermediate_size=2880,
+    num_hidden_layers=24,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=64,
+    num_local_experts=32,
+    num_experts_per_tok=4,
+    sliding_window=128,
+    layer_types=["sliding_attention", "full_attention"] * 12,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "original_max_position_embeddings": 4096,
+        "truncate": False,
+    },
+    tie_word_embeddings=False,
+    drafter_mlp=17280,
+    peer=dict(n_head=45, n_local_heads=9),
+)
+QWEN3_30B_A3B = dict(
+    config_class="Qwen3MoeConfig",
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    max_position_embeddings=262144,
+    rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0},
+    tie_word_embeddings=False,
+    drafter_mlp=6144,
+    peer=dict(n_head=16, n_local_heads=4),
+)
+TINY_GPT_OSS = dict(
+    GPT_OSS_20B,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    sliding_window=8,
+    layer_types=["sliding_attention", "full_attention"] * 2,
+    max_position_embeddings=4096,
+    drafter_mlp=128,
+    peer=dict(n_head=4, n_local_heads=2),
+)
+TINY_QWEN3_MOE = dict(
+    QWEN3_30B_A3B,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_experts=8,
+    num_experts_per_tok=2,
+    max_position_embeddings=4096,
+    drafter_mlp=128,
+    peer=dict(n_head=4, n_local_heads=2),
+)
+BENCH_ONLY = ("config_class", "drafter_mlp", "peer")
+
+
+def hf_config(shape: dict):
+    """The transformers config object of a registry entry holding `config_class`."""
+    import transformers
+
+    kwargs = {k: v for k, v in shape.items() if k not in BENCH_ONLY}
+    return getattr(transformers, shape["config_class"])(**kwargs)
+
+
+def native_shape(cfg, drafter_mlp: int | None = None) -> dict:
+    """The NativeConfig fields `drafter_arch` reads, from a native target's config, with the
+    drafter's MLP width in `intermediate_size` (an MoE target's is its expert's)."""
+    shape = {f: getattr(cfg, f) for f in LLAMA31_8B}
+    if drafter_mlp is not None:
+        shape["intermediate_size"] = drafter_mlp
+    return shape
+
+
+def moe_peer_shape(shape: dict) -> dict:
+    """gpt-fast `mixtral-moe` `ModelArgs` for a MoE registry entry (block_size set by the
+    caller): the target's width, layers, vocabulary, experts, top-k and expert width."""
+    experts = shape.get("num_local_experts", shape.get("num_experts"))
+    inter = shape.get("moe_intermediate_size", shape["intermediate_size"])
+    return dict(
+        vocab_size=shape["vocab_size"],
+        n_layer=shape["num_hidden_layers"],
+        dim=shape["hidden_size"],
+        intermediate_size=inter,
+        num_experts=experts,
+        num_activated_experts=shape["num_experts_per_tok"],
+        rope_base=shape["rope_parameters"]["rope_theta"],
+        norm_eps=shape["rms_norm_eps"],
+        **shape["peer"],
+    )
 
 
 def vl_native_shape(hf_kwargs: dict) -> dict:
@@ -206,22 +341,41 @@ _DFLASH_FIELDS = (
 
 def random_llama_target(shape: dict, device, dtype, max_batch: int, max_len: int):
     """A native Llama-shaped target of `shape` (NativeConfig fields) with random weights
-    (norms 1, the rest N(0, 0.02), seed 0) and caches for `max_batch` x `max_len`."""
-    import torch
-
+    (`random_init`) and caches for `max_batch` x `max_len`."""
     from draftinfer.families.causal_lm.models import LlamaForCausalLM
     from draftinfer.models.decoder import NativeConfig
 
     cfg = NativeConfig(architecture="LlamaForCausalLM", **shape)
+    return random_init(LlamaForCausalLM, cfg, device, dtype, max_batch, max_len)
+
+
+def random_native_target(hf, device, dtype, max_batch: int, max_len: int):
+    """The native target of any registered family for a transformers config object `hf`
+    (the class by `architectures`, else `model_type`), random weights (`random_init`)."""
+    from draftinfer.registry import FAMILIES
+
+    cls = FAMILIES.native_class(hf.to_dict())
+    return random_init(cls, cls.config_from_hf(hf, []), device, dtype, max_batch, max_len)
+
+
+def random_init(cls, cfg, device, dtype, max_batch: int, max_len: int):
+    """`cls(cfg)` built on the meta device and materialised on `device` in `dtype`: vectors
+    1 (norms, sinks) or 0 (biases), the rest N(0, 0.02), seed 0 (time does not depend on
+    training); caches for `max_batch` x `max_len`."""
+    import torch
+
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = cls(cfg)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.tie_weights()
     model.init_rope(device)
     torch.manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
+            if p.dim() == 1:
+                p.zero_() if name.endswith("bias") else p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
     model.requires_grad_(False).eval()
     model.setup_caches(max_batch, max_len)
     return model

@@ -48,3 +48,30 @@ def per_position_acceptance(
         hit = sum(1 for a, p in zip(accepted, proposed) if p >= j and a >= j)
         out.append(hit / n if n else float("nan"))
     return out
+
+
+def choose_k(per_position: Sequence[float], round_cost: dict[int, float]) -> dict:
+    """The number of drafts per round that maximises expected tokens per unit of time.
+
+    `per_position[j - 1]` is the measured P(drafts 1..j all accepted) at the run's K
+    (`per_position_acceptance`); a round that proposes only `k <= K` drafts accepts
+    `min(a, k)` of them (the first `k` drafts of every kind here do not depend on how many
+    follow), so it yields `1 + sum(per_position[:k])` tokens. `round_cost[k]` is the cost of a
+    round at `k`, in plain decode steps (t_round / t_plain, measured by `draftbench.round`).
+    Only `k` with both a measurement of acceptance (`k <= K`) and of cost are ranked.
+
+    -> {"k": best k, "by_k": {k: {tokens_per_round, round_cost, expected_speedup}}};
+    "k" is None where no k has both."""
+    by_k = {}
+    for k in sorted(int(x) for x in round_cost):
+        if k > len(per_position) or any(p != p for p in per_position[:k]):  # NaN: unmeasured
+            continue
+        tokens = 1.0 + sum(per_position[:k])
+        cost = float(round_cost[k])
+        by_k[k] = {
+            "tokens_per_round": tokens,
+            "round_cost": cost,
+            "expected_speedup": tokens / cost,
+        }
+    best = max(by_k, key=lambda k: by_k[k]["expected_speedup"], default=None)
+    return {"k": best, "by_k": by_k}

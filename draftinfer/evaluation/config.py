@@ -112,6 +112,13 @@ class InferConfig:
     mode: str = "fast"
     # Also run the reference loop and require token equality with the fast path.
     check_reference: bool = False
+    # A JSON file of round costs in plain decode steps per K (`{"round_cost": {"3": 1.08,
+    # ...}}`, written by `python -m draftbench.round --costs-out`, measured at the target's
+    # real shapes on the GPU you serve on): the report then names the K <= k that maximises
+    # expected tokens per second for this run's measured per-position acceptance
+    # (`draftinfer.conventions.metrics.choose_k`; report `extra.k_choice`). Run at the
+    # largest K you would serve: acceptance beyond it is not measured.
+    round_costs: str = ""
     # JSON report path (`draftinfer.evaluation.report.RunReport`).
     report: str = ""
     # PNG of per-position acceptance: empty = beside the report (same stem), `none` = no plot.
