@@ -215,7 +215,13 @@ def gpt_fast_step(shape, batch, context, steps, device, dtype, max_len, peer_dir
         model = dp.build_gpt_fast_moe(gf, moe, device, dtype, batch, max_len)
     vocab = model.tok_embeddings.weight.shape[0]
     ids = torch.tensor(prompts(batch, context, vocab), device=device)
-    tok0 = model(ids, torch.arange(context, device=device))[:, -1].argmax(-1)
+    # Prefill in chunks: the MoE model gathers each token's experts' weights (eager, a
+    # 600-token prompt would gather 37 GB at gpt-oss-20b's sizes).
+    chunk = context if moe is None else 16
+    for s in range(0, context, chunk):
+        pos = torch.arange(s, min(s + chunk, context), device=device)
+        logits = model(ids[:, pos], pos)
+    tok0 = logits[:, -1].argmax(-1)
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
         pos = torch.tensor([context], device=device)
         eager_first = dp.gpt_fast_decode_one_token(model, tok0.view(-1, 1).int(), pos).long()
