@@ -42,11 +42,49 @@ def runner_compile_options(options: dict | None, device) -> dict:
 
 def compiled(fn: Callable, **options) -> Callable:
     """`torch.compile(fn, **options)`, built once per (function, options); `options=` (the
-    inductor settings dict) is part of the key."""
+    inductor settings dict) is part of the key. With combo kernels on, a compile that
+    inductor cannot finish with them is redone without (`ComboFallback`)."""
     key = (fn, tuple(sorted((k, _frozen(v)) for k, v in options.items())))
     if key not in _COMPILED:
-        _COMPILED[key] = torch.compile(fn, **options)
+        if (options.get("options") or {}).get("combo_kernels"):
+            _COMPILED[key] = ComboFallback(fn, options)
+        else:
+            _COMPILED[key] = torch.compile(fn, **options)
     return _COMPILED[key]
+
+
+class ComboFallback:
+    """`torch.compile(fn, **options)` with combo kernels that, when a call's compile fails in
+    inductor (its combo kernels cannot take a reduction over a dynamic dimension: "Dynamic
+    shape on reduction dimension is not supported", met in Qwen3-MoE's verify forward on an
+    H200, torch 2.11), warns once and compiles `fn` again without them, for this and every
+    later call. Only a compile error is caught (`InductorError`: raised while compiling a
+    graph, before it runs; the round's compiled pieces trace as one graph each, so nothing
+    of the failed call ran)."""
+
+    def __init__(self, fn: Callable, options: dict):
+        self.fn, self.options = fn, options
+        self.impl = torch.compile(fn, **options)
+        self.fell_back = False
+
+    def __call__(self, *args, **kwargs):
+        from torch._inductor.exc import InductorError
+
+        try:
+            return self.impl(*args, **kwargs)
+        except InductorError as e:
+            if self.fell_back:
+                raise
+            name = getattr(self.fn, "__name__", "fn")
+            warnings.warn(
+                f"{name}: inductor could not compile it with combo kernels "
+                f"({str(e).strip().splitlines()[-1][:160]}); compiling it without them",
+                stacklevel=2,
+            )
+            inductor = {**self.options["options"], "combo_kernels": False}
+            self.impl = torch.compile(self.fn, **{**self.options, "options": inductor})
+            self.fell_back = True
+            return self.impl(*args, **kwargs)
 
 
 def unknown_inductor_settings(names) -> list[str]:
