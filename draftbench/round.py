@@ -893,7 +893,7 @@ def main() -> int:
         ks = {kind: [k for kk, k in per if kk == kind] or ks[kind] for kind in ks}
     elif a.ks:
         ks = {kind: [int(x) for x in a.ks.split(",")] for kind in ks}
-    kinds = a.kinds.split(",")
+    kinds = [k for k in a.kinds.split(",") if k]  # empty: plain steps only
     results = []
     for name in names:
         results.append(bench_target(name, a, device, dtype, batches, ks, kinds))
