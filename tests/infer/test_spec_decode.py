@@ -203,6 +203,8 @@ def test_cli_report_and_plot(env, tmp_path):
     from pathlib import Path
 
     report = tmp_path / "r.json"
+    costs = tmp_path / "costs.json"  # K=9 is beyond the run's K=3: not ranked
+    costs.write_text(json.dumps({"round_cost": {"2": 1.2, "3": 1.3, "9": 2.0}}))
     r = subprocess.run(
         [
             sys.executable,
@@ -216,6 +218,7 @@ def test_cli_report_and_plot(env, tmp_path):
             "batch_size=3",
             "max_model_len=384",
             f"report={report}",
+            f"round_costs={costs}",
             "progress=false",
         ],
         capture_output=True,
@@ -239,6 +242,33 @@ def test_cli_report_and_plot(env, tmp_path):
     assert len(rep["per_position_acceptance"]) == 3 and rep["per_position_acceptance"][0] > 0.2
     assert report.with_suffix(".png").stat().st_size > 1000
     assert "acceptance length" in r.stdout and "lossless" in r.stdout
+    # The best K for these costs, from the run's own per-position acceptance.
+    choice, pos = rep["extra"]["k_choice"], rep["per_position_acceptance"]
+    assert sorted(choice["by_k"]) == ["2", "3"]
+    rates = {k: (1 + sum(pos[:k])) / c for k, c in ((2, 1.2), (3, 1.3))}
+    assert choice["k"] == max(rates, key=rates.get)
+    assert choice["by_k"]["3"]["expected_speedup"] == pytest.approx(rates[3])
+    assert f"K={choice['k']}:" in r.stdout and "best K" in r.stdout
+
+
+def test_a_bad_round_costs_file_is_one_line_error_before_loading(tmp_path):
+    from draftinfer.evaluation.config import InferConfig
+    from draftinfer.evaluation.run import run_eval
+    from draftinfer.files.errors import ConfigError
+
+    bad = tmp_path / "costs.json"
+    for text, words in (
+        (None, "no file"),
+        ('{"round_costs": {}}', "is not"),
+        ('{"round_cost": {"3": 0}}', "costs > 0"),
+    ):
+        if text is not None:
+            bad.write_text(text)
+        # The drafter does not exist: the costs are read first, before anything loads.
+        cfg = InferConfig(drafter=str(tmp_path / "none"), round_costs=str(bad), progress=False)
+        with pytest.raises(ConfigError) as e:
+            run_eval(cfg)
+        assert words in str(e.value) and "\n" not in str(e.value)
 
 
 def test_drafter_target_mismatch_is_one_line_error(env, tiny_qwen3_dir):
@@ -453,3 +483,17 @@ def test_unknown_compile_option_is_a_one_line_error_before_loading():
     eager = InferConfig(drafter="d", compile_options={"combo_kernels": True})
     with pytest.raises(ConfigError, match="compile_options are inductor settings for compile"):
         check_infer_config(eager)
+
+
+def test_choose_k_ranks_measured_ks_by_tokens_per_cost():
+    from draftinfer.conventions.metrics import choose_k
+
+    # P(drafts 1..j accepted) measured at K=4; costs in plain steps at K=2..6.
+    pos = [0.8, 0.6, 0.3, 0.1]
+    out = choose_k(pos, {2: 1.2, 3: 1.3, 4: 1.6, 5: 1.7, 6: 1.8})
+    assert sorted(out["by_k"]) == [2, 3, 4]  # 5 and 6 have no measured acceptance
+    # K=2: 2.4 / 1.2 = 2.0; K=3: 2.7 / 1.3 = 2.077; K=4: 2.8 / 1.6 = 1.75.
+    assert out["k"] == 3
+    assert out["by_k"][3]["tokens_per_round"] == pytest.approx(2.7)
+    assert out["by_k"][2]["expected_speedup"] == pytest.approx(2.0)
+    assert choose_k(pos, {7: 2.0}) == {"k": None, "by_k": {}}
