@@ -34,9 +34,9 @@ in the `x @ W` layout whatever the parameters' layout):
 No host-device sync anywhere (no `.item()`, `nonzero`, boolean indexing or data-dependent
 shape): every shape follows from `N`, `k`, `E`, so a round with MoE layers stays capturable in
 a CUDA graph. `Experts.forward` picks the computation from shapes and dtypes alone:
-`experts_gather` for at most `GATHER_MAX_TOKENS` tokens, `experts_grouped` where
-`grouped_mm_supported` says the device and dtype take `F.grouped_mm`, `experts_reference`
-otherwise.
+`experts_gather` for at most `GATHER_MAX_TOKENS` tokens over `x @ W`-layout weights,
+`experts_grouped` where `grouped_mm_supported` says the device and dtype take `F.grouped_mm`,
+`experts_reference` otherwise (`choose_path`).
 """
 
 from __future__ import annotations
@@ -242,6 +242,24 @@ def grouped_mm_supported(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) ->
     return all(n * size % 16 == 0 for n in (H, two_i, two_i // 2))
 
 
+def choose_path(tokens: int, x_at_w: bool, grouped_ok: bool) -> str:
+    """The computation `Experts.forward` runs for `tokens` rows (module docstring):
+    `experts_gather` for a one-token step over weights stored in the `x @ W` layout (gpt-oss),
+    the grouped products wherever `grouped_mm_supported`, the gather for one token otherwise,
+    the reference for the rest.
+
+    Weights stored as `[E, 2I, H]` (Qwen3-MoE) take the grouped products even for one token:
+    at Qwen3-30B-A3B's shapes on an H200 the gather path's one-token step took 16.2 ms while a
+    whole ptd round at K=3, its verify pass of 4 rows through the grouped products included,
+    took 6.3 ms (docs/results.md, "MoE targets", 2026-11-29); the gather of a transposed view
+    is a transposing copy of each routed expert."""
+    if tokens <= GATHER_MAX_TOKENS and x_at_w:
+        return "gather"
+    if grouped_ok:
+        return "grouped"
+    return "gather" if tokens <= GATHER_MAX_TOKENS else "reference"
+
+
 ExpertsFn = Callable[..., torch.Tensor]
 EXPERTS: dict[str, ExpertsFn] = {
     "grouped": experts_grouped,
@@ -295,14 +313,7 @@ class Experts(nn.Module):
         experts: torch.Tensor,  # [N, k] int64
     ) -> torch.Tensor:
         w1, w2 = self.mats()
-        path = self.path
-        if path is None:
-            if x.shape[0] <= GATHER_MAX_TOKENS:
-                path = "gather"
-            elif grouped_mm_supported(x, w1, w2):
-                path = "grouped"
-            else:
-                path = "reference"
+        path = self.path or choose_path(x.shape[0], self.x_at_w, grouped_mm_supported(x, w1, w2))
         fn = EXPERTS[path]
         return fn(
             x, weights, experts, w1, self.gate_up_proj_bias, w2, self.down_proj_bias, self.act

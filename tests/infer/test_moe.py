@@ -105,6 +105,26 @@ def test_path_is_chosen_from_shapes_and_dtypes():
     assert_close(odd(x, weights, experts), want)
 
 
+@pytest.mark.parametrize("gpt_oss", [True, False])
+def test_one_token_gathers_only_from_the_x_at_w_layout(gpt_oss, monkeypatch):
+    """One token: gpt-oss's `[E, H, 2I]` experts are gathered; Qwen3-MoE's `[E, 2I, H]` ones
+    go through the grouped products (a gathered transposed view was 2.6x slower than a whole
+    round on an H200); more tokens are grouped either way."""
+    import draftinfer.models.moe as moe
+
+    ex = random_experts(4, 64, 32, gpt_oss=gpt_oss)
+    ran = []
+    for name, fn in list(moe.EXPERTS.items()):
+        monkeypatch.setitem(moe.EXPERTS, name, lambda *a, _n=name, _f=fn: ran.append(_n) or _f(*a))
+    for n in (1, 5):
+        x = torch.randn(n, 64)
+        weights, experts = random_route(n, 4, 2)
+        assert_close(ex(x, weights, experts), experts_reference(x, weights, experts, *_args(ex)))
+    assert ran == (["gather", "grouped"] if gpt_oss else ["grouped", "grouped"])
+    assert moe.choose_path(1, False, grouped_ok=False) == "gather"
+    assert moe.choose_path(5, True, grouped_ok=False) == "reference"
+
+
 def _args(ex: Experts):
     w1, w2 = ex.mats()
     return w1, ex.gate_up_proj_bias, w2, ex.down_proj_bias, ex.act
