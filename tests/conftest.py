@@ -116,6 +116,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module (`pytestmark = pytest.mark.usefixtures("one_thread")`):
+    at tiny shapes intra-op threads only add barrier waits (CPU flash attention spins for
+    milliseconds per call on a busy 2-core box, where xdist already runs a worker per core).
+    Restored for other modules."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama3_dir(tmp_path_factory):
     from tests.support.tiny_models import llama3_config, save_tiny_target

@@ -170,11 +170,7 @@ def build(spec: ZooMoE, a: argparse.Namespace, argv) -> dict:
         shape=spec.shape_dict(),
         n_params=n_params,
         rows={"train": len(train_rows), "test": len(test_rows)},
-        tokens={
-            "train": sum(len(x) for x, _ in train_ex),
-            "train_assistant": sum(sum(m) for _, m in train_ex),
-            "test": sum(len(x) for x, _ in test_ex),
-        },
+        tokens=target_build.token_counts(train_ex, test_ex),
         metrics=metrics,
         times=timer.times,
         threads=a.threads,

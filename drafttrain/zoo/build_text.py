@@ -97,11 +97,7 @@ def main(argv=None) -> dict:
         shape=text_train.shape_dict(),
         n_params=n_params,
         rows={"train": len(train_rows), "test": len(test_rows)},
-        tokens={
-            "train": sum(len(x) for x, _ in train_ex),
-            "train_assistant": sum(sum(m) for _, m in train_ex),
-            "test": sum(len(x) for x, _ in test_ex),
-        },
+        tokens=target_build.token_counts(train_ex, test_ex),
         metrics=metrics,
         times=timer.times,
         threads=a.threads,

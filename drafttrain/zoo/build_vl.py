@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from drafttrain.zoo import target_build
 from drafttrain.zoo import vl_data as vd
 from drafttrain.zoo.vl_train import (
     PixelCache,
@@ -183,10 +184,8 @@ def build(a: argparse.Namespace, argv=None) -> dict:
         "rows": {"train": len(train_rows), "test": len(test_rows)},
         "images": {"train": a.train_images, "test": a.test_images},
         "tokens": {
-            "train": sum(len(x[0]) for x in train_ex),
-            "train_assistant": sum(sum(x[1]) for x in train_ex),
+            **target_build.token_counts(train_ex, test_ex),
             "train_image": sum(sum(x[2]) for x in train_ex),
-            "test": sum(len(x[0]) for x in test_ex),
         },
         "metrics": metrics,
         "times_s": {k: round(v, 1) for k, v in times.items()},

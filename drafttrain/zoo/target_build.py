@@ -102,6 +102,16 @@ def score(
     return metrics, gen[:N_EXAMPLES]
 
 
+def token_counts(train_ex: list, test_ex: list) -> dict:
+    """Tokens of the training and test examples (`(ids, loss_mask, ...)` each), and the
+    training tokens in the loss (the assistant's)."""
+    return {
+        "train": sum(len(x[0]) for x in train_ex),
+        "train_assistant": sum(sum(x[1]) for x in train_ex),
+        "test": sum(len(x[0]) for x in test_ex),
+    }
+
+
 def write_report(
     path: Path,
     command: str,

@@ -39,12 +39,7 @@ MAX_SEQ_LEN = 64
 LENGTHS = (19, 7, 12)  # three prompts of different lengths
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -32,12 +32,7 @@ from tests.support.vl_fixtures import IMG, N_DS, N_LAYERS, PATCH_DIM, H, image_t
 DECODE_STEPS = 32
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

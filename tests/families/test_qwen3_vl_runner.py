@@ -60,12 +60,7 @@ PROMPTS = [
 MM = [mm_inputs(p, g, seed=10 + b) for b, (p, g) in enumerate(zip(PROMPTS, GRIDS))]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -34,12 +34,7 @@ DATA = ZOO / "vl_caption"
 SPECIALS = vd.SPECIAL_TOKENS
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

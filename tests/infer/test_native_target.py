@@ -26,14 +26,7 @@ ATOL = 1e-4  # fp32 logits, our SDPA vs HF eager attention
 TARGETS = ["tiny_llama3_dir", "tiny_qwen3_dir"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny shapes: intra-op threads only add barrier waits (CPU flash attention spins for
-    milliseconds per call on a busy 2-core box). Restored for other modules."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

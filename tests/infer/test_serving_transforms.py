@@ -35,12 +35,7 @@ from draftinfer.models.transforms import (
 ATOL = 1e-5  # fp32, the same maths in another order
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _biased_model(seed: int = 0) -> NativeCausalLM:
