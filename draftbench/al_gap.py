@@ -63,12 +63,10 @@ def measure(drafter: str, num_prompts: int, k: int, max_new_tokens: int, batch: 
     from draftinfer.decoding.baseline import greedy_generate
     from draftinfer.decoding.engine import Request
     from draftinfer.evaluation.config import InferConfig
-    from draftinfer.evaluation.prompts import load_prompts
-    from draftinfer.evaluation.run import load_served_drafter, spec_decoder
+    from draftinfer.evaluation.run import load_served_drafter, runner_prompts, spec_decoder
     from draftinfer.files.checkpoint import read_drafter_config
     from draftinfer.files.loading import load_native_target
     from draftinfer.files.paths import resolve_path
-    from draftinfer.registry import family_spec
 
     cfg = InferConfig(
         drafter=drafter,
@@ -88,14 +86,7 @@ def measure(drafter: str, num_prompts: int, k: int, max_new_tokens: int, batch: 
         target_path, device, torch.float32, max_batch=batch, max_seq_len=cfg.max_model_len
     )
     drafter_module = load_served_drafter(cfg, target, device, torch.float32)
-    loaded, tokenizer = load_prompts(
-        cfg.prompts,
-        cfg.prompts_split,
-        cfg.num_prompts,
-        family_spec(target.info.family),
-        target_path,
-        cfg.max_model_len - 2,
-    )
+    loaded, tokenizer = runner_prompts(cfg, target, target_path)
     prompts = [p.ids for p in loaded]
     eos = tuple(target.config.eos_token_ids)
     t0 = time.perf_counter()

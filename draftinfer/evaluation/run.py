@@ -214,6 +214,20 @@ def serving_transforms(cfg: InferConfig, target, drafter, device: torch.device) 
 SERVED_WITH = "draftinfer_serving_transforms"
 
 
+def runner_prompts(cfg: InferConfig, target, target_path) -> tuple[list, object]:
+    """(prompts, tokenizer) of a run: `cfg.prompts` rendered by the target's family (text
+    families through the tokenizer's chat template, a multimodal one through its processor,
+    each prompt carrying `mm_inputs`), each at most `max_model_len - 2` tokens."""
+    return load_prompts(
+        cfg.prompts,
+        cfg.prompts_split,
+        cfg.num_prompts,
+        family_spec(target.info.family),
+        target_path,
+        cfg.max_model_len - 2,
+    )
+
+
 def spec_decoder(cfg: InferConfig, target, drafter, tokenizer) -> SpecDecoder:
     """The speculative decoder the runner's config describes (`run_eval`, the suites)."""
     return SpecDecoder(
@@ -270,16 +284,7 @@ def run_eval(cfg: InferConfig) -> RunReport:
     spec.check_k(arch, cfg.k)
     drafter = load_served_drafter(cfg, target, device, dtype)
     serving_transforms(cfg, target, drafter, device)
-    # The target family renders the prompts: text families through the tokenizer's chat
-    # template, a multimodal one through its processor (each prompt carrying `mm_inputs`).
-    loaded, tokenizer = load_prompts(
-        cfg.prompts,
-        cfg.prompts_split,
-        cfg.num_prompts,
-        family_spec(target.info.family),
-        target_path,
-        cfg.max_model_len - 2,
-    )
+    loaded, tokenizer = runner_prompts(cfg, target, target_path)
     prompts = [p.ids for p in loaded]
     mm = [p.mm_inputs for p in loaded]
     eos = list(target.config.eos_token_ids)
