@@ -83,6 +83,7 @@ def test_every_kind_but_mtp_pairs_with_the_moe_families():
         assert {"eagle3", "ptd", "dflash"} <= set(kinds_for_family(family))
 
 
+@pytest.mark.slow  # trains a drafter per pair (shared with the preset goldens)
 @pytest.mark.parametrize("family, kind", PAIRS)
 def test_t1_lossless_greedy_on_the_moe_zoo_target(moe_pair_run, targets, family, kind):
     summary = moe_pair_run(family, kind)
