@@ -65,7 +65,15 @@ def fill_poison(t: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def poisoned_empty():
-    """Within the block, `torch.empty` and `torch.empty_like` return poisoned memory."""
+    """Within the block, `torch.empty` and `torch.empty_like` return poisoned memory.
+
+    Dynamo's table of torch functions is built once, from the `torch` namespace as it is at
+    its first use: built inside the block it would hold the wrappers, and a later compile in
+    the same process would refuse the real `torch.empty_like` (a graph break). It is built
+    here, before the swap."""
+    import torch._dynamo.trace_rules as trace_rules
+
+    trace_rules.get_torch_obj_rule_map()
     real_empty, real_empty_like = torch.empty, torch.empty_like
 
     def empty(*args, **kwargs):
