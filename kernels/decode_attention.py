@@ -1,7 +1,8 @@
 """Attention of a few query slots per row over the static KV cache (decode, verify, drafting).
 
     decode_attention(q [B, T, nh, D], k_cache [MB, ML + 1, nkv, D], v_cache, rows [B] int64,
-                     mask [B, 1, T * g, L] bool, attn_len L) -> o [B, T, nh, D] (q's dtype)
+                     mask [B, 1, T * g, L] bool, attn_len L, sinks [nh] fp32 | None)
+        -> o [B, T, nh, D] (q's dtype)
 
 The arguments are `draftinfer.models.kv_cache.cached_attention`'s after its cache write: query slot
 `(b, t)`, head `h` reads cache row `rows[b]`, indices `0..L-1` of KV head `h // g` (`g = nh //
@@ -20,6 +21,10 @@ eight KV heads) pass 1 normalises and writes the output itself and pass 2 is not
 (on an H100, 0.9-4 us less a call there, `docs/results.md`). The cache is read in place
 through `rows` (no gather of the row's prefix, at any batch). Under programmatic dependent
 launch (`runtime.pdl`, off by default) both passes wait for the kernels before them first.
+
+Attention sinks (gpt-oss: `sinks`, one logit per query head that joins the softmax and carries
+no value) enter where the splits are merged: as one more split with maximum `sink * log2(e)`,
+sum 1 and a zero output (in pass 2, or in pass 1's normalisation where there is one split).
 
 Softmax in base 2 with the scale folded into the scores, fp32 statistics and accumulator, `p`
 cast to V's dtype for the second product (as flash attention does). A split whose keys are
@@ -98,6 +103,8 @@ if triton_available():
         so_h,
         DIRECT: tl.constexpr,  # one split: normalise and write o (no pass 2, no workspace)
         PDL: tl.constexpr = False,  # programmatic dependent launch (`runtime.pdl_enter`)
+        sink_ptr=None,  # [nh] fp32 sink logits (SINKS)
+        SINKS: tl.constexpr = False,
     ):
         pdl_enter(PDL)
         pid = tl.program_id(0)
@@ -150,6 +157,11 @@ if triton_available():
             acc = acc * alpha[:, None] + pv
             m_i = m_new
         if DIRECT:
+            if SINKS:  # the sink: one more term of the sum, with no value
+                sk = tl.load(sink_ptr + head, mask=rows_ok, other=0.0) * 1.4426950408889634
+                m_s = tl.maximum(m_i, sk)
+                l_i = l_i * tl.exp2(m_i - m_s) + tl.exp2(sk - m_s)
+                acc = acc * tl.exp2(m_i - m_s)[:, None]
             # Every row sees cache index 0, so l_i > 0 for every real row.
             out = acc / tl.where(rows_ok, l_i, 1.0)[:, None]
             tl.store(
@@ -179,6 +191,8 @@ if triton_available():
         BLOCK_M: tl.constexpr,
         BLOCK_S: tl.constexpr,
         PDL: tl.constexpr = False,
+        sink_ptr=None,  # [nh] fp32 sink logits (SINKS)
+        SINKS: tl.constexpr = False,
     ):
         pdl_enter(PDL)
         pid = tl.program_id(0)
@@ -193,10 +207,17 @@ if triton_available():
         l_s = tl.load(l_ptr + ws, mask=ok, other=0.0)
         # Every row sees cache index 0, so some split holds a finite max; empty splits and
         # the lanes past NS weigh exp2(-1e30 - max) = 0.
-        w = tl.exp2(m_s - tl.max(m_s, 0))
-        a = tl.load(acc_ptr + ws[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-        out = tl.sum(a * w[:, None], 0) / tl.sum(l_s * w, 0)
         head = h * G + r % G
+        m_max = tl.max(m_s, 0)
+        if SINKS:  # the sink: one more split with maximum `sink * log2(e)`, sum 1, no value
+            sk = tl.load(sink_ptr + head) * 1.4426950408889634
+            m_max = tl.maximum(m_max, sk)
+        w = tl.exp2(m_s - m_max)
+        a = tl.load(acc_ptr + ws[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+        den = tl.sum(l_s * w, 0)
+        if SINKS:
+            den += tl.exp2(sk - m_max)
+        out = tl.sum(a * w[:, None], 0) / den
         tl.store(
             o_ptr + b * so_b + (r // G) * so_t + head * so_h + d, out.to(o_ptr.dtype.element_ty)
         )
@@ -209,6 +230,7 @@ def decode_attention_ref(
     rows: torch.Tensor,
     mask: torch.Tensor,
     attn_len: int,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure-torch reference (module docstring), fp32 maths -> q's dtype."""
     B, T, nh, d = q.shape
@@ -219,7 +241,12 @@ def decode_attention_ref(
     qf = q.float().view(B, T, nkv, g, d).permute(0, 2, 1, 3, 4).reshape(B, nkv, T * g, d)
     s = qf @ kc.transpose(-1, -2) / math.sqrt(d)  # [B, nkv, T * g, L]
     s = s.masked_fill(~mask, float("-inf"))
-    o = torch.softmax(s, dim=-1) @ vc  # [B, nkv, T * g, D]
+    if sinks is not None:  # one more column of the softmax, dropped before the product with V
+        sink = sinks.float().view(1, nkv, 1, g, 1).expand(B, nkv, T, g, 1).reshape(B, nkv, -1, 1)
+        p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        p = torch.softmax(s, dim=-1)
+    o = p @ vc  # [B, nkv, T * g, D]
     return o.view(B, nkv, T, g, d).permute(0, 2, 1, 3, 4).reshape(B, T, nh, d).to(q.dtype)
 
 
@@ -256,7 +283,7 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _launch(q, k_cache, v_cache, rows, mask, attn_len: int) -> torch.Tensor:
+def _launch(q, k_cache, v_cache, rows, mask, attn_len: int, sinks=None) -> torch.Tensor:
     B, T, nh, d = q.shape
     nkv = k_cache.shape[2]
     g = nh // nkv
@@ -311,6 +338,8 @@ def _launch(q, k_cache, v_cache, rows, mask, attn_len: int) -> torch.Tensor:
         so_h=o.stride(2),
         DIRECT=direct,
         PDL=use_pdl,
+        sink_ptr=sinks,
+        SINKS=sinks is not None,
         launch_pdl=use_pdl,
     )
     if direct:
@@ -330,12 +359,14 @@ def _launch(q, k_cache, v_cache, rows, mask, attn_len: int) -> torch.Tensor:
         BLOCK_M=block_m,
         BLOCK_S=triton.next_power_of_2(ns),
         PDL=use_pdl,
+        sink_ptr=sinks,
+        SINKS=sinks is not None,
         launch_pdl=use_pdl,
     )
     return o
 
 
-def _check(q, k_cache, v_cache, rows, mask, attn_len: int) -> None:
+def _check(q, k_cache, v_cache, rows, mask, attn_len: int, sinks=None) -> None:
     if q.dim() != 4 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError("q must be [B, T, nh, D] and the caches [MB, ML + 1, nkv, D], alike")
     B, T, nh, d = q.shape
@@ -348,6 +379,8 @@ def _check(q, k_cache, v_cache, rows, mask, attn_len: int) -> None:
         raise ValueError(f"mask must be bool [{B}, 1, {T * (nh // nkv)}, {attn_len}]")
     if not 1 <= attn_len <= k_cache.shape[1]:
         raise ValueError(f"attn_len={attn_len} outside 1..{k_cache.shape[1]}")
+    if sinks is not None and (sinks.shape != (nh,) or sinks.dtype != torch.float32):
+        raise ValueError(f"sinks must be fp32 [{nh}]")
 
 
 @torch.library.custom_op("draftkernels::decode_attention", mutates_args=())
@@ -358,14 +391,16 @@ def decode_attention(
     rows: torch.Tensor,
     mask: torch.Tensor,
     attn_len: int,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See the module docstring: the kernel where `supports` says so, else the reference."""
-    _check(q, k_cache, v_cache, rows, mask, attn_len)
+    _check(q, k_cache, v_cache, rows, mask, attn_len, sinks)
     if not supports(q, k_cache):
-        return decode_attention_ref(q, k_cache, v_cache, rows, mask, attn_len)
-    return _launch(q, k_cache, v_cache, rows, mask, attn_len)
+        return decode_attention_ref(q, k_cache, v_cache, rows, mask, attn_len, sinks)
+    sinks = None if sinks is None else sinks.contiguous()
+    return _launch(q, k_cache, v_cache, rows, mask, attn_len, sinks)
 
 
 @decode_attention.register_fake
-def _(q, k_cache, v_cache, rows, mask, attn_len):
+def _(q, k_cache, v_cache, rows, mask, attn_len, sinks=None):
     return torch.empty_like(q)

@@ -30,8 +30,8 @@ Attention sinks (gpt-oss): every backend takes an optional `sinks [nh]` fp32, on
 per query head that joins the softmax and carries no value: `softmax([scores, sink])` with the
 sink's column dropped before the product with V (HF `eager_attention_forward` of gpt-oss).
 `sdpa` adds it exactly as an extra zero key/value column whose additive float-mask entry is the
-head's sink; `maths_decode` as a column of its explicit softmax; `split_kv` falls back to `sdpa`
-when sinks are given (the kernel has none yet).
+head's sink; `maths_decode` as a column of its explicit softmax; `split_kv`'s kernel as one more
+split when it merges its splits.
 """
 
 from __future__ import annotations
@@ -233,14 +233,12 @@ def cached_attention_split_kv(
     """`cached_attention` (same arguments) whose attention of a few query slots per row
     (decode, verify, drafting: `T * g <= 64`) on CUDA is `draftkernels.decode_attention`, a
     split-KV Triton kernel reading the cache in place; prefill chunks and the CPU run SDPA.
-    A sliding window is only a mask, which the kernel reads like any other."""
-    # Sinks: the kernel has no sink column yet, so a layer with sinks (gpt-oss) runs SDPA with
-    # the exact extra column (`sink_column`). Kernel support (the `o * sigmoid(lse - sink)`
-    # fix-up of its merged output) is later GPU work.
-    if sinks is not None or not (q.is_cuda and split_kv.TRITON and split_kv.fits(q, k_cache)):
+    A sliding window is only a mask, which the kernel reads like any other; sinks (gpt-oss)
+    join the kernel's merge of its key splits."""
+    if not (q.is_cuda and split_kv.TRITON and split_kv.fits(q, k_cache)):
         return cached_attention(q, k, v, k_cache, v_cache, rows, write_pos, mask, attn_len, sinks)
     write_cache(k, v, k_cache, v_cache, rows, write_pos)
-    return split_kv.decode_attention(q, k_cache, v_cache, rows, mask, attn_len)
+    return split_kv.decode_attention(q, k_cache, v_cache, rows, mask, attn_len, sinks)
 
 
 # attention(q, k, v, k_cache, v_cache, rows, write_pos, mask, attn_len, sinks=None)

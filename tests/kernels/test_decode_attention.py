@@ -78,6 +78,33 @@ def test_sliding_window_is_a_mask_the_kernel_reads(window, poison_empty):  # noq
     torch.testing.assert_close(got.float(), want.float(), atol=TOL, rtol=TOL)
 
 
+@pytest.mark.parametrize("splits", ["one", "many"])
+@pytest.mark.parametrize("window", [None, 7])
+def test_sinks_join_the_merge_as_sdpa_takes_them(splits, window, monkeypatch, poison_empty):  # noqa: F811
+    """gpt-oss's attention sinks (a logit per query head in the softmax, no value): kernel ==
+    reference == SDPA with the exact extra zero key/value column (`cached_attention` with
+    `sinks`, the path pinned against transformers' gpt-oss), with one split (pass 1
+    normalises) and several (pass 2 merges), with and without a window; large sinks too, so
+    the sink dominates some rows."""
+    if splits == "one":
+        monkeypatch.setattr(da, "TARGET_PROGRAMS", 1)
+    q, k, v, kc, vc, rows, wpos, mask, L = case(3, 5, 8, 2, 32, 400, 333, seed=6, window=window)
+    g = torch.Generator().manual_seed(7)
+    sinks = (torch.randn(8, generator=g) * 3).to(DEVICE)  # fp32, some heads far above scores
+    assert (da.split_plan(3 * 2, L)[1] == 1) == (splits == "one")
+    want = cached_attention(q, k, v, kc.clone(), vc.clone(), rows, wpos, mask, L, sinks)
+    kc2, vc2 = kc.clone(), vc.clone()
+    write_cache(k, v, kc2, vc2, rows, wpos)
+    ref = da.decode_attention_ref(q, kc2, vc2, rows, mask, L, sinks)
+    got = da.decode_attention(q, kc2, vc2, rows, mask, L, sinks)
+    torch.testing.assert_close(ref.float(), want.float(), atol=TOL, rtol=TOL)
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL, rtol=TOL)
+    plain = da.decode_attention(q, kc2, vc2, rows, mask, L)
+    assert (plain.float() - got.float()).abs().max() > 10 * TOL  # the sinks changed the output
+    with pytest.raises(ValueError, match="sinks"):
+        da.decode_attention(q, kc2, vc2, rows, mask, L, sinks.half())
+
+
 def test_one_split_equals_many(monkeypatch):
     """The split merge is exact up to rounding: one program per KV head gives the same."""
     args = case(2, 3, 8, 2, 64, 400, 390, seed=3)
