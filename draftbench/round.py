@@ -262,7 +262,8 @@ def breakdown_ms(dec, target, k: int, context: int, profile: int = 0) -> dict:
     target's verify forward over K+1 slots and a one-slot forward through the same compiled
     function, and the proposer's `propose` on the decoder's last first pass. `profile` > 0:
     also the top device kernels of verify and propose per call (`profile` graph replays under
-    torch.profiler), as `kernels_verify` / `kernels_propose`."""
+    torch.profiler), as `kernels_verify` / `kernels_one_slot` (a plain step's kernels) /
+    `kernels_propose`."""
     from draftbench.decode_peer import kernel_table
     from draftbench.timing import captured, graph_ms
     from draftinfer.conventions.slots import attn_bucket
@@ -283,9 +284,9 @@ def breakdown_ms(dec, target, k: int, context: int, profile: int = 0) -> dict:
             )
 
         out[f"t_{name}_ms"] = round(graph_ms(fwd), 4)
-        if profile and name == "verify":
+        if profile:
             g = captured(fwd)
-            out["kernels_verify"] = kernel_table(dev, profile, lambda s, g=g: g.replay())
+            out[f"kernels_{name}"] = kernel_table(dev, profile, lambda s, g=g: g.replay())
     fp = dec.fp
     num = torch.full((B,), k, dtype=torch.long, device=dev)
 

@@ -17,7 +17,7 @@ biases `gate_up_proj_bias [E, 2I]`, `down_proj_bias [E, H]`. The activation maps
 gate/up columns to `I`: `SiluGLU` (gate, then up halves) or `ClampedSwiGLU` (gpt-oss:
 interleaved columns, clamped).
 
-Three computations with one signature `(x [N, H], weights [N, k], experts [N, k], w1 [E, H,
+Four computations with one signature `(x [N, H], weights [N, k], experts [N, k], w1 [E, H,
 2I], b1 [E, 2I] | None, w2 [E, I, H], b2 [E, H] | None, act) -> [N, H]` (`w1`/`w2` are views
 in the `x @ W` layout whatever the parameters' layout):
 
@@ -29,12 +29,15 @@ in the `x @ W` layout whatever the parameters' layout):
   gathered by index and two einsums (a one-token decode step: no sort, no offsets; compiled,
   the gather fuses into the GEMV and reads exactly `k` experts);
 - `experts_reference`: dense, each expert over every token, masked by the route; the test
-  oracle and the fallback where neither of the others applies.
+  oracle and the fallback where none of the others applies;
+- `experts_kernel`: the Triton kernel `draftkernels.moe_experts` (CUDA, up to 16 tokens):
+  rows sorted by expert on the device, each touched expert's weights streamed once for all
+  its rows, the activation and the route weight as the launches' epilogues.
 
 No host-device sync anywhere (no `.item()`, `nonzero`, boolean indexing or data-dependent
 shape): every shape follows from `N`, `k`, `E`, so a round with MoE layers stays capturable in
 a CUDA graph. `Experts.forward` picks the computation from shapes and dtypes alone:
-`experts_gather` for at most `GATHER_MAX_TOKENS` tokens over `x @ W`-layout weights,
+the kernel where it runs, else `experts_gather` for at most `GATHER_MAX_TOKENS` tokens over `x @ W`-layout weights,
 `experts_grouped` where `grouped_mm_supported` says the device and dtype take `F.grouped_mm`,
 `experts_reference` otherwise (`choose_path`).
 """
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import draftkernels.moe_experts as moe_kernel
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -93,6 +97,10 @@ class SiluGLU(nn.Module):
     """SwiGLU on `[..., 2I]` whose first half is the gate, the second the up projection:
     `silu(gate) * up` (Qwen3-MoE's experts, HF `chunk(2, dim=-1)`)."""
 
+    def kernel_spec(self) -> tuple[bool, int, float, float]:
+        """(interleaved, act, alpha, limit) as `draftkernels.moe_experts` takes them."""
+        return False, 0, 0.0, 0.0
+
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
@@ -112,6 +120,10 @@ class ClampedSwiGLU(nn.Module):
         gate = gate.clamp(max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def kernel_spec(self) -> tuple[bool, int, float, float]:
+        """(interleaved, act, alpha, limit) as `draftkernels.moe_experts` takes them."""
+        return True, 1, float(self.alpha), float(self.limit)
 
     def extra_repr(self) -> str:
         return f"alpha={self.alpha}, limit={self.limit}"
@@ -169,6 +181,38 @@ def experts_gather(
     if b2 is not None:
         y = y + b2[experts]
     return (y * weights[..., None]).sum(1)
+
+
+def experts_kernel(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    w1: torch.Tensor,
+    b1: torch.Tensor | None,
+    w2: torch.Tensor,
+    b2: torch.Tensor | None,
+    act: Activation,
+) -> torch.Tensor:
+    """The Triton kernel `draftkernels.moe_experts` (two weight-streaming launches; each
+    touched expert read once for all its rows), for activations that name their kernel form
+    (`kernel_spec`). `w1`/`w2` go in as the `x @ W` views, the kernel reading them through
+    their strides (no copy). -> `[N, H]`."""
+    interleaved, code, alpha, limit = act.kernel_spec()
+    rows = moe_kernel.moe_experts(
+        x, weights, experts, w1, b1, w2, b2, True, interleaved, code, alpha, limit
+    )
+    return rows.sum(1)  # outside the op: compiled, fused into the residual add
+
+
+def kernel_supported(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, act: Activation) -> bool:
+    """Whether `experts_kernel` runs natively for these operands (shapes, dtypes, device:
+    CUDA only; the CPU interpreter is for the kernel's own tests, not the runner) and `act`."""
+    return (
+        x.is_cuda
+        and moe_kernel.TRITON
+        and hasattr(act, "kernel_spec")
+        and moe_kernel.fits(x, w1, w2)
+    )
 
 
 def expert_offsets(sorted_experts: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -242,17 +286,20 @@ def grouped_mm_supported(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) ->
     return all(n * size % 16 == 0 for n in (H, two_i, two_i // 2))
 
 
-def choose_path(tokens: int, x_at_w: bool, grouped_ok: bool) -> str:
-    """The computation `Experts.forward` runs for `tokens` rows (module docstring):
+def choose_path(tokens: int, x_at_w: bool, grouped_ok: bool, kernel_ok: bool = False) -> str:
+    """The computation `Experts.forward` runs for `tokens` rows (module docstring): the
+    kernel wherever `kernel_supported` (CUDA, at most `moe_kernel.MAX_TOKENS` tokens); else
     `experts_gather` for a one-token step over weights stored in the `x @ W` layout (gpt-oss),
     the grouped products wherever `grouped_mm_supported`, the gather for one token otherwise,
     the reference for the rest.
 
-    Weights stored as `[E, 2I, H]` (Qwen3-MoE) take the grouped products even for one token:
-    at Qwen3-30B-A3B's shapes on an H200 the gather path's one-token step took 16.2 ms while a
-    whole ptd round at K=3, its verify pass of 4 rows through the grouped products included,
-    took 6.3 ms (docs/results.md, "MoE targets", 2026-11-29); the gather of a transposed view
-    is a transposing copy of each routed expert."""
+    Without the kernel, weights stored as `[E, 2I, H]` (Qwen3-MoE) take the grouped products
+    even for one token: at Qwen3-30B-A3B's shapes on an H200 the gather path's one-token step
+    took 16.2 ms while a whole ptd round at K=3, its verify pass of 4 rows through the grouped
+    products included, took 6.3 ms (docs/results.md, "MoE targets", 2026-11-29); the gather of
+    a transposed view is a transposing copy of each routed expert."""
+    if kernel_ok and tokens <= moe_kernel.MAX_TOKENS:
+        return "kernel"
     if tokens <= GATHER_MAX_TOKENS and x_at_w:
         return "gather"
     if grouped_ok:
@@ -265,6 +312,7 @@ EXPERTS: dict[str, ExpertsFn] = {
     "grouped": experts_grouped,
     "gather": experts_gather,
     "reference": experts_reference,
+    "kernel": experts_kernel,
 }
 
 
@@ -313,7 +361,12 @@ class Experts(nn.Module):
         experts: torch.Tensor,  # [N, k] int64
     ) -> torch.Tensor:
         w1, w2 = self.mats()
-        path = self.path or choose_path(x.shape[0], self.x_at_w, grouped_mm_supported(x, w1, w2))
+        path = self.path or choose_path(
+            x.shape[0],
+            self.x_at_w,
+            grouped_mm_supported(x, w1, w2),
+            kernel_supported(x, w1, w2, self.act),
+        )
         fn = EXPERTS[path]
         return fn(
             x, weights, experts, w1, self.gate_up_proj_bias, w2, self.down_proj_bias, self.act
