@@ -214,17 +214,17 @@ def zoo_run(tmp_path_factory):
 @pytest.fixture(scope="session")
 def preset_run(tmp_path_factory):
     """`preset_run(name)` -> the job summary of CPU preset `name`'s shortened recipe
-    (`tests.support.presets.SHORT_RECIPE`), run once per session with one intra-op thread for
+    (`tests.support.presets.short_recipe`), run once per session with one intra-op thread for
     the whole job (training, export and the runner's check), so its numbers are deterministic."""
     from draftinfer.evaluation.threads import torch_threads
     from drafttrain.jobs.job import run_job
-    from tests.support.presets import SHORT_RECIPE, compose_preset
+    from tests.support.presets import compose_preset, short_recipe
     from tests.support.shared_runs import shared_run
 
     runs: dict[str, dict] = {}
 
     def build(name: str, out) -> dict:
-        cfg = compose_preset(name, [f"output_dir={out}", *SHORT_RECIPE])
+        cfg = compose_preset(name, [f"output_dir={out}", *short_recipe(name)])
         with torch_threads(1):
             return run_job(cfg)
 

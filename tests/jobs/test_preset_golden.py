@@ -3,8 +3,8 @@
 A text preset (eagle3, ptd_eagle3, mtp3) is pinned through its kind's zoo recipe, the preset
 shortened (`tests/conftest.py::zoo_run`, golden values `tests/golden/<kind>.json`, checked in
 `tests/jobs/test_zoo_e2e.py`). Every other CPU preset (the Qwen3-VL ones) runs its shortened
-recipe here (`tests.support.presets.SHORT_RECIPE`: 120 steps, about a minute each on two idle
-cores; a full preset is 600 to 1200 steps and 5 min) with one intra-op thread for the whole job,
+recipe here (`tests.support.presets.short_recipe`: 120 steps, 60 for the MoE presets, about a
+minute each on two idle cores; a full preset is 600 to 1200 steps and 5 min) with one intra-op thread for the whole job,
 and its per-step losses and runner AL are compared with `tests/golden/presets/<preset>.json`:
 a drop of more than 0.05 in AL fails. Its export is then read by the independent engine
 readers of its kind, grepped for machine paths, and, where its kind has a speculators layout,
