@@ -7,6 +7,7 @@ tokens), correctness first.
 
     python -m draftbench.moe_experts --out docs/results/$(date +%F)_h200_moe_experts.json
     python -m draftbench.moe_experts --sweep ...   # also time configs, print the TABLE literal
+    python -m draftbench.moe_experts --router ...  # the router kernel against the unfused router
 
 Each time is one call with a cold L2: the graph cycles through copies of the layer's experts
 (a decode step reads each layer's once), replayed from a CUDA graph, median, microseconds.
@@ -179,11 +180,55 @@ def bench_shape(
     return rows, table
 
 
+# Router shapes: hidden, experts, top-k, rule (0: gpt-oss's, with bias; 1: Qwen3-MoE's).
+ROUTERS = {"gpt-oss-20b": (2880, 32, 4, 0), "qwen3-30b-a3b": (2048, 128, 8, 1)}
+ROUTER_COPIES = 48  # one per layer of a step, cycled: the weights leave L2 between visits
+
+
+@torch.no_grad()
+def bench_router(name: str, device, tokens) -> list[dict]:
+    """The one-launch router kernel (`draftkernels.moe_router`) against the unfused router
+    compiled (`F.linear`, `topk`, `softmax`: what a compiled step runs without it), us a call,
+    cold-ish (`ROUTER_COPIES` routers cycled), correctness first (same experts)."""
+    import draftinfer.models.moe as moe
+
+    H, E, k, rule = ROUTERS[name]
+    routers = []
+    for i in range(ROUTER_COPIES):
+        r = moe.TopKSoftmaxRouter(H, E, k) if rule == 0 else moe.SoftmaxTopKRouter(H, E, k, True)
+        r = r.to(device, torch.bfloat16)
+        g = torch.Generator(device=device).manual_seed(i)
+        for p in r.parameters():
+            p.copy_(torch.randn(p.shape, device=device, generator=g) * 0.02)
+        routers.append(r)
+    rows = []
+    for N in tokens:
+        x = torch.randn(N, H, device=device, dtype=torch.bfloat16)
+        moe.ROUTER_KERNEL = False
+        fn = torch.compile(lambda r, x: r(x), dynamic=False)  # one graph, routers as inputs
+        want = [fn(r, x) for r in routers]
+        t_unfused = cold_us([lambda r=r, x=x, fn=fn: fn(r, x) for r in routers])
+        moe.ROUTER_KERNEL = True
+        try:
+            got = [r(x) for r in routers]
+            t_kernel = cold_us([lambda r=r, x=x: r(x) for r in routers])
+        finally:
+            moe.ROUTER_KERNEL = False
+        same = all(torch.equal(g[1], w[1]) for g, w in zip(got, want))
+        err = max((g[0].float() - w[0].float()).abs().max().item() for g, w in zip(got, want))
+        row = {"router": name, "N": N, "same_experts": same, "max_weight_err": err}
+        row.update(unfused_us=t_unfused, kernel_us=t_kernel)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    ap.add_argument("--router", action="store_true", help="time the router kernel only")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     tokens = tuple(int(t) for t in a.tokens.split(","))
@@ -191,6 +236,15 @@ def main() -> int:
         print("moe_experts bench: CUDA is not available; nothing timed")
         return 0
     device = torch.device("cuda")
+    if a.router:
+        rows = []
+        for name in a.shapes.split(","):
+            rows += bench_router(name, device, tokens)
+        cols = [("router", 14), ("N", 3), ("same_experts", 13), ("unfused_us", 11)]
+        print_table(rows, [*cols, ("kernel_us", 10)])
+        if a.out:
+            Path(a.out).write_text(json.dumps({"router": rows}, indent=1))
+        return 0
     bw = copy_bandwidth(device, 1 << 30)
     rows, table = [], {}
     for name in a.shapes.split(","):

@@ -47,14 +47,30 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import draftkernels.moe_experts as moe_kernel
+import draftkernels.moe_router as router_kernel
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# Whether the routers run as the one-launch Triton kernel `draftkernels.moe_router` on CUDA
+# (`router_kernel_ok`); `draftbench.moe_experts --router` times it against the unfused router.
+ROUTER_KERNEL = False
 
 # Tokens up to which `Experts.forward` gathers each token's experts (`experts_gather`) instead
 # of grouping rows by expert: a one-token decode step. Above it the grouped products read each
 # touched expert once.
 GATHER_MAX_TOKENS = 1
+
+
+def router_kernel_ok(x: torch.Tensor, weight: torch.Tensor, top_k: int) -> bool:
+    """Whether a router takes `draftkernels.moe_router` for `x`: `ROUTER_KERNEL` on, CUDA, and
+    the kernel `fits` (shapes and dtypes only: decided at trace time)."""
+    return (
+        ROUTER_KERNEL
+        and x.is_cuda
+        and router_kernel.TRITON
+        and router_kernel.fits(x, weight, top_k)
+    )
 
 
 class TopKSoftmaxRouter(nn.Module):
@@ -69,6 +85,8 @@ class TopKSoftmaxRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x `[N, H]` -> (weights `[N, k]` in x's dtype, experts `[N, k]` int64)."""
+        if router_kernel_ok(x, self.weight, self.top_k):
+            return router_kernel.moe_route(x, self.weight, self.bias, self.top_k, 0, False)
         logits = F.linear(x, self.weight, self.bias)  # [N, E]
         top, experts = torch.topk(logits, self.top_k, dim=-1)
         return torch.softmax(top, dim=-1), experts
@@ -85,6 +103,8 @@ class SoftmaxTopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x `[N, H]` -> (weights `[N, k]` in x's dtype, experts `[N, k]` int64)."""
+        if router_kernel_ok(x, self.weight, self.top_k):
+            return router_kernel.moe_route(x, self.weight, None, self.top_k, 1, self.norm_topk_prob)
         logits = F.linear(x, self.weight)  # [N, E]
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top, experts = torch.topk(probs, self.top_k, dim=-1)
