@@ -37,20 +37,11 @@ import torch
 
 
 def walk(a: list[int], n: int, stopped: bool) -> list[int]:
-    """The accepted counts of the runner's rounds over a continuation of `n` tokens whose round
-    started after token `s` accepts `a[s]` drafts: the first token comes from the prefill,
-    each round then adds its accepted drafts and one token of the target's. At the end, as
-    the runner counts (`SpecDecoder`: a round's accepted drafts before its stop check, as
-    vLLM's spec-decode metrics count them): the round that reaches a continuation's
-    end-of-sequence (`stopped`) keeps its whole count, drafts accepted past that token
-    included; a continuation cut by the token budget has its last rounds' drafts capped by
-    what the budget leaves after the target's token."""
-    out, s = [], 0
-    while s < n - 1:
-        acc = a[s] if stopped else min(a[s], n - 2 - s)
-        out.append(acc)
-        s += acc + 1
-    return out
+    """The runner's rounds over a continuation of `n` tokens whose round started after token
+    `s` accepts `a[s]` drafts (`draftinfer.conventions.metrics.walk_rounds`)."""
+    from draftinfer.conventions.metrics import walk_rounds
+
+    return walk_rounds(lambda s: a[s], n, stopped)
 
 
 def per_position(accepted: list[int], k: int) -> list[float]:

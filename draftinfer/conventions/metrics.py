@@ -15,7 +15,7 @@ and model cards.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 def acceptance_length(accepted: Sequence[int]) -> float:
@@ -23,6 +23,26 @@ def acceptance_length(accepted: Sequence[int]) -> float:
     if len(accepted) == 0:
         return float("nan")
     return sum(a + 1 for a in accepted) / len(accepted)
+
+
+def walk_rounds(accepted_after: Callable[[int], int], n: int, stopped: bool) -> list[int]:
+    """The accepted counts of the runner's rounds over a greedy continuation of `n` tokens,
+    from `accepted_after(s)`: the drafts a round started after continuation token `s`
+    accepts (token 0 comes from the prefill; each round then adds its accepted drafts and one
+    token of the target's, so the next round starts `a + 1` tokens later). At the end, as the
+    runner counts (`SpecDecoder`: a round's accepted drafts before its stop check, as vLLM's
+    spec-decode metrics count them): the round that reaches the continuation's end-of-sequence
+    (`stopped`) keeps its whole count, drafts accepted past that token included; a
+    continuation cut by the token budget has its last rounds' drafts capped by what the
+    budget leaves after the target's token. The training-time walk AL
+    (`drafttrain.jobs.walk_al`) and `draftbench.al_gap` replay the runner's walk with it."""
+    out, s = [], 0
+    while s < n - 1:
+        a = accepted_after(s)
+        acc = a if stopped else min(a, n - 2 - s)
+        out.append(acc)
+        s += acc + 1
+    return out
 
 
 def macro_acceptance_length(accepted_by_request: Sequence[Sequence[int]]) -> float:

@@ -201,6 +201,10 @@ class RunnerEvalConfig:
     k: int | None = None
     batch_size: int = 8
     temperature: float = 0.0
+    # At the end of training: the runner's walk replayed with the trainer's own forward over
+    # the runner check's prompts and the target's greedy continuations (`sim_walk_al` in the
+    # summary beside the runner's AL; `drafttrain.jobs.walk_al`). Independent of every_n_steps.
+    walk: bool = True
 
 
 @dataclass

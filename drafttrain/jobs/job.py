@@ -21,6 +21,7 @@ from drafttrain.export.card import RUNNER_PLOT, RUNNER_REPORT, runner_reports, w
 from drafttrain.export.directory import export_run
 from drafttrain.jobs.config import TrainConfig, check_train_config
 from drafttrain.jobs.errors import ConfigError
+from drafttrain.jobs.runner_eval import verify_config
 from drafttrain.jobs.train import train
 
 
@@ -29,26 +30,18 @@ def verify(cfg: TrainConfig, export_dir: str | Path, k: int | None = None) -> Ru
     (`data.eval_split` of `data.eval_path`, default `data.path`) at `k` drafts per round
     (default `export.verify_k`): `runner_report.json` and `acceptance.png` for `verify_k`,
     `runner_report_k{K}.json` for other K."""
-    from draftinfer.evaluation.config import InferConfig
     from draftinfer.evaluation.run import format_report, run_eval
 
     export_dir = Path(export_dir)
     e = cfg.export
     k = e.verify_k if k is None else k
     name = RUNNER_REPORT if k == e.verify_k else f"runner_report_k{k}.json"
-    icfg = InferConfig(
-        drafter=str(export_dir),
-        target=cfg.target.name_or_path,
-        prompts=cfg.data.eval_path or cfg.data.path,
-        prompts_split=cfg.data.eval_split or cfg.data.split,
-        num_prompts=e.verify_prompts,
-        k=k,
-        max_new_tokens=e.verify_max_new_tokens,
-        batch_size=e.verify_batch_size,
-        max_model_len=min(2048, cfg.data.max_length + e.verify_max_new_tokens + 8),
+    icfg = verify_config(
+        cfg,
+        export_dir,
+        k,
         report=str(export_dir / name),
         plot=str(export_dir / RUNNER_PLOT) if k == e.verify_k else "none",
-        progress=cfg.trainer.progress,
     )
     report = run_eval(icfg)
     print(format_report(report))
@@ -90,6 +83,13 @@ def _run_job(cfg: TrainConfig) -> dict[str, Any]:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()  # training's memory is released: train() returned
             summary["runner"] = verify(cfg, export_dir)
+            if isinstance(summary.get("sim_walk_al"), float):
+                al = summary["runner"].acceptance_length
+                summary["walk_gap"] = summary["sim_walk_al"] - al
+                print(
+                    f"training-time walk AL {summary['sim_walk_al']:.3f} vs the runner's "
+                    f"{al:.3f} (gap {summary['walk_gap']:+.3f})"
+                )
             for k in cfg.export.verify_extra_k:
                 if k != cfg.export.verify_k:
                     verify(cfg, export_dir, k)

@@ -41,6 +41,29 @@ from drafttrain.trainer.loop import LoopHook
 RUNNER_EVAL_FILE = "runner_eval.json"
 
 
+def verify_config(cfg: TrainConfig, export_dir: str | Path, k: int | None = None, **over):
+    """The `draftinfer` config of the job's runner check (`drafttrain.jobs.job.verify`) of the
+    drafter in `export_dir` at `k` drafts a round (default `export.verify_k`): the held-out
+    prompts (`data.eval_split` of `data.eval_path`, default `data.path`), `export.verify_*`
+    counts; `over` replaces fields (report, plot, ...)."""
+    from draftinfer.evaluation.config import InferConfig
+
+    e = cfg.export
+    fields = dict(
+        drafter=str(export_dir),
+        target=cfg.target.name_or_path,
+        prompts=cfg.data.eval_path or cfg.data.path,
+        prompts_split=cfg.data.eval_split or cfg.data.split,
+        num_prompts=e.verify_prompts,
+        k=e.verify_k if k is None else k,
+        max_new_tokens=e.verify_max_new_tokens,
+        batch_size=e.verify_batch_size,
+        max_model_len=min(2048, cfg.data.max_length + e.verify_max_new_tokens + 8),
+        progress=cfg.trainer.progress,
+    )
+    return InferConfig(**{**fields, **over})
+
+
 def simulated_acceptance(accs: list[float], k: int) -> tuple[float, list[float]]:
     """(AL, per-position acceptance) of greedy drafting at `k` drafts from per-position top-1
     accuracies `accs` (position 1 first), positions independent: pos j = prod_{s<=j} acc_s and

@@ -138,6 +138,39 @@ def save_training_plot(run_dir: Path) -> Path | None:
     return out
 
 
+def final_walk(cfg: TrainConfig, objective, target, device, run_dir: Path, logger) -> dict:
+    """The training-time walk AL at the end of training (`drafttrain.jobs.walk_al`), over the
+    runner check's prompts and K: `walk_al.json`, the metrics log, and the summary keys
+    `sim_walk_*` (or `sim_walk_al`: the reason it was skipped)."""
+    from drafttrain.frozen.target import FrozenTarget
+    from drafttrain.jobs.runner_eval import verify_config
+    from drafttrain.jobs.walk_al import CONTINUATIONS_FILE, held_out_continuations, walk_al
+
+    if not hasattr(objective, "anchor_logits"):
+        return {"sim_walk_al": f"skipped: the {objective.__class__.__name__} has no anchor_logits"}
+    if not isinstance(target, FrozenTarget):
+        return {"sim_walk_al": "skipped: the features come from a cache (no live target)"}
+    icfg = verify_config(cfg, run_dir)
+    limit = objective.anchor_draft_limit() if hasattr(objective, "anchor_draft_limit") else None
+    if limit is not None and limit < icfg.k:
+        return {"sim_walk_al": f"skipped: K={icfg.k} drafts, the trainer's forward gives {limit}"}
+    seqs = held_out_continuations(icfg, device, icfg.k + 1, run_dir / CONTINUATIONS_FILE)
+    if isinstance(seqs, str):
+        return {"sim_walk_al": f"skipped: {seqs}"}
+    was_training = objective.drafter.training
+    objective.drafter.eval()
+    try:
+        out = walk_al(objective, target, seqs, icfg.k, device)
+    finally:
+        objective.drafter.train(was_training)
+    logger.log({k: v for k, v in out.items() if isinstance(v, float)}, cfg.trainer.max_steps)
+    (run_dir / "walk_al.json").write_text(json.dumps(out, indent=2) + "\n")
+    print(
+        f"training-time walk AL {out['sim_walk_al']:.3f} at K={icfg.k} ({out['sim_walk_rounds']} rounds)"
+    )
+    return out
+
+
 def train(cfg: TrainConfig, keep_logger: bool = False) -> dict[str, Any]:
     """Train (or resume) and checkpoint. Returns a summary dict (`run_dir`, losses, eval).
     `keep_logger=True` leaves the metric logger open in `summary["logger"]` (the job logs the
@@ -305,6 +338,8 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
         summary.update(ev)
     if runner is not None:
         summary.update(runner.finish(summary, run_dir, loop.seconds))
+    if cfg.eval.walk and main:
+        summary.update(final_walk(cfg, objective, target, device, run_dir, logger))
     if keep_logger:
         summary["logger"] = logger
     else:

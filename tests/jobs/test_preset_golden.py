@@ -61,6 +61,11 @@ def test_preset_golden_losses_and_acceptance(preset_run, preset):
     rep = summary["runner"]
     assert rep.lossless is True
     assert rep.acceptance_length >= AL_FLOOR, rep.acceptance_length
+    walk = summary["sim_walk_al"]
+    if isinstance(walk, str):  # image prompts: the walk does not feed images yet
+        assert walk.startswith("skipped: image prompts"), walk
+    else:  # the training-time walk AL predicts the runner's (drafttrain.jobs.walk_al)
+        assert abs(summary["walk_gap"]) <= 0.05, (walk, rep.acceptance_length)
     got = {
         "losses": [round(x, 5) for x in summary["losses"]],
         "acceptance_length": round(rep.acceptance_length, 4),

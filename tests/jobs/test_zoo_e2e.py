@@ -27,6 +27,7 @@ AL_DROP = 0.05  # the largest acceptance drop a change may cause silently
 # within 1e-5. The first TIGHT_STEPS steps are held to 2e-3 (a change of a loss's or recipe's
 # numerics shows from the first steps), the rest to 5e-2; the AL check below stays.
 TIGHT_STEPS, REL_TIGHT, REL_LATE = 48, 2e-3, 5e-2
+WALK_GAP = 0.05  # |training-time walk AL - the runner's AL|, drafttrain.jobs.walk_al
 
 
 @pytest.mark.parametrize("kind", registered_kinds())
@@ -43,6 +44,10 @@ def test_zoo_recipe_end_to_end(zoo_run, kind):
     assert card.startswith("---\nbase_model:") and "## Acceptance measured by the runner" in card
     assert f"| 3 | {rep.acceptance_length:.3f} |" in card
     assert (export / "acceptance.png").stat().st_size > 1000
+    # The training-time walk AL (the trainer's forward, replaying the runner's walk on the
+    # target's own continuations) predicts the runner's AL (issue 49: within 0.05).
+    assert abs(summary["walk_gap"]) <= WALK_GAP, (summary["sim_walk_al"], rep.acceptance_length)
+    assert json.loads((run_dir / "walk_al.json").read_text())["sim_walk_k"] == rep.k
 
 
 @pytest.mark.parametrize("kind", registered_kinds())

@@ -66,6 +66,11 @@ def _frozen(target_dir: str):
     return target_family(target_dir).target(cfg, torch.device("cpu"))
 
 
+def frozen_target(target_dir: str):
+    """The training target of `target_dir` (public name of `_frozen`)."""
+    return _frozen(target_dir)
+
+
 def randomized(d: torch.nn.Module) -> torch.nn.Module:
     """O(1) weights so comparisons are not trivially between tiny numbers; eval mode."""
     for p in d.parameters():

@@ -77,6 +77,11 @@ class MTPObjective:
         d = self.drafter
         return [d.logits(x) for x in self.module_normed(input_ids, features, rope_pos, n, mm)]
 
+    def anchor_draft_limit(self) -> int:
+        """The most drafts `anchor_logits` gives: one per module (the runner's K > N module
+        reuse, `step % N`, is not in the trainer's forward)."""
+        return self.drafter.config.n_predict
+
     def anchor_logits(self, ids, features, rope_pos, anchor: int, k: int, mm=None) -> torch.Tensor:
         """Module j's logits at row `anchor` for j < k: what the runner's draft step j gives
         after committed row `anchor` (S9). `[k, V]`"""
