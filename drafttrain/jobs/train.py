@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -150,6 +151,7 @@ def final_walk(cfg: TrainConfig, objective, target, device, run_dir: Path, logge
         return {"sim_walk_al": f"skipped: the {objective.__class__.__name__} has no anchor_logits"}
     if not isinstance(target, FrozenTarget):
         return {"sim_walk_al": "skipped: the features come from a cache (no live target)"}
+    t0 = time.perf_counter()
     icfg = verify_config(cfg, run_dir)
     limit = objective.anchor_draft_limit() if hasattr(objective, "anchor_draft_limit") else None
     if limit is not None and limit < icfg.k:
@@ -163,10 +165,12 @@ def final_walk(cfg: TrainConfig, objective, target, device, run_dir: Path, logge
         out = walk_al(objective, target, seqs, icfg.k, device)
     finally:
         objective.drafter.train(was_training)
+    out["sim_walk_total_seconds"] = round(time.perf_counter() - t0, 2)  # continuations included
     logger.log({k: v for k, v in out.items() if isinstance(v, float)}, cfg.trainer.max_steps)
     (run_dir / "walk_al.json").write_text(json.dumps(out, indent=2) + "\n")
     print(
-        f"training-time walk AL {out['sim_walk_al']:.3f} at K={icfg.k} ({out['sim_walk_rounds']} rounds)"
+        f"training-time walk AL {out['sim_walk_al']:.3f} at K={icfg.k} "
+        f"({out['sim_walk_rounds']} rounds, {out['sim_walk_total_seconds']} s)"
     )
     return out
 

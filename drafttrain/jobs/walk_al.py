@@ -20,6 +20,8 @@ as it walks, with the trainer's own forward:
    token, each round's drafts are the objective's `anchor_logits` after the committed row
    (the S9 contract: what the runner's K draft steps give), their argmax in the target's
    vocabulary, accepted while they equal the continuation; the next round starts after them.
+   Kinds whose training layout holds many anchors (`anchors_logits`: all four) score every
+   start in one forward per sequence and the walk reads them; else one forward a round.
 
 AL = 1 + the mean accepted drafts over rounds (the runner's micro AL). The multimodal
 targets' prompts carry images that this first version does not feed: it says so and skips.
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -96,11 +99,27 @@ def accepted_after(objective, vocab, ids, tgt, mm, P: int, toks: list[int], k: i
     return a
 
 
+def every_start(objective, vocab, ids, tgt, mm, P: int, toks: list[int], n: int, k: int):
+    """`accepted_after(s)` for every start s < n - 1 from one `anchors_logits` forward (the
+    kind's training layout holds many anchors at once) -> list of ints."""
+    starts = list(range(max(n - 1, 0)))
+    if not starts:
+        return []
+    logits = objective.anchors_logits(
+        ids, tgt.features, tgt.rope_pos, [P + s - 1 for s in starts], k, mm
+    )
+    drafts = vocab[logits.argmax(-1)]  # [A, k]
+    truth = torch.tensor([toks[s + 1 : s + 1 + k] for s in starts], device=drafts.device)
+    run = (drafts == truth).int().cumprod(1)  # the leading accepted run
+    return run.sum(1).tolist()
+
+
 @torch.no_grad()
 def walk_al(objective, target, seqs: list[dict[str, Any]], k: int, device) -> dict[str, Any]:
     """The runner's walk over `seqs` (`held_out_continuations`) at `k` drafts a round, each
     round's drafts from `objective.anchor_logits` over the frozen `target`'s features (module
     docstring) -> `{"sim_walk_al", "sim_walk_rounds", "sim_walk_pos_j"...}`."""
+    t0 = time.perf_counter()
     d = objective.drafter
     vocab = d.draft_vocab_ids().to(device)
     features = d.config.features
@@ -112,12 +131,18 @@ def walk_al(objective, target, seqs: list[dict[str, Any]], k: int, device) -> di
         pos = torch.arange(ids.shape[1], device=device)[None]
         batch = {"input_ids": ids, "attention_mask": ones, "loss_mask": ones, "position_ids": pos}
         tgt = target.batch_output(batch, features)
-        ctx = (objective, vocab, ids, tgt, TokenEmbeds.of(tgt), len(prompt), toks, k)
-        rounds += walk_rounds(partial(accepted_after, *ctx), n, seq["stopped"])
+        mm = TokenEmbeds.of(tgt)
+        if hasattr(objective, "anchors_logits"):  # every start in one forward, then the walk
+            a = every_start(objective, vocab, ids, tgt, mm, len(prompt), toks, n, k)
+            rounds += walk_rounds(a.__getitem__, n, seq["stopped"])
+        else:  # one forward per round
+            ctx = (objective, vocab, ids, tgt, mm, len(prompt), toks, k)
+            rounds += walk_rounds(partial(accepted_after, *ctx), n, seq["stopped"])
     out: dict[str, Any] = {
         "sim_walk_al": acceptance_length(rounds),
         "sim_walk_rounds": len(rounds),
         "sim_walk_k": k,
+        "sim_walk_seconds": round(time.perf_counter() - t0, 2),
     }
     for j in range(1, k + 1):
         out[f"sim_walk_pos_{j}"] = sum(a >= j for a in rounds) / max(len(rounds), 1)

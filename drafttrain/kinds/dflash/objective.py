@@ -166,15 +166,23 @@ class DFlashObjective:
         k + 1 slots as the runner drafts K = k, and (selector) the ground-truth predecessors
         `[k, V]` (S9). `mm` (a multimodal target's window) is not read: context rows are
         target features only and the block embeds text tokens."""
+        return self.anchors_logits(ids, features, rope_pos, [anchor], k, mm)[0]
+
+    def anchors_logits(self, ids, features, rope_pos, anchors: list[int], k: int, mm=None):
+        """`anchor_logits` of several anchors of one sequence in one forward (one block of
+        k + 1 slots per anchor, as training lays them out) `[A, k, V]`."""
         d = self.drafter
-        a = torch.tensor([[anchor + 1]], device=ids.device)
-        h = self.forward_blocks(ids, features, rope_pos, a, k + 1)[0, 0, 1:]  # [k, H]
+        a = torch.as_tensor(anchors, device=ids.device)[None] + 1
+        h = self.forward_blocks(ids, features, rope_pos, a, k + 1)[0, :, 1:]  # [A, k, H]
         logits = d.logits(h)
         sel = d.candidate_selector
         if sel is None:
             return logits
-        pred = ids[0, anchor + 1 : anchor + 1 + k]  # x_{a+s-1} for slot s
-        return selector_logits(sel, sel.hidden_projection(h), pred, logits)
+        pred = torch.stack([ids[0, x + 1 : x + 1 + k] for x in anchors])  # x_{a+s-1}, slot s
+        proj = sel.hidden_projection(h)
+        return torch.stack(
+            [selector_logits(sel, proj[i], pred[i], logits[i]) for i in range(len(anchors))]
+        )
 
     # -- the loss -----------------------------------------------------------------------------
     def __call__(

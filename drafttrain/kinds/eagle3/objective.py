@@ -169,7 +169,13 @@ class Eagle3Objective:
     ) -> torch.Tensor:
         """The logits training gives for the k drafts after committed row `anchor`
         `[k, Dd]` (S9: the runner's k chained draft steps must give the same)."""
-        return torch.stack([lg[0, anchor] for lg in self.unroll(ids, features, rope_pos, k, mm)])
+        return self.anchors_logits(ids, features, rope_pos, [anchor], k, mm)[0]
+
+    def anchors_logits(self, ids, features, rope_pos, anchors: list[int], k: int, mm=None):
+        """`anchor_logits` of several anchors of one sequence in one unroll `[A, k, Dd]`."""
+        idx = torch.as_tensor(anchors, device=ids.device)
+        steps = self.unroll(ids, features, rope_pos, k, mm)
+        return torch.stack([lg[0, idx] for lg in steps], 1)
 
     def __call__(
         self, batch: dict[str, torch.Tensor], tgt: TargetOutput

@@ -85,8 +85,13 @@ class MTPObjective:
     def anchor_logits(self, ids, features, rope_pos, anchor: int, k: int, mm=None) -> torch.Tensor:
         """Module j's logits at row `anchor` for j < k: what the runner's draft step j gives
         after committed row `anchor` (S9). `[k, V]`"""
+        return self.anchors_logits(ids, features, rope_pos, [anchor], k, mm)[0]
+
+    def anchors_logits(self, ids, features, rope_pos, anchors: list[int], k: int, mm=None):
+        """`anchor_logits` of several anchors of one sequence in one pass `[A, k, V]`."""
+        idx = torch.as_tensor(anchors, device=ids.device)
         logits = self.module_logits(ids, features, rope_pos, k, mm)
-        return torch.stack([lg[0, anchor] for lg in logits])
+        return torch.stack([lg[0, idx] for lg in logits], 1)
 
     def __call__(
         self, batch: dict[str, torch.Tensor], tgt: TargetOutput
