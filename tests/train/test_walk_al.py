@@ -60,3 +60,29 @@ def test_walk_replays_the_runners_rounds(kind_env, kind):
     got = walk_al(objective, frozen_target(zoo), seqs, k, torch.device("cpu"))
     assert got["sim_walk_rounds"] == len(runner_rounds)
     assert got["sim_walk_al"] == pytest.approx(1 + sum(runner_rounds) / len(runner_rounds))
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "ptd", "dflash", "mtp"])
+@pytest.mark.parametrize("k", [1, 3])
+def test_many_anchors_in_one_forward_equal_one_at_a_time(kind, k):
+    """`anchors_logits` (every start of a sequence in one forward of the training layout)
+    gives each anchor what `anchor_logits` of that anchor alone gives (S9's contract), k = 1
+    (no mask slots) included: anchors do not see each other."""
+    from drafttrain.registry import train_spec
+    from tests.support.kind_factories import small_drafter
+
+    d = small_drafter(kind)
+    spec = train_spec(kind)
+    obj = spec.objective(d, spec.config_class(), "eager")
+    T = 15
+    torch.manual_seed(4)
+    V = d.embed_tokens.weight.shape[0]
+    ids = torch.randint(0, V, (1, T))
+    feats = torch.randn(1, T, d.config.features.width(d.embed_tokens.weight.shape[1]))
+    pos = torch.arange(T)[None]
+    anchors = [0, 3, 4, 8, 10]  # distinct, as the walk's starts are; adjacent ones too
+    with torch.no_grad():
+        many = obj.anchors_logits(ids, feats, pos, anchors, k)
+        one = torch.stack([obj.anchor_logits(ids, feats, pos, a, k) for a in anchors])
+    assert many.shape == one.shape and many.shape[:2] == (len(anchors), k)
+    torch.testing.assert_close(many, one, rtol=1e-5, atol=1e-5)

@@ -169,7 +169,7 @@ class DFlashObjective:
         return self.anchors_logits(ids, features, rope_pos, [anchor], k, mm)[0]
 
     def anchors_logits(self, ids, features, rope_pos, anchors: list[int], k: int, mm=None):
-        """`anchor_logits` of several anchors of one sequence in one forward (one block of
+        """`anchor_logits` of several distinct anchors of one sequence in one forward (one block of
         k + 1 slots per anchor, as training lays them out) `[A, k, V]`."""
         d = self.drafter
         a = torch.as_tensor(anchors, device=ids.device)[None] + 1

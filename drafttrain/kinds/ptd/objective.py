@@ -261,14 +261,14 @@ class PTDObjective:
         return self.anchors_logits(ids, features, rope_pos, [anchor], k, mm)[0]
 
     def anchors_logits(self, ids, features, rope_pos, anchors: list[int], k: int, mm=None):
-        """`anchor_logits` of several anchors of one sequence in one forward (each anchor's
+        """`anchor_logits` of several distinct anchors of one sequence in one forward (each anchor's
         k - 1 mask slots side by side, as training lays them out) `[A, k, Dd]`."""
         T, A = ids.shape[1], len(anchors)
         idx = torch.as_tensor(anchors)
         slots = [idx.repeat_interleave(k - 1)], [torch.arange(1, k).repeat(A)]
         logits, _, _ = self.forward_slots(ids, features, rope_pos, *slots, mm)
         first = logits[0, idx.to(logits.device)][:, None]  # [A, 1, Dd]
-        rest = logits[0, T : T + A * (k - 1)].view(A, k - 1, -1)
+        rest = logits[0, T : T + A * (k - 1)].reshape(A, k - 1, logits.shape[-1])
         return torch.cat([first, rest], 1)
 
     def __call__(
