@@ -37,9 +37,10 @@ in the `x @ W` layout whatever the parameters' layout):
 No host-device sync anywhere (no `.item()`, `nonzero`, boolean indexing or data-dependent
 shape): every shape follows from `N`, `k`, `E`, so a round with MoE layers stays capturable in
 a CUDA graph. `Experts.forward` picks the computation from shapes and dtypes alone:
-the kernel where it runs, else `experts_gather` for at most `GATHER_MAX_TOKENS` tokens over `x @ W`-layout weights,
-`experts_grouped` where `grouped_mm_supported` says the device and dtype take `F.grouped_mm`,
-`experts_reference` otherwise (`choose_path`).
+the kernel where it runs (`kernel_supported`), else `experts_gather` for at most
+`GATHER_MAX_TOKENS` tokens over `x @ W`-layout weights, `experts_grouped` where
+`grouped_mm_supported` says the device and dtype take `F.grouped_mm`, `experts_reference`
+otherwise (`choose_path`).
 """
 
 from __future__ import annotations
