@@ -44,6 +44,15 @@ SHAPES = {
     "fc3": (4096, 12288),
     "draft_head": (32000, 4096),
     "eh_proj": (4096, 8192),
+    # gpt-oss-20b (hidden 2880, 64 q heads and 8 k/v heads of 64, vocabulary 201088) and
+    # Qwen3-30B-A3B (hidden 2048, 32 q heads and 4 k/v heads of 128, vocabulary 151936): the
+    # MoE targets' fused q/k/v, o and head (their experts run in `draftkernels.moe_experts`).
+    "oss_qkv": (5120, 2880),
+    "oss_o": (2880, 4096),
+    "oss_head": (201088, 2880),
+    "q3moe_qkv": (5120, 2048),
+    "q3moe_o": (2048, 4096),
+    "q3moe_head": (151936, 2048),
 }
 STEP = {"qkv": 32, "o": 32, "gate_up": 32, "down": 32, "head": 1}
 ROWS = (1, 4, 5, 8, 16)

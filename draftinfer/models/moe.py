@@ -222,7 +222,18 @@ def experts_kernel(
     rows = moe_kernel.moe_experts(
         x, weights, experts, w1, b1, w2, b2, True, interleaved, code, alpha, limit
     )
-    return rows.sum(1)  # outside the op: compiled, fused into the residual add
+    return sum_rows(rows)
+
+
+def sum_rows(rows: torch.Tensor) -> torch.Tensor:
+    """`rows [N, k, H]` summed over `k` in a fixed order, in fp32, rounded once to the rows'
+    dtype: the same value as `rows.sum(1)`, written as `k - 1` elementwise adds so that a
+    compiled step fuses it into the residual add that follows (a reduction over `k` is a
+    launch of its own: 4.3 us a layer at gpt-oss-20b's one-token step on an H200)."""
+    out = rows[:, 0].float()
+    for j in range(1, rows.shape[1]):
+        out = out + rows[:, j].float()
+    return out.to(rows.dtype)
 
 
 def kernel_supported(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, act: Activation) -> bool:

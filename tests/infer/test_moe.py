@@ -20,6 +20,7 @@ from draftinfer.models.moe import (
     expert_offsets,
     experts_reference,
     grouped_mm_supported,
+    sum_rows,
 )
 from tests.support.utils import assert_close  # fp32: the same products summed in other orders
 
@@ -89,6 +90,17 @@ def test_expert_offsets_count_rows_on_device():
     assert expert_offsets(ids, 8).tolist() == [2, 2, 5, 5, 5, 6, 6, 8]
     assert expert_offsets(ids, 8).dtype == torch.int32
     assert expert_offsets(torch.tensor([0]), 1).tolist() == [1]
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_sum_rows_is_the_sum_over_k(k):
+    # The kernel path's k-sum, written as adds so that it fuses into the residual add: the
+    # same bits as the reduction (fp32 accumulation in index order, rounded once).
+    rows = torch.randn(5, k, 64, generator=torch.Generator().manual_seed(k)).bfloat16() * 3
+    want = torch.zeros(5, 64)
+    for j in range(k):
+        want = want + rows[:, j].float()
+    assert torch.equal(sum_rows(rows), want.bfloat16())
 
 
 def test_path_is_chosen_from_shapes_and_dtypes():
