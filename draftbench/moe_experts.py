@@ -93,6 +93,15 @@ def cold_us(fns) -> float:
 def configs(rows_cls, stage: str) -> list[tuple[int, int, int, int]]:
     """The sweep's (BLOCK_N, BLOCK_K, num_warps, num_stages) candidates of one launch."""
     out = []
+    if rows_cls == "m1":  # one token through MMA: few programs, so deeper and wider tiles too
+        for bn in (16, 32, 64):
+            for bk in (128, 256, 512):
+                for w in (4, 8):
+                    for st in (3, 4, 6):
+                        acc = bn * (2 if stage == "glu" else 1)
+                        if (16 + acc) * bk * 2 * st <= 200 * 1024:
+                            out.append((bn, bk, w, st))
+        return out
     for bn in (16, 32, 64):
         for bk in (32, 64, 128, 256):
             for w in (4, 8):

@@ -66,11 +66,17 @@ MAX_TOKENS = 16
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) keyed ("glu" | "down", rows class, N_out, K):
-# rows class 1 (a decode step) or "m16". Measured by `python -m draftbench.moe_experts
-# --sweep` (docs/results.md); DEFAULT elsewhere.
+# rows class 1 (a decode step through multiply-accumulate), "m1" (a decode step through the
+# MMA path, `ROW_INVARIANT`) or "m16" (several tokens). "m1" has configs of its own: one token
+# has a quarter of the programs a verify pass has, so it wants other tiles, and an MMA's
+# per-row sums run over the reduction in the same order whatever the tile (a GPU test pins it
+# at the measured shapes: one token alone and among nine, bit for bit). Measured by
+# `python -m draftbench.moe_experts --sweep` (docs/results.md); DEFAULT elsewhere.
 DEFAULT = {
     ("glu", 1): (32, 128, 4, 3),
     ("down", 1): (64, 128, 4, 3),
+    ("glu", "m1"): (32, 64, 4, 3),
+    ("down", "m1"): (64, 64, 4, 3),
     ("glu", "m16"): (32, 64, 4, 3),
     ("down", "m16"): (64, 64, 4, 3),
 }
@@ -79,6 +85,10 @@ DEFAULT = {
 TABLE: dict[tuple, tuple[int, int, int, int]] = {
     ("glu", 1, 2880, 2880): (32, 128, 4, 3),
     ("down", 1, 2880, 2880): (32, 256, 4, 3),
+    ("glu", "m1", 2880, 2880): (64, 128, 4, 3),
+    ("down", "m1", 2880, 2880): (64, 32, 4, 3),
+    ("glu", "m1", 768, 2048): (32, 128, 4, 3),
+    ("down", "m1", 2048, 768): (64, 128, 4, 3),
     ("glu", "m16", 2880, 2880): (64, 128, 4, 3),
     ("down", "m16", 2880, 2880): (64, 32, 4, 3),
     ("glu", 1, 768, 2048): (16, 256, 4, 3),
@@ -292,9 +302,11 @@ def moe_experts_ref(
 
 
 def rows_class(n: int) -> int | str:
-    """The config class of `n` tokens: "m16" (the MMA path) for all under `ROW_INVARIANT`,
-    else 1 (multiply-accumulate) for one token."""
-    return 1 if n == 1 and not ROW_INVARIANT else "m16"
+    """The config class of `n` tokens: "m16" (the MMA path) for several; for one, "m1" (the
+    MMA path with one-token configs) under `ROW_INVARIANT`, else 1 (multiply-accumulate)."""
+    if n > 1:
+        return "m16"
+    return "m1" if ROW_INVARIANT else 1
 
 
 def config(stage: str, n_tokens: int, n_out: int, k: int) -> tuple[int, int, int, int]:
