@@ -7,7 +7,7 @@ tokens), correctness first.
 
     python -m draftbench.moe_experts --out docs/results/$(date +%F)_h200_moe_experts.json
     python -m draftbench.moe_experts --sweep ...   # also time configs, print the TABLE literal
-    python -m draftbench.moe_experts --router ...  # the router kernel against the unfused router
+    python -m draftbench.moe_experts --router ...  # the runner's router against torch.topk's
 
 Each time is one call with a cold L2: the graph cycles through copies of the layer's experts
 (a decode step reads each layer's once), replayed from a CUDA graph, median, microseconds.
@@ -196,9 +196,12 @@ ROUTER_COPIES = 48  # one per layer of a step, cycled: the weights leave L2 betw
 
 @torch.no_grad()
 def bench_router(name: str, device, tokens) -> list[dict]:
-    """The one-launch router kernel (`draftkernels.moe_router`) against the unfused router
-    compiled (`F.linear`, `topk`, `softmax`: what a compiled step runs without it), us a call,
-    cold-ish (`ROUTER_COPIES` routers cycled), correctness first (same experts)."""
+    """The runner's router (its projection by the skinny-GEMM kernel, the top k by
+    `moe.topk_by_rank`) against the one before it (`F.linear`, `torch.topk`), both compiled,
+    us a call, cold-ish (`ROUTER_COPIES` routers cycled), correctness first (same experts and
+    weights; a tie between two experts' scores may pick another expert: counted)."""
+    import draftkernels.skinny_gemm as skinny
+
     import draftinfer.models.moe as moe
 
     H, E, k, rule = ROUTERS[name]
@@ -211,24 +214,31 @@ def bench_router(name: str, device, tokens) -> list[dict]:
             p.copy_(torch.randn(p.shape, device=device, generator=g) * 0.02)
         routers.append(r)
     rows = []
-    for N in tokens:
-        x = torch.randn(N, H, device=device, dtype=torch.bfloat16)
-        moe.ROUTER_KERNEL = False
-        fn = torch.compile(lambda r, x: r(x), dynamic=False)  # one graph, routers as inputs
-        want = [fn(r, x) for r in routers]
-        t_unfused = cold_us([lambda r=r, x=x, fn=fn: fn(r, x) for r in routers])
-        moe.ROUTER_KERNEL = True
-        try:
-            got = [r(x) for r in routers]
-            t_kernel = cold_us([lambda r=r, x=x: r(x) for r in routers])
-        finally:
-            moe.ROUTER_KERNEL = False
-        same = all(torch.equal(g[1], w[1]) for g, w in zip(got, want))
-        err = max((g[0].float() - w[0].float()).abs().max().item() for g, w in zip(got, want))
-        row = {"router": name, "N": N, "same_experts": same, "max_weight_err": err}
-        row.update(unfused_us=t_unfused, kernel_us=t_kernel)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+    saved = moe.RANK_TOPK
+    try:
+        for N in tokens:
+            x = torch.randn(N, H, device=device, dtype=torch.bfloat16)
+            t, out = {}, {}
+            for label, rank, lin in (("before", False, None), ("runner", True, skinny.linear)):
+                moe.RANK_TOPK = rank
+                for r in routers:
+                    if lin is None:
+                        r.__dict__.pop("linear", None)  # the class's F.linear
+                    else:
+                        r.linear = lin
+                torch._dynamo.reset()
+                fn = torch.compile(lambda r, x: r(x), dynamic=False)
+                out[label] = [fn(r, x) for r in routers]
+                t[label] = cold_us([lambda r=r, x=x, fn=fn: fn(r, x) for r in routers])
+            pairs = list(zip(out["runner"], out["before"]))
+            differ = sum(int((g[1] != w[1]).any(-1).sum()) for g, w in pairs)
+            err = max((g[0].float() - w[0].float()).abs().max().item() for g, w in pairs)
+            row = {"router": name, "N": N, "rows_other_experts": differ, "max_weight_err": err}
+            row.update(before_us=t["before"], runner_us=t["runner"])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        moe.RANK_TOPK = saved
     return rows
 
 
@@ -237,7 +247,7 @@ def main() -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
-    ap.add_argument("--router", action="store_true", help="time the router kernel only")
+    ap.add_argument("--router", action="store_true", help="time the routers only")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     tokens = tuple(int(t) for t in a.tokens.split(","))
@@ -249,8 +259,8 @@ def main() -> int:
         rows = []
         for name in a.shapes.split(","):
             rows += bench_router(name, device, tokens)
-        cols = [("router", 14), ("N", 3), ("same_experts", 13), ("unfused_us", 11)]
-        print_table(rows, [*cols, ("kernel_us", 10)])
+        cols = [("router", 14), ("N", 3), ("rows_other_experts", 19), ("before_us", 10)]
+        print_table(rows, [*cols, ("runner_us", 10)])
         if a.out:
             Path(a.out).write_text(json.dumps({"router": rows}, indent=1))
         return 0

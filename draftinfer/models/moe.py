@@ -48,14 +48,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import draftkernels.moe_experts as moe_kernel
-import draftkernels.moe_router as router_kernel
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Whether the routers run as the one-launch Triton kernel `draftkernels.moe_router` on CUDA
-# (`router_kernel_ok`); `draftbench.moe_experts --router` times it against the unfused router.
-ROUTER_KERNEL = False
+# Whether routers take the top k by `topk_by_rank` (elementwise comparisons and sums, which a
+# compiled step fuses into one or two small kernels) rather than `torch.topk` (two aten
+# launches a layer on CUDA: a radix select and a bitonic sort, 8.8 us a layer at gpt-oss-20b's
+# one-token step on an H200). `draftbench.moe_experts --router` times the two.
+RANK_TOPK = True
 
 # Tokens up to which `Experts.forward` gathers each token's experts (`experts_gather`) instead
 # of grouping rows by expert: a one-token decode step. Above it the grouped products read each
@@ -63,18 +64,37 @@ ROUTER_KERNEL = False
 GATHER_MAX_TOKENS = 1
 
 
-def router_kernel_ok(x: torch.Tensor, weight: torch.Tensor, top_k: int) -> bool:
-    """Whether a router takes `draftkernels.moe_router` for `x`: `ROUTER_KERNEL` on, CUDA, and
-    the kernel `fits` (shapes and dtypes only: decided at trace time)."""
-    return (
-        ROUTER_KERNEL
-        and x.is_cuda
-        and router_kernel.TRITON
-        and router_kernel.fits(x, weight, top_k)
-    )
+def topk_by_rank(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`torch.topk(scores, k, dim=-1)` (sorted, largest first) computed from ranks: expert
+    `e`'s rank is the number of experts scoring above it, or equal with a lower index, so ties
+    go to the lower index (`torch.topk` leaves them unspecified). `[N, E]` -> (values `[N, k]`,
+    indices `[N, k]` int64). Comparisons and sums only: no sort, no data-dependent shape."""
+    E = scores.shape[-1]
+    idx = torch.arange(E, device=scores.device)
+    mine, other = scores.unsqueeze(-1), scores.unsqueeze(-2)  # [N, E, 1], [N, 1, E]
+    before = idx[None, :] < idx[:, None]  # [E(mine), E(other)]: other has the lower index
+    rank = ((other > mine) | ((other == mine) & before)).sum(-1)  # [N, E]
+    hit = rank.unsqueeze(-2) == torch.arange(k, device=scores.device)[:, None]  # [N, k, E]
+    experts = (hit * idx).sum(-1)
+    return scores.gather(-1, experts), experts
 
 
-class TopKSoftmaxRouter(nn.Module):
+def router_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routers' top k: `topk_by_rank` (`RANK_TOPK`), else `torch.topk`."""
+    if RANK_TOPK:
+        return topk_by_rank(scores, k)
+    return torch.topk(scores, k, dim=-1)
+
+
+class Router(nn.Module):
+    """What the routers share: `linear` is their projection, `F.linear` until
+    `draftinfer.models.transforms.use_skinny_gemm` sets the skinny-GEMM kernel's (one launch
+    with the bias for a one-token step, where cuBLAS runs a split-K GEMV and its reduce)."""
+
+    linear = staticmethod(F.linear)
+
+
+class TopKSoftmaxRouter(Router):
     """gpt-oss (HF `GptOssTopKRouter`): `logits = x W^T + b`, the top `k` logits, a softmax over
     those `k` (no softmax over all experts). Parameters `weight [E, H]`, `bias [E]`."""
 
@@ -86,14 +106,12 @@ class TopKSoftmaxRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x `[N, H]` -> (weights `[N, k]` in x's dtype, experts `[N, k]` int64)."""
-        if router_kernel_ok(x, self.weight, self.top_k):
-            return router_kernel.moe_route(x, self.weight, self.bias, self.top_k, 0, False)
-        logits = F.linear(x, self.weight, self.bias)  # [N, E]
-        top, experts = torch.topk(logits, self.top_k, dim=-1)
+        logits = self.linear(x, self.weight, self.bias)  # [N, E]
+        top, experts = router_topk(logits, self.top_k)
         return torch.softmax(top, dim=-1), experts
 
 
-class SoftmaxTopKRouter(nn.Module):
+class SoftmaxTopKRouter(Router):
     """Qwen3-MoE (HF `Qwen3MoeTopKRouter`): `p = softmax(x W^T)` over all experts in fp32, the
     top `k` probabilities, renormalised to sum to 1 when `norm_topk_prob`. `weight [E, H]`."""
 
@@ -104,11 +122,9 @@ class SoftmaxTopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x `[N, H]` -> (weights `[N, k]` in x's dtype, experts `[N, k]` int64)."""
-        if router_kernel_ok(x, self.weight, self.top_k):
-            return router_kernel.moe_route(x, self.weight, None, self.top_k, 1, self.norm_topk_prob)
-        logits = F.linear(x, self.weight)  # [N, E]
+        logits = self.linear(x, self.weight, None)  # [N, E]
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        top, experts = torch.topk(probs, self.top_k, dim=-1)
+        top, experts = router_topk(probs, self.top_k)
         if self.norm_topk_prob:
             top = top / top.sum(dim=-1, keepdim=True)
         return top.to(logits.dtype), experts

@@ -19,8 +19,8 @@ rule 3, like `torch.compile`): they change how a decode step runs, never what it
   calling it again re-fuses. A state dict of a fused model holds views of one storage, which
   `safetensors.save_file` refuses: save an unfused model.
 - `use_attention`: the attention backend of every layer (`draftinfer.models.kv_cache.ATTENTION`).
-- `use_skinny_gemm`: every `nn.Linear` of a module (a target or a drafter) and the fused
-  projections run `draftkernels.skinny_gemm.linear`: the weight-streaming Triton kernel for
+- `use_skinny_gemm`: every `nn.Linear` of a module (a target or a drafter), the fused
+  projections and the MoE routers' projections run `draftkernels.skinny_gemm.linear`: the weight-streaming Triton kernel for
   inputs of at most 16 rows in bf16/fp16 on CUDA (decode, verify, drafting), `F.linear` for
   anything else (prefill, fp32, the CPU), so CPU numerics do not change. A fused gate/up
   runs `skinny_gemm.swiglu`: SwiGLU's `silu(gate) * up` as the same kernel's epilogue (each
@@ -49,6 +49,7 @@ from torch import nn
 from draftinfer.models.decoder import CachedAttention, DecoderLayer, NativeCausalLM
 from draftinfer.models.kv_cache import ATTENTION, AttentionFn
 from draftinfer.models.layers import Attention, SwiGLU
+from draftinfer.models.moe import Router
 
 
 class _FusedQKV:
@@ -231,7 +232,7 @@ def use_skinny_gemm(
                 m.__class__ = DecoderLayer
         if type(m) in (nn.Linear, SkinnyLinear):
             m.__class__ = SkinnyLinear if on else nn.Linear
-        elif isinstance(m, (FusedQKVAttention, FusedAttention)):
+        elif isinstance(m, (FusedQKVAttention, FusedAttention, Router)):
             m.linear = skinny.linear if on else F.linear
         elif isinstance(m, FusedSwiGLU):
             epilogue = skinny.swiglu if swiglu else partial(skinny.swiglu, epilogue=False)

@@ -21,6 +21,7 @@ from draftinfer.models.moe import (
     experts_reference,
     grouped_mm_supported,
     sum_rows,
+    topk_by_rank,
 )
 from tests.support.utils import assert_close  # fp32: the same products summed in other orders
 
@@ -90,6 +91,23 @@ def test_expert_offsets_count_rows_on_device():
     assert expert_offsets(ids, 8).tolist() == [2, 2, 5, 5, 5, 6, 6, 8]
     assert expert_offsets(ids, 8).dtype == torch.int32
     assert expert_offsets(torch.tensor([0]), 1).tolist() == [1]
+
+
+@pytest.mark.parametrize("E,k", [(32, 4), (128, 8), (5, 5), (7, 1)])
+def test_topk_by_rank_is_torch_topk(E, k):
+    # distinct scores (fp32 normals): the same values and indices, largest first
+    scores = torch.randn(9, E, generator=torch.Generator().manual_seed(E + k))
+    want_v, want_i = torch.topk(scores, k, dim=-1)
+    got_v, got_i = topk_by_rank(scores, k)
+    assert torch.equal(got_i, want_i) and torch.equal(got_v, want_v)
+    assert got_i.dtype == torch.int64
+
+
+def test_topk_by_rank_gives_ties_to_the_lower_index():
+    scores = torch.tensor([[0.5, 2.0, 1.0, 2.0, 1.0, -3.0]]).bfloat16()
+    values, experts = topk_by_rank(scores, 4)
+    assert experts.tolist() == [[1, 3, 2, 4]]
+    assert values.float().tolist() == [[2.0, 2.0, 1.0, 1.0]]
 
 
 @pytest.mark.parametrize("k", [1, 4, 8])
