@@ -81,13 +81,14 @@ DEFAULT = {
     ("down", "m16"): (64, 64, 4, 3),
 }
 # H200, 2026-11-29 (docs/results.md, "MoE targets"): gpt-oss-20b (I = H = 2880) and
-# Qwen3-30B-A3B (H = 2048, I = 768) at one token and at nine (a verify of K = 8).
+# Qwen3-30B-A3B (H = 2048, I = 768) at one token and at nine (a verify of K = 8); "m1" from
+# `--sweep --tokens 1` (docs/results.md, "One token's own configs").
 TABLE: dict[tuple, tuple[int, int, int, int]] = {
     ("glu", 1, 2880, 2880): (32, 128, 4, 3),
     ("down", 1, 2880, 2880): (32, 256, 4, 3),
-    ("glu", "m1", 2880, 2880): (64, 128, 4, 3),
-    ("down", "m1", 2880, 2880): (64, 32, 4, 3),
-    ("glu", "m1", 768, 2048): (32, 128, 4, 3),
+    ("glu", "m1", 2880, 2880): (32, 128, 4, 3),
+    ("down", "m1", 2880, 2880): (64, 128, 4, 4),
+    ("glu", "m1", 768, 2048): (64, 128, 4, 4),
     ("down", "m1", 2048, 768): (64, 128, 4, 3),
     ("glu", "m16", 2880, 2880): (64, 128, 4, 3),
     ("down", "m16", 2880, 2880): (64, 32, 4, 3),
