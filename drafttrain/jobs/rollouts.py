@@ -86,7 +86,8 @@ def rollout_batch(prompt, tokens: list[int], device) -> dict[str, torch.Tensor]:
     }
     for key, v in (getattr(prompt, "mm_inputs", None) or {}).items():
         v = torch.as_tensor(v).to(device)
-        if v.shape[-1] == len(prompt.ids):  # per token: [P] or [1, P]
+        per_token = v.dim() == 1 or (v.dim() == 2 and v.shape[0] == 1)  # [P] or [1, P]
+        if per_token and v.shape[-1] == len(prompt.ids):
             pad = v.new_zeros(*v.shape[:-1], T - v.shape[-1])
             v = torch.cat([v, pad], -1).reshape(1, T)
         batch[key] = v
