@@ -254,6 +254,12 @@ class OPDConfig:
     gamma: float = 0.8
     # The runner's batch (cache rows) while rolling out.
     batch_size: int = 8
+    # How rows are averaged: "position" (a mean per draft position, summed over positions, as
+    # the SFT objectives do) or "token" (one mean over every scored row).
+    normalize: str = "position"
+    # The loss of the first rejected draft: "rkl" (Draft-OPD's reverse KL) or "kl" (forward KL
+    # there too: on-policy distillation without the mode-seeking term).
+    rejected_loss: str = "rkl"
 
 
 @dataclass
@@ -384,6 +390,8 @@ def check_stage(cfg: TrainConfig) -> None:
         at_least("opd", o, 1, "batch_size")
         if not o.temperatures or any(not t >= 0 for t in o.temperatures):
             raise ConfigError(f"opd.temperatures must be values >= 0, got {list(o.temperatures)}")
+        one_of("opd", o, "normalize", ("position", "token"))
+        one_of("opd", o, "rejected_loss", ("rkl", "kl"))
         if not 0 < o.gamma <= 1:
             raise ConfigError(f"opd.gamma must be in (0, 1], got {o.gamma!r}")
 

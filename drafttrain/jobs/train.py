@@ -288,7 +288,9 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
     configure_engine(accelerator, tc, -(-cfg.data.batch_size // world))
     module = ObjectiveModule(objective, target)
     if rollouts is not None:
-        module = OPDModule(OPDLoss(objective, rollouts.k, cfg.opd.gamma), batches)
+        o = cfg.opd
+        opd_loss = OPDLoss(objective, rollouts.k, o.gamma, o.normalize, o.rejected_loss)
+        module = OPDModule(opd_loss, batches)
     wrapped, optimizer = accelerator.prepare(module, optimizer)
     if ck is not None:
         if ck["state"].get("engine_state"):

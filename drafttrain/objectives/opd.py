@@ -101,9 +101,13 @@ class OPDLoss:
     """`(sequences) -> (loss, metrics)`: the Draft-OPD loss of a batch of rollout sequences
     through a kind's objective (`anchors_hidden`) and the fused chunked head + loss."""
 
-    def __init__(self, objective, k: int, gamma: float):
+    def __init__(
+        self, objective, k: int, gamma: float, normalize: str = "position", rejected: str = "rkl"
+    ):
         check_opd_kind(objective)
         self.objective, self.k, self.gamma = objective, k, gamma
+        self.normalize = normalize  # "position": a mean per draft position; "token": one mean
+        self.rejected = REVERSE_KL if rejected == "rkl" else LOSSES["kl"]
         self.drafter = objective.drafter
 
     def __call__(self, seqs: list[OPDSequence]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -158,10 +162,13 @@ class OPDLoss:
         decay = self.gamma ** j.float()
         r_sum, r_hit, r_cnt = linear_soft_ce(
             hf, weight, probs_all, rows, top1_all, torch.where(rev, j, -1), k,
-            loss=REVERSE_KL, row_weight=decay,
+            loss=self.rejected, row_weight=decay,
         )  # fmt: skip
+        count = (f_cnt + r_cnt).tolist()
         for p in range(k):
-            out.add_sums(p + 1, f_sum[p] + r_sum[p], f_hit[p] + r_hit[p], f_cnt[p] + r_cnt[p], 1.0)
+            # "token": position p weighs its share of the rows, so the loss is one mean over rows.
+            w = 1.0 if self.normalize == "position" else count[p] / max(sum(count), 1.0)
+            out.add_sums(p + 1, f_sum[p] + r_sum[p], f_hit[p] + r_hit[p], f_cnt[p] + r_cnt[p], w)
         out.metrics["opd_accepted"] = accepted / max(rounds, 1)
         out.metrics["opd_rev_rows"] = float(rev.sum()) / max(rounds, 1)
         return out.result(torch.ones(hf.shape[0], device=dev))

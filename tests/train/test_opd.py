@@ -78,9 +78,10 @@ def test_round_rows_by_hand():
     assert round_rows(3, 1, [0], [3], 3) == RoundRows([], [], [])
 
 
-def _plain_opd(obj, seq: OPDSequence, k: int, gamma: float) -> torch.Tensor:
+def _plain_opd(obj, seq, k: int, gamma: float, normalize: str, rejected: str) -> torch.Tensor:
     """The Draft-OPD loss written out: per draft position the mean over its rounds of
-    KL(p || q) (accepted) or gamma^j KL(q || p) (first rejected), summed over positions."""
+    KL(p || q) (accepted) or gamma^j KL(q || p) (first rejected; `rejected="kl"`: gamma^j
+    KL(p || q)), summed over positions; `normalize="token"`: one mean over all rows."""
     from drafttrain.frozen.head import logit_source, target_distribution
 
     d = obj.drafter
@@ -89,7 +90,7 @@ def _plain_opd(obj, seq: OPDSequence, k: int, gamma: float) -> torch.Tensor:
     p_all = target_distribution(seq.tgt, None if full else vocab).probs
     r = seq.rows
     logits = obj.anchors_logits(seq.ids, seq.tgt.features, seq.tgt.rope_pos, r.anchors, k)
-    total = 0.0
+    total, rows = 0.0, []
     for j in range(k):
         terms = []
         for i, (a, acc, n) in enumerate(zip(r.anchors, r.accepted, r.scored)):
@@ -97,17 +98,22 @@ def _plain_opd(obj, seq: OPDSequence, k: int, gamma: float) -> torch.Tensor:
                 continue
             logq = F.log_softmax(logits[i, j].float(), -1)
             p = p_all[a + 1 + j]
+            fwd = (p * (p.clamp_min(1e-38).log() - logq)).sum()
             if j < acc:
-                terms.append((p * (p.clamp_min(1e-38).log() - logq)).sum())
+                terms.append(fwd)
+            elif rejected == "kl":
+                terms.append(gamma**j * fwd)
             else:
                 terms.append(gamma**j * (logq.exp() * (logq - p.clamp_min(1e-38).log())).sum())
         if terms:
             total = total + torch.stack(terms).mean()
-    return total
+            rows += terms
+    return total if normalize == "position" else torch.stack(rows).mean()
 
 
+@pytest.mark.parametrize("variant", [("position", "rkl"), ("token", "kl")])
 @pytest.mark.parametrize("kind", ["eagle3", "ptd", "dflash", "mtp"])
-def test_opd_loss_equals_the_plain_formula(kind):
+def test_opd_loss_equals_the_plain_formula(kind, variant):
     """Every kind's `anchors_hidden` through the fused head + loss gives the written-out
     Draft-OPD loss and its gradient (rows, positions, accepted/rejected split, decay)."""
     from drafttrain.registry import train_spec
@@ -130,8 +136,8 @@ def test_opd_loss_equals_the_plain_formula(kind):
     rows = round_rows(6, T - 6, [2, 0, 3, 1, 0, 2], [3, 3, 3, 3, 2, 3], k)
     assert len(rows.anchors) >= 4
     seq = OPDSequence(ids, tgt, rows)
-    loss, metrics = OPDLoss(obj, k, gamma)([seq])
-    want = _plain_opd(obj, seq, k, gamma)
+    loss, metrics = OPDLoss(obj, k, gamma, *variant)([seq])
+    want = _plain_opd(obj, seq, k, gamma, *variant)
     assert loss.item() == pytest.approx(want.item(), rel=1e-5, abs=1e-6)
     params = [p for p in d.parameters() if p.requires_grad]
     got_g = torch.autograd.grad(loss, params, allow_unused=True)
