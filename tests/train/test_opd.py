@@ -275,3 +275,16 @@ def test_opd_stage_after_sft(case, zoo_run, preset_run, tmp_path):
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), key
+
+
+def test_cli_refuses_a_missing_sft_run_before_hydra_writes(tmp_path):
+    """`python -m drafttrain conf=eagle3_opd` before `conf=eagle3`: the entry point's precheck
+    refuses it in one line before Hydra creates `output_dir` (`.hydra/`)."""
+    from drafttrain.__main__ import precheck, rewrite_argv
+
+    out = tmp_path / "out"
+    argv = ["conf=eagle3_opd", f"trainer.init_from={tmp_path / 'none'}", f"output_dir={out}"]
+    with pytest.raises(CheckpointError) as e:
+        precheck(rewrite_argv(argv))
+    assert "\n" not in str(e.value) and "no checkpoint at" in str(e.value)
+    assert not out.exists()
