@@ -94,7 +94,11 @@ def precheck(argv: list[str]) -> None:
             composed = compose(config_name=name, overrides=overrides)
     except (HydraException, OmegaConfBaseException):
         return
-    check_train_config(to_train_config(composed))
+    cfg = check_train_config(to_train_config(composed))
+    if cfg.trainer.init_from is not None and not cfg.resume:
+        from drafttrain.trainer.checkpoint import init_checkpoint
+
+        init_checkpoint(cfg.trainer.init_from)  # e.g. conf=eagle3_opd before conf=eagle3
 
 
 def to_train_config(cfg: DictConfig) -> TrainConfig:

@@ -140,6 +140,14 @@ class TrainerConfig:
     log_every: int = 10
     num_threads: int | None = None
     progress: bool = True
+    # "sft": train on the data's responses (every preset's first stage). "opd": on-policy
+    # post-training (Draft-OPD, `opd.*`, docs/training.md "On-policy post-training"): the
+    # runner's own rollouts with the current drafter are the training rows; needs `init_from`.
+    stage: str = "sft"
+    # Start from the drafter weights of an earlier run (its output_dir, whose latest checkpoint
+    # is read, or one `checkpoints/step_N` directory): weights only, a fresh optimizer and
+    # schedule. Same kind and architecture, or a one-line error. `resume` wins over it.
+    init_from: str | None = None
     # A DeepSpeed JSON config (e.g. conf/launch/deepspeed/zero2.json) for launchers without an
     # accelerate config (`torchrun`, `deepspeed`); `accelerate launch --config_file
     # conf/launch/accelerate/<x>.yaml` needs none. `data.batch_size` is the *global* batch: each
@@ -227,6 +235,34 @@ class CacheConfig:
 
 
 @dataclass
+class OPDConfig:
+    """`opd.*`: on-policy post-training (`trainer.stage=opd`, `drafttrain.jobs.rollouts`,
+    `drafttrain.objectives.opd`)."""
+
+    # Rollouts are refreshed every this many optimizer steps with the current weights (the
+    # first before step 1): the runner decodes new prompts with the drafter of that step.
+    refresh_every: int = 25
+    # Prompts per rollout, the next ones of `data.path`'s `data.split` each time (cycling),
+    # each decoded once per temperature below.
+    num_prompts: int = 8
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
+    max_new_tokens: int = 96
+    # Drafts per round of the rollouts (null: `export.verify_k`, the preset's K).
+    k: int | None = None
+    # Reverse-KL weight of a rejected draft at draft position j (1-based): gamma^(j-1)
+    # (Draft-OPD's decay; 0.8 as speculators' and SpecForge's OPD stages).
+    gamma: float = 0.8
+    # The runner's batch (cache rows) while rolling out.
+    batch_size: int = 8
+    # How rows are averaged: "position" (a mean per draft position, summed over positions, as
+    # the SFT objectives do) or "token" (one mean over every scored row).
+    normalize: str = "position"
+    # The loss of the first rejected draft: "rkl" (Draft-OPD's reverse KL) or "kl" (forward KL
+    # there too: on-policy distillation without the mode-seeking term).
+    rejected_loss: str = "rkl"
+
+
+@dataclass
 class TrainConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     drafter: Any = None  # a DrafterTrainConfig subclass, chosen by the `drafter/` group
@@ -236,6 +272,7 @@ class TrainConfig:
     export: ExportConfig = field(default_factory=ExportConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     eval: RunnerEvalConfig = field(default_factory=RunnerEvalConfig)
+    opd: OPDConfig = field(default_factory=OPDConfig)
     output_dir: str = "outputs/run"
     seed: int = 0
     resume: bool = False
@@ -319,6 +356,7 @@ def check_train_config(cfg: TrainConfig) -> TrainConfig:
     one_of("trainer", tr, "optimizer_dtype", ("float32", "bfloat16"))
     if tr.deepspeed is not None and not Path(tr.deepspeed).is_file():
         raise ConfigError(f"trainer.deepspeed: no such DeepSpeed config file: {tr.deepspeed}")
+    check_stage(cfg)
     one_of("logger", cfg.logger, "kind", ("none", "wandb"))
     one_of("export", e, "dtype", ("bfloat16", "float16", "float32"))
     at_least("export", e, 1, "verify_k", "verify_prompts", "verify_max_new_tokens")
@@ -334,6 +372,28 @@ def check_train_config(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError("the drafter section is missing (drafter=<kind>)")
     cfg.drafter.check()
     return cfg
+
+
+def check_stage(cfg: TrainConfig) -> None:
+    """`trainer.stage`, `trainer.init_from` and `opd.*` as one-line `ConfigError`s (that
+    `init_from` holds a checkpoint of this drafter is checked at setup, before the run writes
+    anything: `drafttrain.trainer.checkpoint.load_init_weights`)."""
+    tr, o = cfg.trainer, cfg.opd
+    one_of("trainer", tr, "stage", ("sft", "opd"))
+    if tr.stage == "opd":
+        if tr.init_from is None and not cfg.resume:
+            raise ConfigError(
+                "trainer.stage=opd starts from a trained drafter: set trainer.init_from to "
+                "an SFT run's output_dir (e.g. the SFT preset's)"
+            )
+        at_least("opd", o, 1, "refresh_every", "num_prompts", "max_new_tokens", "k")
+        at_least("opd", o, 1, "batch_size")
+        if not o.temperatures or any(not t >= 0 for t in o.temperatures):
+            raise ConfigError(f"opd.temperatures must be values >= 0, got {list(o.temperatures)}")
+        one_of("opd", o, "normalize", ("position", "token"))
+        one_of("opd", o, "rejected_loss", ("rkl", "kl"))
+        if not 0 < o.gamma <= 1:
+            raise ConfigError(f"opd.gamma must be in (0, 1], got {o.gamma!r}")
 
 
 def train_config_from_dict(d: dict[str, Any], where: str = "training_args.yaml") -> TrainConfig:

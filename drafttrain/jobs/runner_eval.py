@@ -64,6 +64,26 @@ def verify_config(cfg: TrainConfig, export_dir: str | Path, k: int | None = None
     return InferConfig(**{**fields, **over})
 
 
+def runner_drafter(kind: str, arch: Any, own: dict, target, target_name: str, dtype, export_dtype):
+    """Export in memory: the exporter's steps (`drafttrain.export.directory.export_run`) on a
+    drafter's own state `own` (what a checkpoint stores; architecture `arch`), loaded as the
+    runner loads an export, on the native `target`'s device in `dtype` (module docstring, 1).
+    Shared by the runner's AL during training and on-policy rollouts (`drafttrain.jobs.rollouts`)."""
+    from draftinfer.files.checkpoint import snapshot_drafter
+    from draftinfer.registry import drafter_spec
+
+    spec = drafter_spec(kind)
+    module = spec.build(spec.config_class(**arch.to_dict()))
+    module.load_own_state({k: v.detach().to("cpu") for k, v in own.items()})
+    # As `drafttrain.export.directory.export_run` does: the weights shared with the target attached
+    # before the serving tensors are taken (a layout may store copies of them).
+    spec.attach_shared(module, target.shared_weights())
+    device = next(target.parameters()).device
+    return snapshot_drafter(
+        module, {"target": target_name}, target.shared_weights(), device, dtype, export_dtype
+    )
+
+
 def simulated_acceptance(accs: list[float], k: int) -> tuple[float, list[float]]:
     """(AL, per-position acceptance) of greedy drafting at `k` drafts from per-position top-1
     accuracies `accs` (position 1 first), positions independent: pos j = prod_{s<=j} acc_s and
@@ -224,28 +244,16 @@ class RunnerEval:
         )
         from draftinfer.decoding.engine import SpecDecoder
         from draftinfer.evaluation.suite_decode import Decoding, decode_batch
-        from draftinfer.files.checkpoint import snapshot_drafter
         from draftinfer.registry import drafter_spec
 
         t0 = time.perf_counter()
         if self.target is None:
             self._load_target()
-        # Export in memory: the exporter's steps (drafttrain.export.directory.export_run) on `own`.
-        spec = drafter_spec(kind)
-        module = spec.build(spec.config_class(**arch.to_dict()))
-        module.load_own_state({k: v.detach().to("cpu") for k, v in own.items()})
-        # As `drafttrain.export.directory.export_run` does: the weights shared with the target attached
-        # before the serving tensors are taken (a layout may store copies of them).
-        spec.attach_shared(module, self.target.shared_weights())
-        drafter = snapshot_drafter(
-            module,
-            {"target": self.cfg.target.name_or_path},
-            self.target.shared_weights(),
-            self.device,
-            self.dtype,
+        drafter = runner_drafter(
+            kind, arch, own, self.target, self.cfg.target.name_or_path, self.dtype,
             self.export_dtype,
-        )
-        spec.check_k(drafter.config, self.k)
+        )  # fmt: skip
+        drafter_spec(kind).check_k(drafter.config, self.k)
         e = self.cfg.eval
         decoder = SpecDecoder(
             self.target,

@@ -32,16 +32,19 @@ from draftinfer.evaluation.threads import torch_threads
 from drafttrain.data import BatchStream
 from drafttrain.jobs.config import TrainConfig, check_train_config
 from drafttrain.jobs.errors import ConfigError
+from drafttrain.jobs.rollouts import OPDModule, RolloutBatches, RolloutHook
 from drafttrain.jobs.runner_eval import RunnerEval
 from drafttrain.jobs.setup import setup_training
 from drafttrain.objectives.loss_fns import row_loss
 from drafttrain.objectives.losses import data_parallel, metric_values
+from drafttrain.objectives.opd import OPDLoss
 from drafttrain.objectives.ttt import pick_backend
 from drafttrain.trainer.checkpoint import (
     begin_checkpoint,
     finish_checkpoint,
     latest_checkpoint,
     load_checkpoint,
+    load_init_weights,
     load_rank_rng,
     restore_rng,
     save_rank_rng,
@@ -175,6 +178,24 @@ def final_walk(cfg: TrainConfig, objective, target, device, run_dir: Path, logge
     return out
 
 
+def opd_rollouts(cfg: TrainConfig, kind: str, drafter, target, device, run_dir: Path, world: int):
+    """`trainer.stage=opd`: the rollout maker (`drafttrain.jobs.rollouts.Rollouts`; its prompts
+    rendered now, so bad input fails before anything is written), or None in the SFT stage."""
+    if cfg.trainer.stage != "opd":
+        return None
+    from draftinfer.registry import drafter_spec
+    from drafttrain.frozen.target import FrozenTarget
+    from drafttrain.jobs.rollouts import Rollouts
+
+    if world > 1:
+        raise ConfigError("trainer.stage=opd runs in one process (no launcher) for now")
+    if not isinstance(target, FrozenTarget):
+        raise ConfigError("trainer.stage=opd needs the live target (data.cache=null)")
+    k = cfg.opd.k if cfg.opd.k is not None else cfg.export.verify_k
+    drafter_spec(kind).check_k(drafter.config, k)
+    return Rollouts(cfg, target, drafter.config.features, device, run_dir, k)
+
+
 def train(cfg: TrainConfig, keep_logger: bool = False) -> dict[str, Any]:
     """Train (or resume) and checkpoint. Returns a summary dict (`run_dir`, losses, eval).
     `keep_logger=True` leaves the metric logger open in `summary["logger"]` (the job logs the
@@ -211,6 +232,10 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
         apply_training_wrappers(drafter, spec.blocks(drafter), tc)
         # The runner's AL every `eval.every_n_steps` steps (None when off; prompts checked now).
         runner = RunnerEval.for_run(cfg, device, accelerator)
+        init = None
+        if tc.init_from is not None and resume_from is None:  # weights only; resume wins
+            init = load_init_weights(tc.init_from, spec.name, drafter.config.to_dict())
+        rollouts = opd_rollouts(cfg, spec.name, drafter, target, device, run_dir, world)
     except BaseException:
         if main and fresh and run_dir.exists():
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -219,16 +244,21 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_resolved_config(cfg, run_dir / "training_args.yaml")
     kind, arch = spec.name, drafter.config
+    if init is not None:
+        drafter.load_own_state({k: v.to(device) for k, v in init.items()})
     own_keys = set(drafter.trainable_state_dict())
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, tc)
     scheduler = warmup_cosine(optimizer, tc)
     pad_id = setup.job.pad_id
-    batches = DeviceBatches(
-        BatchStream(split, cfg.data.batch_size, pad_id, cfg.seed),
-        device,
-        lambda b: shard_batch(b, rank, world, split),  # this rank's rows of the global batch
-    )
+    if rollouts is None:
+        batches = DeviceBatches(
+            BatchStream(split, cfg.data.batch_size, pad_id, cfg.seed),
+            device,
+            lambda b: shard_batch(b, rank, world, split),  # this rank's rows of the global batch
+        )
+    else:  # trainer.stage=opd: the runner's rollouts with the current drafter
+        batches = RolloutBatches(rollouts, cfg.data.batch_size, cfg.seed)
 
     start_step, ck = 0, None
     if resume_from is not None:
@@ -256,7 +286,12 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
         loss,
     )
     configure_engine(accelerator, tc, -(-cfg.data.batch_size // world))
-    wrapped, optimizer = accelerator.prepare(ObjectiveModule(objective, target), optimizer)
+    module = ObjectiveModule(objective, target)
+    if rollouts is not None:
+        o = cfg.opd
+        opd_loss = OPDLoss(objective, rollouts.k, o.gamma, o.normalize, o.rejected_loss)
+        module = OPDModule(opd_loss, batches)
+    wrapped, optimizer = accelerator.prepare(module, optimizer)
     if ck is not None:
         if ck["state"].get("engine_state"):
             accelerator.load_state(str(resume_from / "engine"))
@@ -299,6 +334,7 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
                     "drafter_kind": kind,
                     "drafter_config": arch.to_dict(),
                     "objective": objective.checkpoint_meta(),
+                    "stage": tc.stage,
                     "loss": loss.name,
                     "world_size": world,
                     "engine_state": engine_state,
@@ -310,6 +346,12 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
     # Periodic callbacks of the loop (`drafttrain.trainer.loop.LoopHook`: every N steps and after the
     # last, on every rank, metrics logged at that step), e.g. the runner's AL during training.
     hooks: list[LoopHook] = [] if runner is None else [runner.hook(kind, arch, own_state)]
+    t_stage = time.perf_counter()  # the stage's wall time: the first rollout and the loop
+    if rollouts is not None:
+        refresh = RolloutHook(batches, kind, arch, own_state, cfg.opd.refresh_every)
+        hooks.append(refresh)
+        if batches.store is None:  # a fresh run: the first rollout, with the SFT weights
+            logger.log(refresh.refresh(start_step), start_step)
     loop = run_loop(
         accelerator,
         wrapped,
@@ -330,12 +372,18 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
     summary: dict[str, Any] = {
         "run_dir": str(run_dir),
         "steps": tc.max_steps,
+        "stage": tc.stage,
+        # Wall time of this process's steps (OPD: rollouts and their features included; the
+        # runner's AL during training too, when on): the budget OPD and SFT are matched on.
+        "stage_seconds": round(time.perf_counter() - t_stage, 2),
         "first_loss": losses[0] if losses else None,
         "last_loss": losses[-1] if losses else None,
         "main_process": main,
     }
     if cfg.data.eval_split:
-        ev = evaluate(cfg, wrapped, split, device, pad_id, accelerator)
+        # The held-out split is scored with the kind's own objective (in the OPD stage too).
+        held = wrapped if rollouts is None else ObjectiveModule(objective, target)
+        ev = evaluate(cfg, held, split, device, pad_id, accelerator)
         logger.log(ev, tc.max_steps)
         if main:
             (run_dir / "eval.json").write_text(json.dumps(ev, indent=2) + "\n")

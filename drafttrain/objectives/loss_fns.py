@@ -16,6 +16,10 @@ the target's distribution `p [V]` over the same vocabulary (soft labels,
   `lam * KL(p || q) + (1 - lam) * TV(p, q)`. KL leads while the draft is poor (small
   `alpha`, its gradient does not vanish far from the target), TV (the acceptance rate
   itself) takes over as the draft gets close. `lam` is detached (`sg`), as in both sources.
+- `REVERSE_KL` (not a `trainer.loss` name): reverse `KL(q || p) = sum_v q_v (log q_v - log p_v)`, mode-seeking: it pushes the
+  draft's mass off tokens the target gives little, and weighs nothing the draft already
+  ignores. Draft-OPD scores the rejected draft positions with it (`drafttrain.objectives.opd`).
+  `log p` is floored at the fp32 `tiny` so a target zero is a large finite penalty, not inf.
 - `dpace`: `soft_ce` with D-PACE per-position weights (`drafttrain.objectives.loss_weights`) instead
   of the kind's own per-position weights: an objective asks `weights_dpace` and weights its
   rows itself.
@@ -37,6 +41,7 @@ import torch.nn.functional as F
 
 from drafttrain.jobs.errors import ConfigError
 
+_TINY = torch.finfo(torch.float32).tiny  # the floor of log p in the reverse KL
 LK_ETA = 3.0  # arXiv 2602.23881's eta (speculators and SpecForge default)
 
 
@@ -69,6 +74,23 @@ def _tv_grad(zf, lse, pf):
     return q * (g - (q * g).sum(-1, keepdim=True))
 
 
+def _rkl_parts(zf, lse, pf):
+    logq = zf - lse[:, None]
+    q = torch.exp(logq)
+    diff = logq - torch.log(pf.clamp_min(_TINY))
+    return q, diff, (q * diff).sum(-1)
+
+
+def _rkl_value(zf, lse, pf):
+    return _rkl_parts(zf, lse, pf)[2]
+
+
+def _rkl_grad(zf, lse, pf):
+    # g_v = d KL(q||p) / d q_v = log q_v - log p_v + 1; the constant cancels in q * (g - q.g).
+    q, diff, value = _rkl_parts(zf, lse, pf)
+    return q * (diff - value[:, None])
+
+
 def _lk_lambda(zf, lse, pf):
     q = torch.exp(zf - lse[:, None])
     return torch.exp(-LK_ETA * torch.minimum(pf, q).sum(-1))  # [c], a constant (sg[alpha])
@@ -95,6 +117,11 @@ def _kl_ref(logits, p):
 
 def _tv_ref(logits, p):
     return 0.5 * (p.float() - torch.softmax(logits.float(), dim=-1)).abs().sum(-1)
+
+
+def _rkl_ref(logits, p):
+    logq = F.log_softmax(logits.float(), dim=-1)
+    return (logq.exp() * (logq - torch.log(p.float().clamp_min(_TINY)))).sum(-1)
 
 
 def _lk_ref(logits, p):
@@ -127,6 +154,11 @@ LOSSES: dict[str, RowLoss] = {
     "lk": RowLoss("lk", _lk_value, _lk_grad, _lk_ref),
     "dpace": RowLoss("dpace", _ce_value, _ce_grad, _ce_ref, weights_dpace=True, is_soft_ce=True),
 }
+
+
+# Not a `trainer.loss` choice: the reverse KL alone does not train a drafter from scratch (it
+# never moves mass onto a token the draft gives ~0); Draft-OPD uses it beside forward KL.
+REVERSE_KL = RowLoss("rkl", _rkl_value, _rkl_grad, _rkl_ref)
 
 
 def row_loss(name: str) -> RowLoss:

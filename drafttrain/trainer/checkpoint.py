@@ -185,3 +185,31 @@ def restore_rng(rng: dict[str, torch.Tensor]) -> None:
         for i in range(torch.cuda.device_count()):
             if f"cuda{i}" in rng:
                 torch.cuda.set_rng_state(rng[f"cuda{i}"], i)
+
+
+def init_checkpoint(path: str | Path) -> Path:
+    """The checkpoint `trainer.init_from` names: a run directory (its latest checkpoint) or a
+    `checkpoints/step_N` directory; a one-line `CheckpointError` when there is none."""
+    p = Path(path).expanduser()
+    if (p / "state.json").is_file():
+        return p
+    ck = latest_checkpoint(p / "checkpoints") if p.is_dir() else None
+    if ck is None:
+        raise CheckpointError(
+            f"trainer.init_from: no checkpoint at {path} (a training run's output_dir or its "
+            "checkpoints/step_N; train the SFT stage first)"
+        )
+    return ck
+
+
+def load_init_weights(path: str | Path, kind: str, arch: dict) -> dict[str, torch.Tensor]:
+    """The drafter tensors of `trainer.init_from`'s checkpoint, after checking it holds a
+    `kind` drafter of architecture `arch` (one-line `CheckpointError` otherwise)."""
+    ck = init_checkpoint(path)
+    state = json.loads((ck / "state.json").read_text())
+    if state.get("drafter_kind") != kind or state.get("drafter_config") != arch:
+        raise CheckpointError(
+            f"trainer.init_from: {ck} holds a {state.get('drafter_kind')} drafter of another "
+            f"architecture than this config's {kind} drafter"
+        )
+    return load_checkpoint(ck)["drafter"]

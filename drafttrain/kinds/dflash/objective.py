@@ -172,8 +172,7 @@ class DFlashObjective:
         """`anchor_logits` of several distinct anchors of one sequence in one forward (one block of
         k + 1 slots per anchor, as training lays them out) `[A, k, V]`."""
         d = self.drafter
-        a = torch.as_tensor(anchors, device=ids.device)[None] + 1
-        h = self.forward_blocks(ids, features, rope_pos, a, k + 1)[0, :, 1:]  # [A, k, H]
+        h = self._anchors_hidden(ids, features, rope_pos, anchors, k)  # [A, k, H]
         logits = d.logits(h)
         sel = d.candidate_selector
         if sel is None:
@@ -183,6 +182,21 @@ class DFlashObjective:
         return torch.stack(
             [selector_logits(sel, proj[i], pred[i], logits[i]) for i in range(len(anchors))]
         )
+
+    def _anchors_hidden(self, ids, features, rope_pos, anchors: list[int], k: int):
+        a = torch.as_tensor(anchors, device=ids.device)[None] + 1
+        return self.forward_blocks(ids, features, rope_pos, a, k + 1)[0, :, 1:]
+
+    def anchors_hidden(self, ids, features, rope_pos, anchors: list[int], k: int, mm=None):
+        """The head's inputs of `anchors_logits` `[A, k, H]` (differentiable; on-policy
+        training, `drafttrain.objectives.opd`). DFlash2's selector re-ranks the head's top-K
+        after the head, so its drafts are not the head's: a one-line error."""
+        if self.drafter.candidate_selector is not None:
+            raise ConfigError(
+                "trainer.stage=opd does not train DFlash2's candidate selector yet: its drafts "
+                "are the selector's choice, not the head's (drafter.dflash2=false)"
+            )
+        return self._anchors_hidden(ids, features, rope_pos, anchors, k)
 
     # -- the loss -----------------------------------------------------------------------------
     def __call__(

@@ -173,9 +173,14 @@ class Eagle3Objective:
 
     def anchors_logits(self, ids, features, rope_pos, anchors: list[int], k: int, mm=None):
         """`anchor_logits` of several anchors of one sequence in one unroll `[A, k, Dd]`."""
+        return self.drafter.logits(self.anchors_hidden(ids, features, rope_pos, anchors, k, mm))
+
+    def anchors_hidden(self, ids, features, rope_pos, anchors: list[int], k: int, mm=None):
+        """The head's inputs of `anchors_logits` `[A, k, H]` (differentiable): what on-policy
+        training (`drafttrain.objectives.opd`) scores through the fused head + loss."""
         idx = torch.as_tensor(anchors, device=ids.device)
-        steps = self.unroll(ids, features, rope_pos, k, mm)
-        return torch.stack([lg[0, idx] for lg in steps], 1)
+        steps = self.unroll_normed(ids, features, rope_pos, k, mm)
+        return torch.stack([h[0, idx] for h in steps], 1)
 
     def __call__(
         self, batch: dict[str, torch.Tensor], tgt: TargetOutput

@@ -89,9 +89,14 @@ class MTPObjective:
 
     def anchors_logits(self, ids, features, rope_pos, anchors: list[int], k: int, mm=None):
         """`anchor_logits` of several anchors of one sequence in one pass `[A, k, V]`."""
+        return self.drafter.logits(self.anchors_hidden(ids, features, rope_pos, anchors, k, mm))
+
+    def anchors_hidden(self, ids, features, rope_pos, anchors: list[int], k: int, mm=None):
+        """The head's inputs of `anchors_logits` `[A, k, H]` (differentiable; on-policy
+        training, `drafttrain.objectives.opd`)."""
         idx = torch.as_tensor(anchors, device=ids.device)
-        logits = self.module_logits(ids, features, rope_pos, k, mm)
-        return torch.stack([lg[0, idx] for lg in logits], 1)
+        normed = self.module_normed(ids, features, rope_pos, k, mm)
+        return torch.stack([h[0, idx] for h in normed], 1)
 
     def __call__(
         self, batch: dict[str, torch.Tensor], tgt: TargetOutput

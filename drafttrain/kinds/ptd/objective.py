@@ -263,12 +263,17 @@ class PTDObjective:
     def anchors_logits(self, ids, features, rope_pos, anchors: list[int], k: int, mm=None):
         """`anchor_logits` of several distinct anchors of one sequence in one forward (each anchor's
         k - 1 mask slots side by side, as training lays them out) `[A, k, Dd]`."""
+        return self.drafter.logits(self.anchors_hidden(ids, features, rope_pos, anchors, k, mm))
+
+    def anchors_hidden(self, ids, features, rope_pos, anchors: list[int], k: int, mm=None):
+        """The head's inputs of `anchors_logits` `[A, k, H]` (differentiable; on-policy
+        training, `drafttrain.objectives.opd`)."""
         T, A = ids.shape[1], len(anchors)
         idx = torch.as_tensor(anchors)
         slots = [idx.repeat_interleave(k - 1)], [torch.arange(1, k).repeat(A)]
-        logits, _, _ = self.forward_slots(ids, features, rope_pos, *slots, mm)
-        first = logits[0, idx.to(logits.device)][:, None]  # [A, 1, Dd]
-        rest = logits[0, T : T + A * (k - 1)].reshape(A, k - 1, logits.shape[-1])
+        normed, _, _ = self.forward_slots_normed(ids, features, rope_pos, *slots, mm)
+        first = normed[0, idx.to(normed.device)][:, None]  # [A, 1, H]
+        rest = normed[0, T : T + A * (k - 1)].reshape(A, k - 1, normed.shape[-1])
         return torch.cat([first, rest], 1)
 
     def __call__(
