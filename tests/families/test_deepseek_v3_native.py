@@ -252,3 +252,16 @@ def test_unsupported_configs_are_one_line_config_errors(ds_dir, tmp_path, change
     with pytest.raises(ConfigError, match=message) as e:
         native(edited_config(ds_dir, tmp_path / "t", **changes))
     assert "\n" not in str(e.value)
+
+
+def test_serving_transforms_keep_parity(ds_dir):
+    """The runner's CUDA defaults applied (fused gate/up of the dense and shared SwiGLUs, the
+    skinny linear on every projection and router; no-ops in maths on the CPU): MLA layers are
+    left as they are, and the rounds still equal transformers'."""
+    from draftinfer.models.transforms import fuse_projections, use_skinny_gemm
+
+    model = native(ds_dir)
+    fuse_projections(model)
+    use_skinny_gemm(model)
+    assert type(model.model.layers[0].self_attn) is LatentAttention
+    speculative_rounds(model, hf_model(str(ds_dir)), LENGTHS, taps=(1, 2)).check(1e-5)
