@@ -38,6 +38,8 @@ Two computations of the same attention (`path`: None = chosen from the shapes, n
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -56,8 +58,6 @@ def mla_softmax_scale(qk_head_dim: int, scaling: dict | None) -> float:
     """HF `yarn_apply_mscale`: `qk_head_dim^-0.5`, times `mscale^2` where the rope is scaled and
     names `mscale_all_dim`, `mscale = 0.1 * mscale_all_dim * ln(factor) + 1` (1 for factor <=
     1): 1.3689^2 at DeepSeek-V3's factor 40."""
-    import math
-
     scale = qk_head_dim**-0.5
     scaling = scaling or {}
     if scaling.get("rope_type", "default") != "default" and scaling.get("mscale_all_dim"):
@@ -94,8 +94,9 @@ class LatentAttention(nn.Module):
         self.dn, self.dr, self.dv = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.scale, self.rope_interleave = softmax_scale, rope_interleave
         self.path: str | None = None
+        self.q_lora = q_lora_rank is not None
         dq = qk_nope_head_dim + qk_rope_head_dim
-        if q_lora_rank is None:
+        if not self.q_lora:
             self.q_proj = nn.Linear(hidden, num_heads * dq, bias=False)
         else:
             self.q_a_proj = nn.Linear(hidden, q_lora_rank, bias=bias)
@@ -131,10 +132,10 @@ class LatentAttention(nn.Module):
         """(q_nope `[B, T, nh, dn]`, q_rot `[B, T, nh, dr]` unrotated, latent `[B, T, R + dr]`
         with `c` normed and `k_rot` unrotated)."""
         B, T, _ = x.shape
-        if hasattr(self, "q_proj"):
-            q = self.q_proj(x)
-        else:
+        if self.q_lora:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
         q_nope, q_rot = q.view(B, T, self.n_heads, self.dn + self.dr).split([self.dn, self.dr], -1)
         c, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.dr], -1)
         return q_nope, q_rot, torch.cat([self.kv_a_layernorm(c), k_rot], dim=-1)
