@@ -138,6 +138,17 @@ class CachedAttention(nn.Module):
         self.register_buffer("k_cache", None, persistent=False)
         self.register_buffer("v_cache", None, persistent=False)
 
+    def allocate_cache(
+        self, max_batch: int, max_seq_len: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        """The cache seam (`NativeCausalLM.setup_caches` calls it on every layer's attention):
+        `k_cache`, `v_cache` `[max_batch, max_seq_len + 1, n_kv, head_dim]` (the `+ 1` is the
+        padding scratch column). An attention that caches something else (MLA's latent,
+        `draftinfer.models.mla`) allocates its own."""
+        shape = (max_batch, max_seq_len + 1, self.n_kv, self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+
     def forward(
         self,
         x: torch.Tensor,  # [B, T, H]
@@ -369,18 +380,16 @@ class NativeCausalLM(nn.Module):
         )
 
     def setup_caches(self, max_batch: int, max_seq_len: int) -> None:
-        """Allocate per-layer K/V caches `[max_batch, max_seq_len + 1, n_kv, head_dim]` (the
-        `+ 1` is the padding scratch column) on the model's device, in the model's dtype."""
+        """Allocate every layer's cache on the model's device, in the model's dtype, through
+        its attention's `allocate_cache` (`CachedAttention`: K/V `[max_batch, max_seq_len + 1,
+        n_kv, head_dim]`, the `+ 1` the padding scratch column; MLA: its latent)."""
         if max_batch < 1 or max_seq_len < 1:
             raise ValueError(
                 f"max_batch and max_seq_len must be >= 1, got {max_batch}, {max_seq_len}"
             )
         w = self.model.embed_tokens.weight
-        c = self.config
-        shape = (max_batch, max_seq_len + 1, c.num_kv_heads, c.head_dim)
         for layer in self.model.layers:
-            layer.self_attn.k_cache = torch.zeros(shape, dtype=w.dtype, device=w.device)
-            layer.self_attn.v_cache = torch.zeros(shape, dtype=w.dtype, device=w.device)
+            layer.self_attn.allocate_cache(max_batch, max_seq_len, w.dtype, w.device)
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
 
     # ---- access the drafter and the runner need ----------------------------------------

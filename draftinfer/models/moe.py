@@ -4,8 +4,10 @@ grouped matrix products, and the token's output is the weighted sum of its exper
 
     router = TopKSoftmaxRouter(H, E, k)            # gpt-oss: top-k logits, softmax over the k
     router = SoftmaxTopKRouter(H, E, k, norm=True)  # Qwen3-MoE: softmax over E, top-k, renormalise
+    router = GroupedSigmoidRouter(H, E, k, n_group, topk_group, True, 2.5)  # DeepSeek-V3 noaux_tc
     experts = Experts(E, H, I, ClampedSwiGLU(1.702, 7.0), bias=True, x_at_w=True)
     block = MoEBlock(router, experts, router_name="router")   # [B, T, H] -> [B, T, H]
+    block = MoEBlock(router, experts, "gate", shared_experts=SwiGLU(H, I_shared))  # + shared
 
 Vocabulary: a *route* of a token is its `k` (expert, weight) pairs, `experts [N, k]` int64 and
 `weights [N, k]`; a *row* is one (token, expert) pair, `S = N * k` of them.
@@ -51,6 +53,8 @@ import draftkernels.moe_experts as moe_kernel
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from draftinfer.models.decoder import TensorSource
 
 # Whether routers take the top k by `topk_by_rank` (elementwise comparisons and sums, which a
 # compiled step fuses into one or two small kernels) rather than `torch.topk` (two aten
@@ -128,6 +132,77 @@ class SoftmaxTopKRouter(Router):
         if self.norm_topk_prob:
             top = top / top.sum(dim=-1, keepdim=True)
         return top.to(logits.dtype), experts
+
+
+class GroupedSigmoidRouter(Router):
+    """DeepSeek-V3 (HF `DeepseekV3TopkRouter`, `topk_method: noaux_tc`): sigmoid scores
+    `s = sigmoid(x W^T)` in fp32; the selection reads `c = s + e_score_correction_bias` (the
+    bias only selects, it never weights): the experts are split into `n_group` groups of
+    `E / n_group`, a group scores the sum of its two best `c`, the `topk_group` best groups are
+    kept and the others' experts masked to -inf, and the top `k` of the masked `c` are chosen.
+    Their weights are their `s` (not `c`), renormalised to sum to 1 when `norm_topk_prob` (HF's
+    `+ 1e-20`), times `routed_scaling_factor`.
+
+    Static shapes only: both top-k's are `router_topk` over fixed sizes and the group mask is a
+    comparison against the kept groups' ranks (no `nonzero`, no boolean indexing), so a round
+    stays capturable. Parameters `weight [E, H]` and `e_score_correction_bias [E]` (a buffer in
+    HF; a parameter here so the checkpoint fills it by name), both kept in fp32 whatever the
+    model's dtype (HF `_keep_in_fp32_modules_strict`: a bf16 bias would move the selection)."""
+
+    def __init__(
+        self,
+        hidden: int,
+        num_experts: int,
+        top_k: int,
+        n_group: int,
+        topk_group: int,
+        norm_topk_prob: bool,
+        routed_scaling_factor: float,
+    ):
+        super().__init__()
+        if num_experts % n_group or num_experts // n_group < 2:
+            raise ValueError(f"{num_experts} experts do not split into {n_group} groups of >= 2")
+        if not 1 <= topk_group <= n_group or top_k > topk_group * (num_experts // n_group):
+            raise ValueError(
+                f"top {top_k} of {topk_group} kept groups of {num_experts // n_group} experts"
+            )
+        self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
+        self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, routed_scaling_factor
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts))
+
+    def _apply(self, fn, recurse=True):
+        # A cast of the model (`.to(bfloat16)`) leaves the router in fp32, unrounded (class
+        # docstring); device moves and `to_empty` apply as usual.
+        before = {name: p.data for name, p in self._parameters.items()}
+        super()._apply(fn, recurse)
+        for name, p in self._parameters.items():
+            if p.dtype != torch.float32:
+                old = before[name].float()
+                p.data = (
+                    torch.empty_like(p, dtype=torch.float32) if old.is_meta else old.to(p.device)
+                )
+        return self
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x `[N, H]` -> (weights `[N, k]` in x's dtype, experts `[N, k]` int64)."""
+        N, E = x.shape[0], self.weight.shape[0]
+        logits = self.linear(x.float(), self.weight.float(), None)  # [N, E] fp32
+        scores = torch.sigmoid(logits)
+        choice = scores + self.e_score_correction_bias.float()  # selects, never weights
+        per_group = choice.view(N, self.n_group, E // self.n_group)  # [N, G, E/G]
+        group_scores = router_topk(per_group, 2)[0].sum(-1)  # [N, G]
+        _, kept = router_topk(group_scores, self.topk_group)  # [N, topk_group]
+        groups = torch.arange(self.n_group, device=x.device)
+        keep = (kept[..., None] == groups).any(-2)  # [N, G]
+        keep = keep[..., None].expand(N, self.n_group, E // self.n_group).reshape(N, E)
+        masked = choice.masked_fill(~keep, float("-inf"))
+        _, experts = router_topk(masked, self.top_k)
+        weights = scores.gather(-1, experts)  # [N, k]: the sigmoid scores, not `choice`
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights * self.routed_scaling_factor
+        return weights.to(x.dtype), experts
 
 
 class SiluGLU(nn.Module):
@@ -396,6 +471,26 @@ class Experts(nn.Module):
             self.register_parameter("gate_up_proj_bias", None)
             self.register_parameter("down_proj_bias", None)
 
+    def per_expert_sources(self, prefix: str, leaf: str) -> list[TensorSource] | None:
+        """How stacked parameter `{prefix}.{leaf}` (`prefix` = this module's name) is filled
+        from the per-expert tensors released checkpoints store (Qwen3-MoE, DeepSeek-V3:
+        `{prefix}.{e}.{gate,up,down}_proj.weight`, `(out, in)`): gate into `gate_up_proj[e, :I]`,
+        up into `[e, I:]`, down into `down_proj[e]`. For the `[E, 2I, H]` layout without biases
+        (`x_at_w=False`); None for any other parameter (`NativeCausalLM.checkpoint_sources`)."""
+        if self.x_at_w or leaf not in ("gate_up_proj", "down_proj"):
+            return None
+        if leaf == "down_proj":
+            return [
+                TensorSource((f"{prefix}.{e}.down_proj.weight",), index=(e,))
+                for e in range(self.num_experts)
+            ]
+        inter = self.down_proj.shape[-1]
+        return [
+            TensorSource((f"{prefix}.{e}.{part}_proj.weight",), index=(e, rows))
+            for e in range(self.num_experts)
+            for part, rows in (("gate", slice(0, inter)), ("up", slice(inter, 2 * inter)))
+        ]
+
     def mats(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w1 `[E, H, 2I]`, w2 `[E, I, H]`): the weights in the `x @ W` layout (views)."""
         if self.x_at_w:
@@ -423,17 +518,29 @@ class Experts(nn.Module):
 
 class MoEBlock(nn.Module):
     """A routed-experts MLP `[B, T, H] -> [B, T, H]`: the router's `k` experts per token, their
-    outputs summed with the router's weights. The router sits under the family's HF name
-    (`router_name`: gpt-oss `mlp.router`, Qwen3-MoE `mlp.gate`), the experts under
-    `experts`."""
+    outputs summed with the router's weights, plus the `shared_experts` MLP over every token
+    where the family has one (DeepSeek-V3: `mlp.shared_experts`, a SwiGLU of
+    `moe_intermediate_size * n_shared_experts`, added after the routed sum as HF does). The
+    router sits under the family's HF name (`router_name`: gpt-oss `mlp.router`, Qwen3-MoE and
+    DeepSeek-V3 `mlp.gate`), the experts under `experts`."""
 
-    def __init__(self, router: nn.Module, experts: Experts, router_name: str = "router"):
+    def __init__(
+        self,
+        router: nn.Module,
+        experts: Experts,
+        router_name: str = "router",
+        shared_experts: nn.Module | None = None,
+    ):
         super().__init__()
         self.router_name = router_name
         self.add_module(router_name, router)
         self.experts = experts
+        self.shared_experts = shared_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # [N, H]
         weights, experts = getattr(self, self.router_name)(flat)
-        return self.experts(flat, weights, experts).view_as(x)
+        out = self.experts(flat, weights, experts).view_as(x)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out

@@ -302,3 +302,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     out = x.float() * cos + _rotate_half(x.float()) * sin
     return out.to(x.dtype)
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on interleaved pairs `(x0, x1), (x2, x3), ...` (GPT-J layout; DeepSeek's MLA with
+    `rope_interleave`), written de-interleaved: `[x_even * c - x_odd * s, x_odd * c + x_even *
+    s]` with `c, s` the first half of `cos, sin` (HF `apply_rotary_pos_emb_interleave`; the same
+    permutation on queries and keys leaves their products unchanged). Shapes as `apply_rope`."""
+    half = cos.shape[-1] // 2
+    c, s = cos[..., :half].unsqueeze(-2), sin[..., :half].unsqueeze(-2)
+    x1, x2 = x[..., 0::2].float(), x[..., 1::2].float()
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)

@@ -147,3 +147,119 @@ def random_qwen3_moe_configs(n: int, seed: int = 0) -> list:
             )
         )
     return out
+
+
+def deepseek_v3_config(
+    vocab_size: int = 512,
+    layers: int = 3,
+    hidden: int = 64,
+    heads: int = 4,
+    q_lora_rank: int | None = 24,
+    kv_lora_rank: int = 16,
+    qk_nope_head_dim: int = 8,
+    qk_rope_head_dim: int = 8,
+    v_head_dim: int = 12,
+    experts: int = 8,
+    n_group: int = 4,
+    topk_group: int = 2,
+    top_k: int = 2,
+    moe_intermediate: int = 16,
+    n_shared_experts: int = 1,
+    first_k_dense_replace: int = 1,
+    norm_topk_prob: bool = True,
+    routed_scaling_factor: float = 2.5,
+    rope_interleave: bool = True,
+    yarn: dict | None = None,
+    attention_bias: bool = False,
+    max_len: int = 512,
+    **extra,
+):
+    """DeepSeek-V3: MLA (low-rank q, the latent of `kv_lora_rank` plus the decoupled RoPE key),
+    group-limited sigmoid routing with the correction bias, shared experts, the first
+    `first_k_dense_replace` layers dense. `yarn`: YaRN rope keys (`factor`, `mscale`,
+    `mscale_all_dim`, ...) or None for plain RoPE."""
+    from transformers import DeepseekV3Config
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    if yarn is not None:
+        rope = {"rope_type": "yarn", "rope_theta": 10000.0, **yarn}
+    return DeepseekV3Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        moe_intermediate_size=moe_intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        q_lora_rank=q_lora_rank,
+        kv_lora_rank=kv_lora_rank,
+        qk_nope_head_dim=qk_nope_head_dim,
+        qk_rope_head_dim=qk_rope_head_dim,
+        v_head_dim=v_head_dim,
+        n_routed_experts=experts,
+        n_group=n_group,
+        topk_group=topk_group,
+        num_experts_per_tok=top_k,
+        n_shared_experts=n_shared_experts,
+        first_k_dense_replace=first_k_dense_replace,
+        norm_topk_prob=norm_topk_prob,
+        routed_scaling_factor=routed_scaling_factor,
+        rope_interleave=rope_interleave,
+        rope_parameters=rope,
+        attention_bias=attention_bias,
+        max_position_embeddings=max_len,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        **extra,
+    )
+
+
+def random_deepseek_v3_configs(n: int, seed: int = 0) -> list:
+    """`n` varied DeepSeek-V3 configs: MLA ranks and head widths (with and without a q
+    LoRA), interleaved or NeoX RoPE, plain RoPE or YaRN (factors, `mscale` and
+    `mscale_all_dim` equal or not), expert groups (one group, every group kept, one kept),
+    top-k, shared experts, dense first layers, `norm_topk_prob`, attention biases."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        layers = rng.choice([2, 3, 4])
+        n_group = rng.choice([1, 2, 4])
+        experts = n_group * rng.choice([2, 3, 4])
+        topk_group = rng.randint(1, n_group)
+        yarn = None
+        if rng.random() < 0.6:
+            yarn = {
+                "factor": rng.choice([2.0, 4.0, 40.0]),
+                "original_max_position_embeddings": rng.choice([16, 64, 4096]),
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": rng.choice([0.707, 1.0]),
+                "mscale_all_dim": rng.choice([0.707, 1.0]),
+            }
+        out.append(
+            deepseek_v3_config(
+                layers=layers,
+                hidden=rng.choice([32, 64]),
+                heads=rng.choice([1, 2, 4]),
+                q_lora_rank=rng.choice([None, 16, 24]),
+                kv_lora_rank=rng.choice([8, 16, 32]),
+                qk_nope_head_dim=rng.choice([4, 8, 16]),
+                qk_rope_head_dim=rng.choice([4, 8]),
+                v_head_dim=rng.choice([4, 8, 12]),
+                experts=experts,
+                n_group=n_group,
+                topk_group=topk_group,
+                top_k=rng.randint(1, min(4, topk_group * (experts // n_group))),
+                moe_intermediate=rng.choice([8, 16]),
+                n_shared_experts=rng.choice([1, 2]),
+                first_k_dense_replace=rng.randint(0, layers - 1),
+                norm_topk_prob=rng.choice([True, False]),
+                routed_scaling_factor=rng.choice([1.0, 2.5]),
+                rope_interleave=rng.random() < 0.75,
+                yarn=yarn,
+                attention_bias=rng.random() < 0.25,
+            )
+        )
+    return out

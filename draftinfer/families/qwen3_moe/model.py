@@ -108,21 +108,9 @@ class Qwen3MoeForCausalLM(NativeCausalLM):
     def checkpoint_sources(
         self, param: str, available: Container[str]
     ) -> list[TensorSource] | None:
-        """The stacked expert parameters from the released per-expert tensors:
-        `experts.{e}.gate_proj` / `up_proj` into `gate_up_proj[e, :I]` / `[e, I:]`,
-        `experts.{e}.down_proj` into `down_proj[e]`."""
+        """The stacked expert parameters from the released per-expert tensors
+        (`Experts.per_expert_sources`)."""
         prefix, _, leaf = param.rpartition(".")
-        if not prefix.endswith("mlp.experts") or leaf not in ("gate_up_proj", "down_proj"):
+        if not prefix.endswith("mlp.experts"):
             return None
-        c = self.config
-        inter = c.moe_intermediate_size
-        if leaf == "down_proj":
-            return [
-                TensorSource((f"{prefix}.{e}.down_proj.weight",), index=(e,))
-                for e in range(c.num_experts)
-            ]
-        return [
-            TensorSource((f"{prefix}.{e}.{part}_proj.weight",), index=(e, rows))
-            for e in range(c.num_experts)
-            for part, rows in (("gate", slice(0, inter)), ("up", slice(inter, 2 * inter)))
-        ]
+        return self.get_submodule(prefix).per_expert_sources(prefix, leaf)

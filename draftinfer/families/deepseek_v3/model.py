@@ -1,0 +1,198 @@
+"""Native DeepSeek-V3 target (transformers' `DeepseekV3ForCausalLM`; DeepSeek-V3/R1 and smaller
+configs of the same architecture): the shared decoder with this family's layers.
+
+    model = load_native_target("path/to/deepseek-v3-bf16", "cuda", torch.bfloat16, 8, 4096)
+
+What differs from the dense Llama block (REFERENCES part D, C1-C3; HF `modeling_deepseek_v3.py`):
+- attention: MLA (`draftinfer.models.mla.LatentAttention` at `self_attn`): low-rank query
+  (`q_lora_rank`), the compressed KV `kv_lora_rank` plus the decoupled RoPE key cached as the
+  latent (`kv_lora_rank + qk_rope_head_dim` values per token per layer, 576 at V3's sizes),
+  RoPE on the `qk_rope_head_dim` slice only (interleaved pairs with `rope_interleave`), the
+  softmax scale with YaRN's `mscale_all_dim` correction (`mla.mla_softmax_scale`); decode and
+  verify run with `kv_b_proj` absorbed into the query and output side, prefill expands it;
+- RoPE: the rotary's `head_dim` is `qk_rope_head_dim` (HF sets `head_dim` to it), YaRN with
+  `mscale` / `mscale_all_dim` (`draftinfer.models.rope`);
+- MLP: layers `< first_k_dense_replace` dense SwiGLU of `intermediate_size`; the others routed
+  (`draftinfer.models.moe`): `GroupedSigmoidRouter` at `mlp.gate` (sigmoid scores, the
+  `e_score_correction_bias` only selecting, `n_group` groups of which `topk_group` are kept,
+  renormalised with `norm_topk_prob`, times `routed_scaling_factor`; fp32), experts at
+  `mlp.experts` in HF's `[E, 2I, H]` layout through `SiluGLU` (I = `moe_intermediate_size`),
+  plus `mlp.shared_experts`, a SwiGLU of `moe_intermediate_size * n_shared_experts`.
+
+Checkpoints: one tensor per expert, `mlp.experts.{e}.{gate,up,down}_proj.weight`, as HF saves
+them (`Experts.per_expert_sources`); the stacked layout loads by name. The MTP layers a
+checkpoint carries past the last layer (`model.layers.{L+k}`, `num_nextn_predict_layers`)
+belong to a drafter and are skipped here. Not served (one-line `ConfigError`s): the released
+FP8 block-quantized files (`quantization_config`; dequantize to bf16 first), `num_key_value_heads
+!= num_attention_heads` (HF's MLA does not run it either), no shared expert, `topk_method` other
+than `noaux_tc`, `scoring_func` other than `sigmoid`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from torch import nn
+
+from draftinfer.files.errors import ConfigError
+from draftinfer.models.decoder import DecoderLayer, NativeCausalLM, NativeConfig, TensorSource
+from draftinfer.models.layers import SwiGLU
+from draftinfer.models.mla import LatentAttention, mla_softmax_scale
+from draftinfer.models.moe import Experts, GroupedSigmoidRouter, MoEBlock, SiluGLU
+
+FAMILY = "deepseek_v3"
+
+
+@dataclass
+class DeepseekV3NativeConfig(NativeConfig):
+    """`NativeConfig` (`head_dim` = `qk_rope_head_dim`, the rotary's width; `intermediate_size`
+    the dense layers') plus MLA's ranks and head widths and the routed experts."""
+
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = True
+    softmax_scale: float = 1.0
+    num_experts: int = 0
+    top_k: int = 0
+    moe_intermediate_size: int = 0
+    n_shared_experts: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    first_k_dense_replace: int = 0
+
+
+class DeepseekV3ForCausalLM(NativeCausalLM):
+    """DeepSeek-V3 (and R1: the same architecture)."""
+
+    hf_model_types = ("deepseek_v3",)
+    family = FAMILY
+
+    @classmethod
+    def config_from_hf(cls, hf: Any, eos_token_ids: list[int]) -> DeepseekV3NativeConfig:
+        name = cls.__name__
+        quant = getattr(hf, "quantization_config", None)
+        if quant:
+            method = quant.get("quant_method") if isinstance(quant, dict) else quant.quant_method
+            raise ConfigError(
+                f"{name}: quantization {method!r} is not supported (dequantize the checkpoint "
+                "to bf16 first)"
+            )
+        for key, want in (("topk_method", "noaux_tc"), ("scoring_func", "sigmoid")):
+            got = getattr(hf, key, want)
+            if got != want:
+                raise ConfigError(f"{name}: {key} {got!r} is not supported (only {want!r})")
+        heads = int(hf.num_attention_heads)
+        kv_heads = int(getattr(hf, "num_key_value_heads", None) or heads)
+        if kv_heads != heads:
+            raise ConfigError(
+                f"{name}: num_key_value_heads {kv_heads} != num_attention_heads {heads} "
+                "(MLA expands the latent to every head)"
+            )
+        L = int(hf.num_hidden_layers)
+        experts, top_k = int(hf.n_routed_experts or 0), int(hf.num_experts_per_tok)
+        n_group, topk_group = int(hf.n_group or 1), int(hf.topk_group or 1)
+        dense = int(hf.first_k_dense_replace or 0)
+        shared = int(hf.n_shared_experts or 0)
+        if experts < 1:
+            raise ConfigError(f"{name}: n_routed_experts {experts}: a dense model, not an MoE")
+        if experts % n_group or experts // n_group < 2:
+            raise ConfigError(
+                f"{name}: {experts} experts do not split into {n_group} groups of >= 2"
+            )
+        if not 1 <= topk_group <= n_group:
+            raise ConfigError(f"{name}: topk_group {topk_group} of {n_group} groups")
+        if not 1 <= top_k <= topk_group * (experts // n_group):
+            raise ConfigError(
+                f"{name}: num_experts_per_tok {top_k} for {topk_group} kept groups of "
+                f"{experts // n_group} experts"
+            )
+        if not 0 <= dense <= L:
+            raise ConfigError(f"{name}: first_k_dense_replace {dense} for {L} layers")
+        if shared < 1:
+            raise ConfigError(f"{name}: n_shared_experts {shared}: only >= 1 shared experts")
+        fields = cls.decoder_fields(hf, eos_token_ids)
+        # The rotary covers the decoupled RoPE slice only (HF sets `head_dim` to it); every
+        # head attends the latent (`num_kv_heads`: one mask row per query head).
+        rope_dim = int(hf.qk_rope_head_dim)
+        fields["head_dim"], fields["num_kv_heads"] = rope_dim, heads
+        nope = int(hf.qk_nope_head_dim)
+        q_rank = getattr(hf, "q_lora_rank", None)
+        return DeepseekV3NativeConfig(
+            **fields,
+            q_lora_rank=None if q_rank is None else int(q_rank),
+            kv_lora_rank=int(hf.kv_lora_rank),
+            qk_nope_head_dim=nope,
+            qk_rope_head_dim=rope_dim,
+            v_head_dim=int(hf.v_head_dim),
+            rope_interleave=bool(getattr(hf, "rope_interleave", True)),
+            softmax_scale=mla_softmax_scale(nope + rope_dim, fields["rope_scaling"]),
+            num_experts=experts,
+            top_k=top_k,
+            moe_intermediate_size=int(hf.moe_intermediate_size),
+            n_shared_experts=shared,
+            n_group=n_group,
+            topk_group=topk_group,
+            norm_topk_prob=bool(hf.norm_topk_prob),
+            routed_scaling_factor=float(hf.routed_scaling_factor),
+            first_k_dense_replace=dense,
+        )
+
+    @classmethod
+    def block_flags(cls, attention_bias: bool, mlp_bias: bool) -> tuple[bool, bool, bool, bool]:
+        # `attention_bias` biases q_a / kv_a / o (read by `decoder_layer` from qkv_bias).
+        return attention_bias, attention_bias, False, False
+
+    @classmethod
+    def attention(cls, cfg: DeepseekV3NativeConfig) -> LatentAttention:
+        return LatentAttention(
+            cfg.hidden_size,
+            cfg.num_heads,
+            q_lora_rank=cfg.q_lora_rank,
+            kv_lora_rank=cfg.kv_lora_rank,
+            qk_nope_head_dim=cfg.qk_nope_head_dim,
+            qk_rope_head_dim=cfg.qk_rope_head_dim,
+            v_head_dim=cfg.v_head_dim,
+            softmax_scale=cfg.softmax_scale,
+            rope_interleave=cfg.rope_interleave,
+            bias=cfg.qkv_bias,
+            eps=cfg.rms_norm_eps,
+        )
+
+    @classmethod
+    def decoder_layer(cls, cfg: DeepseekV3NativeConfig, index: int) -> nn.Module:
+        H = cfg.hidden_size
+        if index < cfg.first_k_dense_replace:
+            mlp: nn.Module = SwiGLU(H, cfg.intermediate_size)
+        else:
+            E, inter = cfg.num_experts, cfg.moe_intermediate_size
+            router = GroupedSigmoidRouter(
+                H,
+                E,
+                cfg.top_k,
+                cfg.n_group,
+                cfg.topk_group,
+                cfg.norm_topk_prob,
+                cfg.routed_scaling_factor,
+            )
+            experts = Experts(E, H, inter, SiluGLU(), bias=False, x_at_w=False)
+            shared = SwiGLU(H, inter * cfg.n_shared_experts)
+            mlp = MoEBlock(router, experts, "gate", shared_experts=shared)
+        return DecoderLayer(cfg, cls.attention(cfg), mlp, norm=partial(cls.rms_norm, cfg))
+
+    def checkpoint_sources(
+        self, param: str, available: Container[str]
+    ) -> list[TensorSource] | None:
+        """The stacked expert parameters from the per-expert tensors HF saves
+        (`Experts.per_expert_sources`)."""
+        prefix, _, leaf = param.rpartition(".")
+        if not prefix.endswith("mlp.experts"):
+            return None
+        return self.get_submodule(prefix).per_expert_sources(prefix, leaf)
