@@ -158,6 +158,23 @@ class TrainFamily:
     def export_fields(self, target_config: Any) -> dict[str, Any]:
         return {}
 
+    def rollout_inputs(
+        self, mm_inputs: dict[str, Any], prompt_len: int, total_len: int, device
+    ) -> dict[str, torch.Tensor]:
+        """A runner prompt's inputs beyond its ids (`Prompt.mm_inputs`) as this family's
+        training-batch keys for one sequence of `total_len` tokens, the prompt's `prompt_len`
+        then a continuation (on-policy rollouts): per-token rows (`[P]` or `[1, P]`) extended
+        over the continuation with 0 (text), every other input as it is."""
+        out = {}
+        for key, v in mm_inputs.items():
+            v = torch.as_tensor(v).to(device)
+            per_token = v.dim() == 1 or (v.dim() == 2 and v.shape[0] == 1)
+            if per_token and v.shape[-1] == prompt_len:
+                pad = v.new_zeros(*v.shape[:-1], total_len - prompt_len)
+                v = torch.cat([v, pad], -1).reshape(1, total_len)
+            out[key] = v
+        return out
+
     def card_notes(self, spec, arch) -> list[str]:
         """Serving facts for the model card of a drafter of kind `spec` (a `DrafterSpec`) with
         architecture `arch` (its config object)."""

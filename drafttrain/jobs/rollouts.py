@@ -71,10 +71,10 @@ def rollout_prompts(cfg: TrainConfig, max_model_len: int):
     return prompts, renderer.tokenizer
 
 
-def rollout_batch(prompt, tokens: list[int], device) -> dict[str, torch.Tensor]:
+def rollout_batch(prompt, tokens: list[int], device, family) -> dict[str, torch.Tensor]:
     """The frozen target's batch for one rollout sequence (prompt + continuation): the prompt's
-    own multimodal inputs (`Prompt.mm_inputs`, e.g. Qwen3-VL's pixels and grids) ride along,
-    their per-token rows extended over the continuation with 0 (text)."""
+    own multimodal inputs (`Prompt.mm_inputs`) ride along as the target's training family
+    (`family`, a `TrainFamily`) takes them (`rollout_inputs`)."""
     ids = torch.tensor([list(prompt.ids) + list(tokens)], device=device)
     ones = torch.ones_like(ids)
     T = ids.shape[1]
@@ -84,15 +84,8 @@ def rollout_batch(prompt, tokens: list[int], device) -> dict[str, torch.Tensor]:
         "loss_mask": ones,
         "position_ids": torch.arange(T, device=device)[None],
     }
-    for key, v in (getattr(prompt, "mm_inputs", None) or {}).items():
-        v = torch.as_tensor(v).to(device)
-        per_token = v.dim() == 1 or (v.dim() == 2 and v.shape[0] == 1)  # [P] or [1, P]
-        if per_token and v.shape[-1] == len(prompt.ids):
-            pad = v.new_zeros(*v.shape[:-1], T - v.shape[-1])
-            v = torch.cat([v, pad], -1).reshape(1, T)
-        batch[key] = v
-    if "image_grid_thw" in batch:
-        batch["image_rows"] = torch.zeros(batch["image_grid_thw"].shape[0], dtype=torch.long)
+    mm = getattr(prompt, "mm_inputs", None) or {}
+    batch.update(family.rollout_inputs(mm, len(prompt.ids), T, device))
     return batch
 
 
@@ -110,7 +103,10 @@ class Rollouts:
     def __init__(self, cfg: TrainConfig, target, features, device, run_dir: Path, k: int):
         from draftinfer.evaluation.run import pick_dtype
 
+        from drafttrain.registry import target_family
+
         self.cfg, self.target, self.features, self.device = cfg, target, features, device
+        self.family = target_family(cfg.target.name_or_path)
         self.dir = run_dir / ROLLOUT_DIR
         self.k = k
         self.max_model_len = min(2048, cfg.data.max_length + cfg.opd.max_new_tokens + 8)
@@ -223,7 +219,7 @@ class Rollouts:
         show = self.cfg.trainer.progress
         for r in tqdm(data["records"], desc="rollout features", disable=not show, leave=False):
             p = self.prompts[r["prompt"]]
-            batch = rollout_batch(p, r["tokens"], self.device)
+            batch = rollout_batch(p, r["tokens"], self.device, self.family)
             tgt = self.target.batch_output(batch, self.features)
             rows = round_rows(len(p.ids), len(r["tokens"]), r["accepted"], r["proposed"], self.k)
             seqs.append(OPDSequence(batch["input_ids"], tgt, rows))

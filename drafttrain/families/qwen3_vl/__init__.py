@@ -40,6 +40,15 @@ class Qwen3VLTrainFamily(TrainFamily):
 
         return VLChatData(load_processor(target_name))
 
+    def rollout_inputs(self, mm_inputs, prompt_len, total_len, device):
+        """The base's, plus `image_rows` (each image's batch row: 0, a one-sequence batch)."""
+        out = super().rollout_inputs(mm_inputs, prompt_len, total_len, device)
+        if "image_grid_thw" in out:
+            out["image_rows"] = torch.zeros(
+                out["image_grid_thw"].shape[0], dtype=torch.long, device=device
+            )
+        return out
+
     def export_fields(self, target_config: Any) -> dict[str, Any]:
         # SpecForge's VL drafter configs name the target family this way; engines ignore it.
         return {"target_model_type": target_config.model_type}
