@@ -26,7 +26,7 @@ copies it into the running drafter's own parameters between two rounds. Nothing 
   (`Proposer.weights_updated`).
 
 What a swap does not do: the drafter KV a request in flight already wrote stays as the old
-version wrote it (vLLM's and SGLang's weight updates do not refresh the draft's cache either).
+version wrote it (rebuilding it would need the target features of its whole prefix again).
 Acceptance of that request's next rounds may be a little lower than a fresh request's;
 losslessness never depends on the drafter, so every round stays lossless across the swap
 (tested at T = 0 and T = 1, `tests/infer/test_swap.py`).

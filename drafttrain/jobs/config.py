@@ -227,6 +227,31 @@ class CacheConfig:
 
 
 @dataclass
+class OnlineConfig:
+    """The drift demonstration job (`drafttrain.online.drift`, preset `online_drift`): with
+    `drift: true`, `python -m drafttrain` runs it instead of train -> export -> verify."""
+
+    drift: bool = False
+    # The shifted data mix the target is fine-tuned on (`drafttrain.online.shift`).
+    shift: str = "reverse_words"
+    shift_fraction: float = 0.8
+    # The target's fine-tune: steps in all, in `segments` equal parts (one time point each).
+    target_steps: int = 200
+    segments: int = 5
+    target_lr: float = 2e-3
+    target_tokens_per_batch: int = 1024
+    # The stale drafter's training on the original target, then the online trainer's step
+    # quota per published version.
+    base_steps: int = 120
+    steps_per_publish: int = 30
+    # Every AL measurement: the same held-out prompts, greedy, K drafts per round.
+    prompts: int = 24
+    max_new_tokens: int = 48
+    k: int = 3
+    batch_size: int = 8
+
+
+@dataclass
 class TrainConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     drafter: Any = None  # a DrafterTrainConfig subclass, chosen by the `drafter/` group
@@ -236,6 +261,7 @@ class TrainConfig:
     export: ExportConfig = field(default_factory=ExportConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     eval: RunnerEvalConfig = field(default_factory=RunnerEvalConfig)
+    online: OnlineConfig = field(default_factory=OnlineConfig)
     output_dir: str = "outputs/run"
     seed: int = 0
     resume: bool = False
@@ -333,6 +359,10 @@ def check_train_config(cfg: TrainConfig) -> TrainConfig:
     if cfg.drafter is None:
         raise ConfigError("the drafter section is missing (drafter=<kind>)")
     cfg.drafter.check()
+    if cfg.online.drift:
+        from drafttrain.online.drift import check_online_config
+
+        check_online_config(cfg)
     return cfg
 
 

@@ -47,6 +47,8 @@ def cpu_presets() -> dict[str, TrainConfig]:
         raw = yaml.safe_load(path.read_text()) or {}
         if "preset" not in raw:  # base.yaml, regenerate.yaml
             continue
+        if (raw.get("online") or {}).get("drift"):  # online_drift: not a train -> export job
+            continue
         cfg = compose_preset(path.stem)
         if cfg.target.name_or_path.startswith("zoo:"):
             out[path.stem] = cfg
@@ -80,7 +82,12 @@ SHORT_RECIPE = [
 # Presets whose shortened recipe stops earlier: the MoE zoo targets' steps cost two to three
 # times a dense one on the CPU (their 120-step recipes took 68-143 s of CI's 27 min, with AL
 # 1.9-3.0, far above the goldens' floor of 1.3), so 60 steps pin them.
-SHORT_STEPS = {"eagle3_gpt_oss": 60, "ptd_gpt_oss": 60, "dflash_gpt_oss": 60, "eagle3_qwen3_moe": 60}
+SHORT_STEPS = {
+    "eagle3_gpt_oss": 60,
+    "ptd_gpt_oss": 60,
+    "dflash_gpt_oss": 60,
+    "eagle3_qwen3_moe": 60,
+}
 
 
 def short_recipe(name: str) -> list[str]:
