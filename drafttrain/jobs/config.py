@@ -360,10 +360,28 @@ def check_train_config(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError("the drafter section is missing (drafter=<kind>)")
     cfg.drafter.check()
     if cfg.online.drift:
-        from drafttrain.online.drift import check_online_config
-
         check_online_config(cfg)
     return cfg
+
+
+def check_online_config(cfg: TrainConfig) -> None:
+    """The drift job's values (`online.*`), one-line `ConfigError`s."""
+    o = cfg.online
+    for name in ("segments", "target_steps", "steps_per_publish", "base_steps", "prompts"):
+        if getattr(o, name) < 1:
+            raise ConfigError(f"online.{name} must be >= 1, got {getattr(o, name)!r}")
+    for name in ("max_new_tokens", "k", "batch_size", "target_tokens_per_batch"):
+        if getattr(o, name) < 1:
+            raise ConfigError(f"online.{name} must be >= 1, got {getattr(o, name)!r}")
+    if o.target_steps < o.segments:
+        raise ConfigError("online.target_steps must be >= online.segments")
+    if not 0 < o.shift_fraction <= 1:
+        raise ConfigError(f"online.shift_fraction must be in (0, 1], got {o.shift_fraction!r}")
+    if not o.target_lr > 0:
+        raise ConfigError(f"online.target_lr must be > 0, got {o.target_lr!r}")
+    from drafttrain.online.shift import shift_fn
+
+    shift_fn(o.shift)
 
 
 def train_config_from_dict(d: dict[str, Any], where: str = "training_args.yaml") -> TrainConfig:

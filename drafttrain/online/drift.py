@@ -43,10 +43,10 @@ from draftinfer.files.checkpoint import atomic_write_text, load_drafter
 from draftinfer.files.loading import load_native_target, load_weights
 from draftinfer.files.paths import resolve_path
 from draftinfer.files.target_dir import weight_files
-from drafttrain.jobs.config import TrainConfig
-from drafttrain.jobs.errors import ConfigError, DataError
+from drafttrain.jobs.config import TrainConfig, check_online_config
+from drafttrain.jobs.errors import DataError
 from drafttrain.online.publish import VersionWatcher, publish_checkpoint, read_manifest
-from drafttrain.online.shift import shift_fn, shifted
+from drafttrain.online.shift import shifted
 
 TABLE = "al_over_time.json"
 PLOT = "al_over_time.png"
@@ -186,23 +186,6 @@ def format_table(rows: list[dict]) -> str:
             f"{r['online']['al']:.3f} | v{r['online']['version']} | {ok} |"
         )
     return "\n".join(lines)
-
-
-def check_online_config(cfg: TrainConfig) -> None:
-    o = cfg.online
-    for name in ("segments", "target_steps", "steps_per_publish", "base_steps", "prompts"):
-        if getattr(o, name) < 1:
-            raise ConfigError(f"online.{name} must be >= 1, got {getattr(o, name)!r}")
-    for name in ("max_new_tokens", "k", "batch_size", "target_tokens_per_batch"):
-        if getattr(o, name) < 1:
-            raise ConfigError(f"online.{name} must be >= 1, got {getattr(o, name)!r}")
-    if o.target_steps < o.segments:
-        raise ConfigError("online.target_steps must be >= online.segments")
-    if not 0 < o.shift_fraction <= 1:
-        raise ConfigError(f"online.shift_fraction must be in (0, 1], got {o.shift_fraction!r}")
-    if not o.target_lr > 0:
-        raise ConfigError(f"online.target_lr must be > 0, got {o.target_lr!r}")
-    shift_fn(o.shift)
 
 
 def run_online_drift(cfg: TrainConfig) -> dict[str, Any]:
