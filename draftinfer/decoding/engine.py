@@ -90,6 +90,11 @@ class RequestOutput:
     accepted: list[int] = field(default_factory=list)  # per round
     proposed: list[int] = field(default_factory=list)  # per round
     versions: list[int] = field(default_factory=list)  # per round: the drafter version
+    # With `SpecDecoder(emit_features=True)`: the target features the runner computed for the
+    # committed tokens `[N - 1, F]` (N = prompt + output tokens; row i is f_i, the feature of
+    # token i, which pairs with token i + 1, convention 1; the last token has none yet), on
+    # the CPU, in the target's dtype. None otherwise.
+    features: torch.Tensor | None = None
 
 
 def apply_stops(
@@ -154,6 +159,7 @@ class _Active:
     accepted: list[int] = field(default_factory=list)
     proposed: list[int] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    features: list[torch.Tensor] = field(default_factory=list)  # emitted chunks, in order
     finish: str | None = None
 
 
@@ -167,6 +173,7 @@ class _Launched:
     done: torch.cuda.Event | None
     start: float
     version: int = 0  # the drafter version the round drafted with
+    features: torch.Tensor | None = None  # [B, K + 1, F]: the verify forward's (emit_features)
 
 
 class SpecDecoder:
@@ -180,7 +187,10 @@ class SpecDecoder:
     inside a round an error (CUDA only). `pipeline` launches each round before reading the
     previous one back (module docstring; None: on for CUDA, where it hides the host's part of
     a round, off on the CPU, where a launch is the work itself). `drafter_version` names the
-    weights the drafter starts with (`update_drafter` moves it on).
+    weights the drafter starts with (`update_drafter` moves it on). `emit_features=True`
+    hands each request's committed tokens' target features back (`RequestOutput.features`):
+    the ones the round's verify forward and the prefill computed anyway (the next first pass),
+    copied out on the device once per round, so an online trainer needs no second target pass.
     """
 
     def __init__(
@@ -199,6 +209,7 @@ class SpecDecoder:
         compile_options: dict | None = None,
         pipeline: bool | None = None,
         drafter_version: int = 0,
+        emit_features: bool = False,
     ):
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
@@ -246,6 +257,7 @@ class SpecDecoder:
         self.drafter_version = drafter_version
         self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
         self._generating = False
+        self.emit_features = emit_features
         self._target_fwd = target_forward
         mode = {False: "none", True: "all"}.get(compile, compile)
         if mode not in ("none", "target", "all"):
@@ -319,6 +331,10 @@ class SpecDecoder:
         self.sampling.set_rows([s.row for s in slots], [s.req.sampling for s in slots])
         t = {name: x[rows] for name, x in self.sampling.tensors.items()}
         first = self.verifier.sample_next(logits[:, -1], t, lens).tolist()
+        if self.emit_features:  # f_0..f_{P_b - 1}: the prompt's rows (left padding cut)
+            feats = torch.cat([o.features for o in outs], dim=1)
+            for b, s in enumerate(slots):
+                s.features = [feats[b, P - len(s.tokens) :].cpu()]
         for s, tok in zip(slots, first):
             s.out, s.finish = apply_stops(
                 s.req, [], [tok], len(s.tokens), self.max_model_len, self.tokenizer
@@ -387,11 +403,14 @@ class SpecDecoder:
         *fp, self.pending_token, self.carry, packed = out
         self.fp = FirstPass.of_tensors(fp)
         table.copy_(packed, non_blocking=True)
+        # The verify forward's features at cache indices L-1..L-1+K (a graph's output is
+        # overwritten by its next replay: copied here, on the round's stream).
+        feats = self.fp.features.clone() if self.emit_features else None
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return _Launched(list(live), table, done, start, self.drafter_version)
+        return _Launched(list(live), table, done, start, self.drafter_version, feats)
 
     def _process(self, launched: _Launched) -> bool:
         """Read a launched round back and commit it for its requests that are still running
@@ -412,6 +431,11 @@ class SpecDecoder:
                 s.req, s.out, emitted, L, self.max_model_len, self.tokenizer
             )
             s.tokens.extend(s.out[n_before:])
+            if launched.features is not None:
+                # n new tokens committed: the features of t_{L-1} (the pending token) and of
+                # the first n - 1 of them are final (the last one's comes next round).
+                n = len(s.out) - n_before
+                s.features.append(launched.features[s.row, :n].cpu())
         return bool(running)
 
     def _round_tensors(
@@ -559,6 +583,7 @@ class SpecDecoder:
                         accepted=s.accepted,
                         proposed=s.proposed,
                         versions=s.versions,
+                        features=torch.cat(s.features) if s.features else None,
                     )
                     finalize_text(s.req, res, self.tokenizer)
                     results[s.idx] = res

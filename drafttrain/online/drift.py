@@ -22,8 +22,9 @@ the trainer from its checkpoint, continues the versions from the manifest and me
 the time points it has not measured; the table it ends with is the uninterrupted run's.
 
 What it does not do yet: the trainer reads the moved target's features with a forward of its
-own over the shifted mix (the live frozen target of `drafttrain.jobs.train`); consuming the
-features the runner computes for accepted tokens (no second target pass) is not built.
+own over the shifted mix (the live frozen target of `drafttrain.jobs.train`). The runner can
+emit the features it computes for committed tokens (`SpecDecoder(emit_features=True)`); a
+trainer that consumes them (no second target pass) is not built.
 """
 
 from __future__ import annotations

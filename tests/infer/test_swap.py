@@ -32,6 +32,8 @@ from draftinfer.files.checkpoint import load_drafter, serving_tensors
 from draftinfer.registry import registered_kinds, spec_of
 from tests.support.prompts import zoo_prompts
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 KINDS = registered_kinds()
 MAX_LEN = 384
 
@@ -180,20 +182,21 @@ def test_swap_refreshes_the_draft_vocabulary_map(kind_env):
 def test_joint_distribution_across_a_swap(kind_env):
     """T = 1: the harness's three-token joint test on the zoo target (the setting of
     `test_trained_zoo_drafter_joint_distribution`: top-k 6, full-q verification, the held-out
-    prompt whose answer starts spread), the drafter swapped from noise to the trained export
-    after every request's first round, so its second round drafts with another q. Still the
-    target's distribution, with the power the harness asserts."""
+    prompt whose answer starts spread), with a swap after every request's first round: version
+    0 is the trained export, version 1 the same weights with the draft head scaled by 0.6, so
+    the drafter state the first round wrote stays meaningful (drafts are still accepted) while
+    the second round draws its drafts from another q. Still the target's distribution."""
     from draftinfer.files.loading import load_native_target
     from draftinfer.files.paths import resolve_path
     from tests.support.sampling_harness import (
         ALPHA,
-        POWER,
         HarnessDecoder,
         enumerate_oracle,
         fits,
+        power_to_detect,
     )
 
-    kind, k, n = "eagle3", 3, 11_000
+    kind, k, n = "eagle3", 3, 4000
     setting = SamplingParams(1.0, top_k=6)
     env = kind_env(kind)
     prompt = zoo_prompts(60, seed=0)[26]
@@ -201,9 +204,11 @@ def test_joint_distribution_across_a_swap(kind_env):
     oracle = enumerate_oracle(zoo_dir, prompt, setting)
     max_len = len(prompt) + k + 4
     target = load_native_target(zoo_dir, max_batch=n, max_seq_len=max_len)
-    drafter = noisy(load_drafter(env["export"], target.shared_weights())[0])
+    drafter, _ = load_drafter(env["export"], target.shared_weights())
     dec = HarnessDecoder(target, drafter, k, max_batch=n, max_model_len=max_len, verify="full")
     update = export_update(env["export"], 1)
+    head = update.tensors["lm_head.weight"]
+    update = replace(update, tensors={**update.tensors, "lm_head.weight": head * 0.6})
     calls = [0]
 
     def between_rounds(d):
@@ -217,10 +222,10 @@ def test_joint_distribution_across_a_swap(kind_env):
     tokens = torch.tensor([o.token_ids[:3] for o in outs])
     by = stats["al_by_version"]
     print("joint across a swap:", by)
-    assert set(by) == {0, 1} and by[1]["rounds"] > 0.2 * n
-    assert by[1]["al"] > by[0]["al"] + 0.2  # the second version's q is another, better one
+    assert set(by) == {0, 1} and by[1]["rounds"] > 0.2 * n  # second rounds ran on version 1
+    assert by[0]["al"] > 1.3 and by[1]["al"] > 1.1  # drafts accepted on both sides of it
     for name, fit in fits(tokens, oracle).items():
         print(f"swap {kind} K={k} {name:9s} {fit}")
         assert fit.pvalue > ALPHA, (name, str(fit))
-        if name != "joint_all":
-            assert fit.power >= POWER, (name, str(fit))
+        if name != "joint_all":  # n = 4000 detects a 5-point shift (the harness: 3 at 11000)
+            assert power_to_detect(n, fit.df, shift=0.05) >= 0.9, (name, str(fit))

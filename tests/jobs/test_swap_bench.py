@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from draftbench import swap
 from draftinfer.registry import registered_kinds
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_swap_benchmark_tiny_on_cpu(tmp_path):
