@@ -65,7 +65,7 @@ from draftinfer.decoding.compiled import compiled, runner_compile_options, targe
 from draftinfer.decoding.graphs import GraphedFunction
 from draftinfer.decoding.proposer import FirstPass
 from draftinfer.decoding.sampling import SamplingParams, SamplingState, with_seed
-from draftinfer.decoding.swap import DrafterUpdate, apply_staged, stage_update
+from draftinfer.decoding.swap import DrafterUpdate, Staged, apply_staged, stage_update
 from draftinfer.decoding.verify import Verifier
 from draftinfer.registry import spec_of
 
@@ -255,7 +255,7 @@ class SpecDecoder:
         self._tables = [torch.zeros(B, k + 3, dtype=torch.long, pin_memory=pin) for _ in range(2)]
         self._launches = 0
         self.drafter_version = drafter_version
-        self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._staged: tuple[int, Staged] | None = None
         self._generating = False
         self.emit_features = emit_features
         self._target_fwd = target_forward

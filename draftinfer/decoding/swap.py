@@ -16,11 +16,15 @@ copies it into the running drafter's own parameters between two rounds. Nothing 
   device (*staged*), before anything is copied: a bad update (unknown or missing names, a
   wrong shape or dtype, a non-finite value, another config, a version not above the running
   one) is a one-line `SwapError` and leaves the running drafter untouched.
-- **In place.** `apply_staged` copies into the parameters' own storage (`copy_`), so a
-  compiled drafter forward and a captured CUDA graph read the new values on their next
-  replay: nothing is recompiled or recaptured. The copies are queued on the current stream,
-  after every round already launched (with `pipeline=True` the round in flight finishes on
-  the old weights) and before the next one.
+- **Staged off the round's stream.** On CUDA the upload runs on a side stream from pinned
+  memory (`non_blocking`), so staging during `generate` does not make the host wait for the
+  round in flight (a pageable host-to-device copy would); an update already on the GPU is
+  copied after the work queued on the round's stream so far (a device-side wait only).
+- **In place.** `apply_staged` makes the round's stream wait for the staging and copies into
+  the parameters' own storage (`copy_`), so a compiled drafter forward and a captured CUDA
+  graph read the new values on their next replay: nothing is recompiled or recaptured. The
+  copies are queued on the current stream, after every round already launched (with
+  `pipeline=True` the round in flight finishes on the old weights) and before the next one.
 - **Derived state.** What a proposer derives from the weights (the draft-to-target id map of
   a drafter with its own vocabulary, `d2t`) is refreshed in place too
   (`Proposer.weights_updated`).
@@ -78,12 +82,19 @@ class DrafterUpdate:
         return cls(int(version), tensors, config, dict(meta or {}))
 
 
-def stage_update(
-    drafter: torch.nn.Module, update: DrafterUpdate, running_version: int
-) -> dict[str, torch.Tensor]:
-    """Check `update` against the running `drafter` and return its tensors under the module's
-    names, cast to each parameter's dtype on its device, ready to copy. Raises a one-line
-    `SwapError`; touches nothing of `drafter`."""
+@dataclass
+class Staged:
+    """An update checked and on the drafter's device: tensors under the module's names, in
+    each parameter's dtype, and (CUDA) the event of the side stream that uploaded them."""
+
+    tensors: dict[str, torch.Tensor]
+    ready: torch.cuda.Event | None = None
+    device: torch.device | None = None
+
+
+def stage_update(drafter: torch.nn.Module, update: DrafterUpdate, running_version: int) -> Staged:
+    """Check `update` against the running `drafter` and stage its tensors (module docstring).
+    Raises a one-line `SwapError`; touches nothing of `drafter`."""
     from draftinfer.files.checkpoint import parse_drafter_config
     from draftinfer.registry import spec_of
 
@@ -112,7 +123,6 @@ def stage_update(
         raise SwapError(str(e)) from None
     own = drafter.trainable_state_dict()
     export_dtype = update.config.get("torch_dtype") if update.config else None
-    staged = {}
     for name, t in tensors.items():
         p = own[name]
         if p.is_floating_point() != t.is_floating_point() or (
@@ -126,15 +136,31 @@ def stage_update(
                 )
             if not bool(torch.isfinite(t).all()):
                 raise SwapError(f"{where}: tensor {name} holds NaN or Inf")
-        staged[name] = t.to(device=p.device, dtype=p.dtype, copy=True)
-    return staged
+    device = next(iter(own.values())).device
+    if device.type != "cuda":
+        return Staged({n: t.to(dtype=own[n].dtype, copy=True) for n, t in tensors.items()})
+    side = torch.cuda.Stream(device)
+    if any(t.is_cuda for t in tensors.values()):
+        side.wait_stream(torch.cuda.current_stream(device))  # produced there: a device wait
+    staged = {}
+    with torch.cuda.stream(side):
+        for name, t in tensors.items():
+            src = t if t.is_cuda else t.pin_memory()
+            staged[name] = src.to(device, non_blocking=True).to(own[name].dtype)
+    return Staged(staged, side.record_event(), device)
 
 
 @torch.no_grad()
-def apply_staged(drafter: torch.nn.Module, staged: dict[str, torch.Tensor]) -> None:
-    """Copy staged tensors into the drafter's own parameters and buffers, in place."""
+def apply_staged(drafter: torch.nn.Module, staged: Staged) -> None:
+    """Copy staged tensors into the drafter's own parameters and buffers, in place, on the
+    current stream (after it waited for the staging)."""
     own = drafter.trainable_state_dict()
-    for name, t in staged.items():
+    if staged.ready is not None:
+        stream = torch.cuda.current_stream(staged.device)
+        stream.wait_event(staged.ready)
+    for name, t in staged.tensors.items():
+        if staged.ready is not None:
+            t.record_stream(stream)  # made on the side stream, read on this one
         own[name].copy_(t)
     for m in drafter.modules():  # anything a module derives from its weights, redone
         hook = getattr(m, "after_load_weights", None)
