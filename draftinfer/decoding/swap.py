@@ -173,8 +173,18 @@ def _plain(d: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(d, default=str))
 
 
-def _first_difference(a: dict[str, Any], b: dict[str, Any]) -> str:
+def _first_difference(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> str:
+    """The first field (dotted path into nested dicts) where `b` differs from the running `a`."""
     for key in sorted(set(a) | set(b)):
-        if a.get(key) != b.get(key):
-            return f"{key}: {b.get(key)!r} vs running {a.get(key)!r}"
+        x, y = a.get(key), b.get(key)
+        if x == y:
+            continue
+        if isinstance(x, dict) and isinstance(y, dict):
+            return _first_difference(x, y, f"{prefix}{key}.")
+        return f"{prefix}{key}: {_short(y)} vs running {_short(x)}"
     return "kind differs"
+
+
+def _short(v: Any, n: int = 60) -> str:
+    r = repr(v)
+    return r if len(r) <= n else r[: n - 3] + "..."
