@@ -286,6 +286,12 @@ class SpecDecoder:
         if not self._generating:
             self._apply_staged()
 
+    def target_weights_updated(self) -> None:
+        """The target's weights were replaced in place (a policy step): copy the target weights
+        the drafter shares (its embedding, its head) into it again (`attach_shared`), as an
+        engine whose draft shares the target's tensors sees them. Call between rounds."""
+        spec_of(self.drafter).attach_shared(self.drafter, self.target.shared_weights())
+
     def _apply_staged(self) -> bool:
         """Copy the staged update into the drafter (queued on the current stream, after the
         round in flight). True if there was one."""

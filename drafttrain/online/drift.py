@@ -275,6 +275,8 @@ def run_online_drift(cfg: TrainConfig) -> dict[str, Any]:
         if t in done:
             continue
         load_weights(target, weight_files(Path(prev)))  # the moved target, in place
+        for dec in (stale_dec, online_dec):  # the embedding / head the drafters share
+            dec.target_weights_updated()
         row = {
             "time": t,
             "target_step": step,
