@@ -179,6 +179,7 @@ def test_swap_refreshes_the_draft_vocabulary_map(kind_env):
     assert torch.equal(dec.proposer.draft_vocab_ids().cpu(), targets)
 
 
+@pytest.mark.slow  # 4000 requests of the harness: 4-10 min on a busy 2-core CPU
 def test_joint_distribution_across_a_swap(kind_env):
     """T = 1: the harness's three-token joint test on the zoo target (the setting of
     `test_trained_zoo_drafter_joint_distribution`: top-k 6, full-q verification, the held-out
