@@ -25,6 +25,17 @@ def acceptance_length(accepted: Sequence[int]) -> float:
     return sum(a + 1 for a in accepted) / len(accepted)
 
 
+def al_by_version(outputs) -> dict[int, dict[str, float]]:
+    """AL per drafter version over the rounds of `outputs` (each with `accepted` and
+    `versions` per round, `draftinfer.decoding.engine.RequestOutput`): version ->
+    {"al": `acceptance_length` of its rounds, "rounds": how many}, versions in order."""
+    by: dict[int, list[int]] = {}
+    for o in outputs:
+        for a, v in zip(o.accepted, o.versions, strict=True):
+            by.setdefault(v, []).append(a)
+    return {v: {"al": acceptance_length(by[v]), "rounds": len(by[v])} for v in sorted(by)}
+
+
 def walk_rounds(accepted_after: Callable[[int], int], n: int, stopped: bool) -> list[int]:
     """The accepted counts of the runner's rounds over a greedy continuation of `n` tokens,
     from `accepted_after(s)`: the drafts a round started after continuation token `s`

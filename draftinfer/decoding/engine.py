@@ -36,6 +36,14 @@ position table from the request's `mm_inputs` and records the request's `mrope_d
 which every decode, verify and draft slot sits at `target.rope_positions(cache_pos, rows)`.
 The engine names no family.
 
+Drafter updates (`update_drafter`, `draftinfer.decoding.swap`): a versioned, weights-only update
+is checked when it is given and copied into the running drafter between two rounds, at the top
+of the loop (after the callback `between_rounds`, before admissions and the next launch), on
+the round's stream: a round already launched finishes on the old weights, every later one
+(and every later admission's drafter prefill) runs the new ones. Requests in flight continue;
+nothing is recompiled or recaptured. Each round records the version that drafted it
+(`RequestOutput.versions`; the stats' `al_by_version`).
+
 Rejected drafts leave stale KV past the committed length in both caches; it is never read
 (see `draftinfer.models.kv_cache`). Randomness is keyed by (request seed, position), so a request's
 output does not depend on the rest of the batch (convention 12).
@@ -50,12 +58,14 @@ from dataclasses import dataclass, field, replace
 import torch
 from draftkernels.chain_inputs import prepare_chain_inputs
 
+from draftinfer.conventions.metrics import al_by_version
 from draftinfer.conventions.slots import Slots, attn_bucket
 from draftinfer.conventions.window import TokenEmbeds
 from draftinfer.decoding.compiled import compiled, runner_compile_options, target_forward
 from draftinfer.decoding.graphs import GraphedFunction
 from draftinfer.decoding.proposer import FirstPass
 from draftinfer.decoding.sampling import SamplingParams, SamplingState, with_seed
+from draftinfer.decoding.swap import DrafterUpdate, Staged, apply_staged, stage_update
 from draftinfer.decoding.verify import Verifier
 from draftinfer.registry import spec_of
 
@@ -79,6 +89,12 @@ class RequestOutput:
     text: str | None = None
     accepted: list[int] = field(default_factory=list)  # per round
     proposed: list[int] = field(default_factory=list)  # per round
+    versions: list[int] = field(default_factory=list)  # per round: the drafter version
+    # With `SpecDecoder(emit_features=True)`: the target features the runner computed for the
+    # committed tokens `[N - 1, F]` (N = prompt + output tokens; row i is f_i, the feature of
+    # token i, which pairs with token i + 1, convention 1; the last token has none yet), on
+    # the CPU, in the target's dtype. None otherwise.
+    features: torch.Tensor | None = None
 
 
 def apply_stops(
@@ -142,6 +158,8 @@ class _Active:
     out: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
     proposed: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    features: list[torch.Tensor] = field(default_factory=list)  # emitted chunks, in order
     finish: str | None = None
 
 
@@ -154,6 +172,8 @@ class _Launched:
     table: torch.Tensor
     done: torch.cuda.Event | None
     start: float
+    version: int = 0  # the drafter version the round drafted with
+    features: torch.Tensor | None = None  # [B, K + 1, F]: the verify forward's (emit_features)
 
 
 class SpecDecoder:
@@ -166,7 +186,11 @@ class SpecDecoder:
     first use of a bucket runs as is and compiles. `sync_check=True` makes any host sync
     inside a round an error (CUDA only). `pipeline` launches each round before reading the
     previous one back (module docstring; None: on for CUDA, where it hides the host's part of
-    a round, off on the CPU, where a launch is the work itself).
+    a round, off on the CPU, where a launch is the work itself). `drafter_version` names the
+    weights the drafter starts with (`update_drafter` moves it on). `emit_features=True`
+    hands each request's committed tokens' target features back (`RequestOutput.features`):
+    the ones the round's verify forward and the prefill computed anyway (the next first pass),
+    copied out on the device once per round, so an online trainer needs no second target pass.
     """
 
     def __init__(
@@ -184,6 +208,8 @@ class SpecDecoder:
         cuda_graphs: bool = False,
         compile_options: dict | None = None,
         pipeline: bool | None = None,
+        drafter_version: int = 0,
+        emit_features: bool = False,
     ):
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
@@ -228,6 +254,10 @@ class SpecDecoder:
         self._uploads = [torch.zeros(4, B, dtype=torch.long, pin_memory=pin) for _ in range(2)]
         self._tables = [torch.zeros(B, k + 3, dtype=torch.long, pin_memory=pin) for _ in range(2)]
         self._launches = 0
+        self.drafter_version = drafter_version
+        self._staged: tuple[int, Staged] | None = None
+        self._generating = False
+        self.emit_features = emit_features
         self._target_fwd = target_forward
         mode = {False: "none", True: "all"}.get(compile, compile)
         if mode not in ("none", "target", "all"):
@@ -243,6 +273,35 @@ class SpecDecoder:
             if self.device.type != "cuda":
                 raise ValueError(f"cuda_graphs=True needs a CUDA target, not {self.device}")
             self._graphed = GraphedFunction(self._round_tensors)
+
+    # -- drafter updates ------------------------------------------------------------------
+    def update_drafter(self, update: DrafterUpdate) -> None:
+        """Take a weights-only drafter update (`draftinfer.decoding.swap`): checked and staged
+        on the device now (a bad one is a one-line `SwapError`, nothing staged or copied),
+        copied in place between two rounds: at once outside `generate`, else at the top of
+        its next loop iteration. A later update given before that replaces a staged one."""
+        running = self.drafter_version if self._staged is None else self._staged[0]
+        staged = stage_update(self.drafter, update, running)
+        self._staged = (update.version, staged)
+        if not self._generating:
+            self._apply_staged()
+
+    def target_weights_updated(self) -> None:
+        """The target's weights were replaced in place (a policy step): copy the target weights
+        the drafter shares (its embedding, its head) into it again (`attach_shared`), as an
+        engine whose draft shares the target's tensors sees them. Call between rounds."""
+        spec_of(self.drafter).attach_shared(self.drafter, self.target.shared_weights())
+
+    def _apply_staged(self) -> bool:
+        """Copy the staged update into the drafter (queued on the current stream, after the
+        round in flight). True if there was one."""
+        if self._staged is None:
+            return False
+        version, staged = self._staged
+        apply_staged(self.drafter, staged)
+        self.proposer.weights_updated()
+        self.drafter_version, self._staged = version, None
+        return True
 
     # -- target passes ------------------------------------------------------------------
     def _admit(self, slots: list[_Active]) -> None:
@@ -278,6 +337,10 @@ class SpecDecoder:
         self.sampling.set_rows([s.row for s in slots], [s.req.sampling for s in slots])
         t = {name: x[rows] for name, x in self.sampling.tensors.items()}
         first = self.verifier.sample_next(logits[:, -1], t, lens).tolist()
+        if self.emit_features:  # f_0..f_{P_b - 1}: the prompt's rows (left padding cut)
+            feats = torch.cat([o.features for o in outs], dim=1)
+            for b, s in enumerate(slots):
+                s.features = [feats[b, P - len(s.tokens) :].cpu()]
         for s, tok in zip(slots, first):
             s.out, s.finish = apply_stops(
                 s.req, [], [tok], len(s.tokens), self.max_model_len, self.tokenizer
@@ -346,11 +409,14 @@ class SpecDecoder:
         *fp, self.pending_token, self.carry, packed = out
         self.fp = FirstPass.of_tensors(fp)
         table.copy_(packed, non_blocking=True)
+        # The verify forward's features at cache indices L-1..L-1+K (a graph's output is
+        # overwritten by its next replay: copied here, on the round's stream).
+        feats = self.fp.features.clone() if self.emit_features else None
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return _Launched(list(live), table, done, start)
+        return _Launched(list(live), table, done, start, self.drafter_version, feats)
 
     def _process(self, launched: _Launched) -> bool:
         """Read a launched round back and commit it for its requests that are still running
@@ -365,11 +431,17 @@ class SpecDecoder:
             emitted = table[s.row][: a + 1]
             s.accepted.append(a)
             s.proposed.append(table[s.row][K + 2])
+            s.versions.append(launched.version)
             L, n_before = len(s.tokens), len(s.out)
             s.out, s.finish = apply_stops(
                 s.req, s.out, emitted, L, self.max_model_len, self.tokenizer
             )
             s.tokens.extend(s.out[n_before:])
+            if launched.features is not None:
+                # n new tokens committed: the features of t_{L-1} (the pending token) and of
+                # the first n - 1 of them are final (the last one's comes next round).
+                n = len(s.out) - n_before
+                s.features.append(launched.features[s.row, :n].cpu())
         return bool(running)
 
     def _round_tensors(
@@ -444,10 +516,16 @@ class SpecDecoder:
             v_rope = v_rope.contiguous()
             return fp_rows, fp_ids, v_feat, fp_cache, v_rope, next_pending, carry, packed
 
-    def generate(self, requests: list[Request], on_finish=None) -> tuple[list[RequestOutput], dict]:
+    def generate(
+        self, requests: list[Request], on_finish=None, between_rounds=None
+    ) -> tuple[list[RequestOutput], dict]:
         """Continuous batching over `max_batch` cache rows; outputs in request order.
-        `on_finish()` is called as each request completes (progress bars). The stats hold the
-        wall time of every round (`round_seconds`; each round ends in its readback)."""
+        `on_finish()` is called as each request completes (progress bars);
+        `between_rounds(decoder)` at the top of every loop iteration, before the next launch
+        (where a caller polls for drafter updates and calls `update_drafter`). The stats hold
+        the wall time of every round (`round_seconds`; each round ends in its readback), the
+        swaps (`swaps`: (rounds read back before it, version)) and the AL of each drafter
+        version (`al_by_version`: version -> {"al", "rounds"})."""
         for r in requests:
             if len(r.prompt_ids) >= self.max_model_len:
                 raise ValueError(
@@ -464,46 +542,64 @@ class SpecDecoder:
         t0 = time.perf_counter()
         in_flight: _Launched | None = None
         last_read = t0
-        while pending or active or in_flight is not None:
-            admitted = []
-            while pending and free_rows:
-                idx, req = pending.pop()
-                slot = _Active(
-                    idx,
-                    replace(req, sampling=with_seed(req.sampling)),
-                    free_rows.pop(),
-                    list(req.prompt_ids),
-                )
-                admitted.append(slot)
-            self._admit(admitted)
-            active.extend(admitted)
-            live = [s for s in active if s.finish is None]
-            launched = None
-            if live:
-                ahead = frozenset()
-                if in_flight is not None:
-                    ahead = frozenset(s.row for s in in_flight.slots if s.finish is None)
-                launched = self._launch(live, ahead)
-            # A round's time: from its launch or the previous readback, whichever is later,
-            # to its own readback (with a round in flight: the device's time per round).
-            read = [r for r in (in_flight, None if self.pipeline else launched) if r]
-            for r in read:
-                if self._process(r):
-                    now = time.perf_counter()
-                    round_seconds.append(now - max(r.start, last_read))
-                    last_read = now
-            in_flight = launched if self.pipeline else None
-            for s in active:
-                if s.finish is None:
-                    continue
-                res = RequestOutput(s.out, s.finish, accepted=s.accepted, proposed=s.proposed)
-                finalize_text(s.req, res, self.tokenizer)
-                results[s.idx] = res
-                self.proposer.release(s.row)
-                free_rows.append(s.row)
-                if on_finish is not None:
-                    on_finish()
-            active = [s for s in active if s.finish is None]
+        swaps: list[tuple[int, int]] = []
+        self._generating = True
+        try:
+            while pending or active or in_flight is not None:
+                # Between rounds: a drafter update given by now is copied in here, queued
+                # after the round in flight and before the admissions' prefill and the launch.
+                if between_rounds is not None:
+                    between_rounds(self)
+                if self._apply_staged():
+                    swaps.append((len(round_seconds), self.drafter_version))
+                admitted = []
+                while pending and free_rows:
+                    idx, req = pending.pop()
+                    slot = _Active(
+                        idx,
+                        replace(req, sampling=with_seed(req.sampling)),
+                        free_rows.pop(),
+                        list(req.prompt_ids),
+                    )
+                    admitted.append(slot)
+                self._admit(admitted)
+                active.extend(admitted)
+                live = [s for s in active if s.finish is None]
+                launched = None
+                if live:
+                    ahead = frozenset()
+                    if in_flight is not None:
+                        ahead = frozenset(s.row for s in in_flight.slots if s.finish is None)
+                    launched = self._launch(live, ahead)
+                # A round's time: from its launch or the previous readback, whichever is
+                # later, to its own readback (with a round in flight: the device's time).
+                read = [r for r in (in_flight, None if self.pipeline else launched) if r]
+                for r in read:
+                    if self._process(r):
+                        now = time.perf_counter()
+                        round_seconds.append(now - max(r.start, last_read))
+                        last_read = now
+                in_flight = launched if self.pipeline else None
+                for s in active:
+                    if s.finish is None:
+                        continue
+                    res = RequestOutput(
+                        s.out,
+                        s.finish,
+                        accepted=s.accepted,
+                        proposed=s.proposed,
+                        versions=s.versions,
+                        features=torch.cat(s.features) if s.features else None,
+                    )
+                    finalize_text(s.req, res, self.tokenizer)
+                    results[s.idx] = res
+                    self.proposer.release(s.row)
+                    free_rows.append(s.row)
+                    if on_finish is not None:
+                        on_finish()
+                active = [s for s in active if s.finish is None]
+        finally:
+            self._generating = False
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
@@ -513,4 +609,6 @@ class SpecDecoder:
             "rounds": len(round_seconds),
             "round_seconds": round_seconds,
             "tokens": sum(len(o.token_ids) for o in outs),
+            "swaps": swaps,
+            "al_by_version": al_by_version(outs),
         }

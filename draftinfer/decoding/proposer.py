@@ -162,6 +162,13 @@ class Proposer:
     def release(self, row: int) -> None:
         """Stateless between requests by default: KV rows are overwritten before they are read."""
 
+    def weights_updated(self) -> None:
+        """The drafter's weights were replaced in place (`draftinfer.decoding.swap`): refresh
+        what was derived from them, in place (a captured graph keeps reading the same
+        tensors). Here the draft-to-target id map (`d2t` is a weight of its own-vocabulary
+        drafters); a kind that derives more extends this."""
+        self.vocab_ids.copy_(self.drafter.draft_vocab_ids())
+
     # -- shared pieces ------------------------------------------------------------------------
     def draft_vocab_ids(self) -> torch.Tensor:
         """Target id of each draft-vocabulary id `[Dd]` (what q's last axis indexes)."""

@@ -132,6 +132,25 @@ def speculators_verifier(cfg) -> str:
     return str(Path(resolve_path(cfg.target.name_or_path)).expanduser().resolve())
 
 
+def checkpoint_drafter(ckpt: Path, target: str) -> tuple[torch.nn.Module, dict, TargetShared]:
+    """(the drafter of a training checkpoint directory, its `state.json`, the target weights it
+    shares): built by its kind's spec, its own tensors loaded, the shared ones attached from
+    `target` (what `export_run` and the online publisher write from)."""
+    ck = load_checkpoint(ckpt)
+    state = ck["state"]
+    where = str(ckpt / "state.json")
+    spec = drafter_spec(require(state, "drafter_kind", where))
+    arch = spec.config_class(**require(state, "drafter_config", where))
+    drafter = spec.build(arch)
+    drafter.load_own_state(ck["drafter"])
+    # The weights the drafter shares with its target are not in its checkpoint; a layout that
+    # stores copies of them (an MTP module's `shared_head.head` and `embed_tokens`, which vLLM's
+    # DeepSeek MTP loader reads) must hold the target's, not the module's initial values.
+    shared = TargetShared(target)
+    spec.attach_shared(drafter, shared)
+    return drafter, state, shared
+
+
 def export_run(
     run_dir: str | Path,
     out_dir: str | Path | None = None,
@@ -156,20 +175,9 @@ def export_run(
     dtype_name = dtype or cfg.export.dtype
     if dtype_name not in _DTYPES:
         raise DraftError(f"export dtype must be one of {sorted(_DTYPES)}, got {dtype_name!r}")
-    ck = load_checkpoint(ckpt)
-    state = ck["state"]
-    where = str(ckpt / "state.json")
-    spec = drafter_spec(require(state, "drafter_kind", where))
-    arch = spec.config_class(**require(state, "drafter_config", where))
-    drafter = spec.build(arch)
-    drafter.load_own_state(ck["drafter"])
-    # The weights the drafter shares with its target are not in its checkpoint; a layout that
-    # stores copies of them (an MTP module's `shared_head.head` and `embed_tokens`, which vLLM's
-    # DeepSeek MTP loader reads) must hold the target's, not the module's initial values.
-    shared = TargetShared(cfg.target.name_or_path)
-    spec.attach_shared(drafter, shared)
-    objective_meta = require(state, "objective", where)
-    serving_k = int(require(objective_meta, "serving_k", where))
+    drafter, state, shared = checkpoint_drafter(ckpt, cfg.target.name_or_path)
+    objective_meta = require(state, "objective", str(ckpt / "state.json"))
+    serving_k = int(require(objective_meta, "serving_k", str(ckpt / "state.json")))
 
     out = Path(out_dir) if out_dir else run / "export"
     out.mkdir(parents=True, exist_ok=True)

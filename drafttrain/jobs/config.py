@@ -263,6 +263,31 @@ class OPDConfig:
 
 
 @dataclass
+class OnlineConfig:
+    """The drift demonstration job (`drafttrain.online.drift`, preset `online_drift`): with
+    `drift: true`, `python -m drafttrain` runs it instead of train -> export -> verify."""
+
+    drift: bool = False
+    # The shifted data mix the target is fine-tuned on (`drafttrain.online.shift`).
+    shift: str = "reverse_words"
+    shift_fraction: float = 0.8
+    # The target's fine-tune: steps in all, in `segments` equal parts (one time point each).
+    target_steps: int = 200
+    segments: int = 5
+    target_lr: float = 2e-3
+    target_tokens_per_batch: int = 1024
+    # The stale drafter's training on the original target, then the online trainer's step
+    # quota per published version.
+    base_steps: int = 120
+    steps_per_publish: int = 30
+    # Every AL measurement: the same held-out prompts, greedy, K drafts per round.
+    prompts: int = 24
+    max_new_tokens: int = 48
+    k: int = 3
+    batch_size: int = 8
+
+
+@dataclass
 class TrainConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     drafter: Any = None  # a DrafterTrainConfig subclass, chosen by the `drafter/` group
@@ -273,6 +298,7 @@ class TrainConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     eval: RunnerEvalConfig = field(default_factory=RunnerEvalConfig)
     opd: OPDConfig = field(default_factory=OPDConfig)
+    online: OnlineConfig = field(default_factory=OnlineConfig)
     output_dir: str = "outputs/run"
     seed: int = 0
     resume: bool = False
@@ -371,6 +397,8 @@ def check_train_config(cfg: TrainConfig) -> TrainConfig:
     if cfg.drafter is None:
         raise ConfigError("the drafter section is missing (drafter=<kind>)")
     cfg.drafter.check()
+    if cfg.online.drift:
+        check_online_config(cfg)
     return cfg
 
 
@@ -394,6 +422,23 @@ def check_stage(cfg: TrainConfig) -> None:
         one_of("opd", o, "rejected_loss", ("rkl", "kl"))
         if not 0 < o.gamma <= 1:
             raise ConfigError(f"opd.gamma must be in (0, 1], got {o.gamma!r}")
+
+
+def check_online_config(cfg: TrainConfig) -> None:
+    """The drift job's values (`online.*`), one-line `ConfigError`s."""
+    o = cfg.online
+    at_least("online", o, 1, "segments", "target_steps", "steps_per_publish", "base_steps")
+    at_least("online", o, 1, "prompts", "max_new_tokens", "k", "batch_size")
+    at_least("online", o, 1, "target_tokens_per_batch")
+    if o.target_steps < o.segments:
+        raise ConfigError("online.target_steps must be >= online.segments")
+    if not 0 < o.shift_fraction <= 1:
+        raise ConfigError(f"online.shift_fraction must be in (0, 1], got {o.shift_fraction!r}")
+    if not o.target_lr > 0:
+        raise ConfigError(f"online.target_lr must be > 0, got {o.target_lr!r}")
+    from drafttrain.online.shift import shift_fn
+
+    shift_fn(o.shift)
 
 
 def train_config_from_dict(d: dict[str, Any], where: str = "training_args.yaml") -> TrainConfig:

@@ -71,6 +71,10 @@ def run_job(cfg: TrainConfig) -> dict[str, Any]:
 
 def _run_job(cfg: TrainConfig) -> dict[str, Any]:
     base_model = check_job(check_train_config(cfg))
+    if cfg.online.drift:  # the drift demonstration job (`conf=online_drift`)
+        from drafttrain.online.drift import run_online_drift
+
+        return run_online_drift(cfg)
     summary = train(cfg, keep_logger=True)
     logger = summary.pop("logger")
     try:

@@ -420,3 +420,19 @@ def test_the_runners_plain_baseline_decodes_what_the_eager_loop_does(tiny_llama3
     assert step._graphed.replays > 0 and len(step._graphed.graphs) >= 2  # two buckets or more
     eos = [eager[0][5], eager[2][11]]  # tokens the outputs reach: every row stops on one
     assert greedy_generate(model, ps, 40, eos, step_fn=step) == greedy_generate(model, ps, 40, eos)
+
+
+def test_swap_between_graph_replays_is_not_recaptured(tmp_path):
+    """A drafter hot swap between replays of the captured round (`draftbench.swap`, tiny
+    shapes, every kind): no graph is captured during the swapped run while its rounds replay,
+    and its tokens equal the run without swaps."""
+    import json
+
+    from draftbench import swap
+
+    out = tmp_path / "swap.json"
+    argv = ["--tiny", "--rounds", "24", "--batch", "4", "--context", "32", "--swap-every", "3"]
+    assert swap.main([*argv, "--compile", "none", "--out", str(out)]) == 0
+    for r in json.loads(out.read_text())["results"]:
+        assert r["swaps"] >= 4 and r["replays"] > 0 and not r["recaptured"], r
+        assert r["tokens_identical"], r

@@ -47,6 +47,8 @@ def cpu_presets() -> dict[str, TrainConfig]:
         raw = yaml.safe_load(path.read_text()) or {}
         if "preset" not in raw:  # base.yaml, regenerate.yaml
             continue
+        if (raw.get("online") or {}).get("drift"):  # online_drift: not a train -> export job
+            continue
         cfg = compose_preset(path.stem)
         # A second-stage preset (`trainer.init_from`: OPD after SFT) starts from another
         # preset's output; its tests chain it after that stage (tests/train/test_opd.py).

@@ -1,0 +1,69 @@
+"""`SpecDecoder(emit_features=True)`: the runner hands back the target features it computed for
+every committed token (the prefill's for the prompt, each round's verify forward's for the
+tokens it committed), what an online trainer consumes without a second target pass. They equal
+a fresh prefill of the target over the whole committed sequence, row for row (f_i pairs with
+token i + 1, convention 1), with and without pipelining, across a drafter swap, for requests
+that stop on EOS and on max_tokens; with it off nothing is copied."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftinfer.conventions.slots import Slots
+from draftinfer.decoding.engine import Request, SpecDecoder
+from draftinfer.decoding.swap import DrafterUpdate
+from tests.support.prompts import zoo_prompts
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@torch.no_grad()
+def prefill_features(target, tokens: list[int], features) -> torch.Tensor:
+    """The target's features over `tokens` in one prefill (cache row 0): `[len, F]`."""
+    ids = torch.tensor([tokens])
+    cache_pos = torch.arange(len(tokens))[None]
+    rows = torch.tensor([0])
+    plan = target.prefill_plan(ids, cache_pos, rows, [None])
+    inputs, rope = plan.chunk(slice(0, len(tokens)))
+    out = target(inputs, Slots(rows, cache_pos, rope), features, logit_index=cache_pos[:, -1:])
+    return out.features[0]
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_emitted_features_equal_a_fresh_prefill(kind_env, pipeline):
+    env = kind_env("eagle3")
+    target, drafter = env["target"], env["drafter"]
+    eos = tuple(target.config.eos_token_ids)
+    prompts = zoo_prompts(10, seed=4)
+    reqs = [
+        Request(p, max_tokens=12 + 5 * (i % 4), stop_token_ids=eos) for i, p in enumerate(prompts)
+    ]
+    dec = SpecDecoder(
+        target, drafter, 3, max_batch=4, max_model_len=384, pipeline=pipeline, emit_features=True
+    )
+    update = DrafterUpdate.from_export(env["export"], 1)  # the same weights, as version 1
+    n = [0]
+
+    def between_rounds(d):
+        n[0] += 1
+        if n[0] == 3:
+            d.update_drafter(update)
+
+    outs, stats = dec.generate(reqs, between_rounds=between_rounds)
+    assert sum(a for o in outs for a in o.accepted) > 20  # rounds committed accepted drafts
+    for p, o in zip(prompts, outs):
+        seq = p + o.token_ids
+        assert o.features.shape == (
+            len(seq) - 1,
+            drafter.config.features.width(target.info.hidden_size),
+        )
+        want = prefill_features(target, seq[:-1], drafter.config.features)
+        torch.testing.assert_close(o.features, want, rtol=1e-4, atol=1e-3)
+
+
+def test_no_features_unless_asked(kind_env):
+    env = kind_env("eagle3")
+    dec = SpecDecoder(env["target"], env["drafter"], 3, max_batch=2, max_model_len=384)
+    outs, _ = dec.generate([Request(zoo_prompts(1, seed=1)[0], max_tokens=8)])
+    assert outs[0].features is None
