@@ -93,7 +93,9 @@ class RequestOutput:
     # With `SpecDecoder(emit_features=True)`: the target features the runner computed for the
     # committed tokens `[N - 1, F]` (N = prompt + output tokens; row i is f_i, the feature of
     # token i, which pairs with token i + 1, convention 1; the last token has none yet), on
-    # the CPU, in the target's dtype. None otherwise.
+    # the CPU, in the target's dtype. Their columns are `SpecDecoder.emit_spec`: the drafter's
+    # features plus the head input (`FeatureSpec.with_head_input`: the final hidden state the
+    # target's distribution is recomputed from), what a training step needs. None otherwise.
     features: torch.Tensor | None = None
 
 
@@ -223,6 +225,9 @@ class SpecDecoder:
         self.prefill_chunk, self.tokenizer, self.sync_check = prefill_chunk, tokenizer, sync_check
         self.device = next(target.parameters()).device
         self.features = drafter.config.features
+        # What the target is asked for: the drafter's features, plus (emit_features) the head
+        # input, appended last, so the drafter's columns are the first `width`.
+        self.emit_spec = self.features.with_head_input() if emit_features else self.features
         spec_of(drafter).check_k(drafter.config, k)
         dtype = next(drafter.parameters()).dtype
         self.proposer = spec_of(drafter).proposer_class(
@@ -332,7 +337,7 @@ class SpecDecoder:
             # every prompt row would cost [n, P, V] fp32 for nothing.
             last = torch.full((n, 1), min(P - c, self.prefill_chunk) - 1, device=dev)
             slots_c = Slots(rows, cache_pos[:, cols], rope)
-            outs.append(self.target(inputs, slots_c, self.features, logit_index=last))
+            outs.append(self.target(inputs, slots_c, self.emit_spec, logit_index=last))
         logits = outs[-1].logits
         self.sampling.set_rows([s.row for s in slots], [s.req.sampling for s in slots])
         t = {name: x[rows] for name, x in self.sampling.tensors.items()}
@@ -358,7 +363,7 @@ class SpecDecoder:
         first_pass = FirstPass(
             rows[k],
             next_ids[k],
-            torch.cat([o.features for o in outs], dim=1)[k],
+            torch.cat([o.features for o in outs], dim=1)[k][..., : self.fp.features.shape[-1]],
             cache_pos[k],
             torch.cat([o.rope_pos for o in outs], dim=-1)[..., k, :],
             None if mm is None else mm.shifted(1).batch(k),
@@ -406,12 +411,12 @@ class SpecDecoder:
             out = self._graphed(state, attn_len, all_greedy)
         else:
             out = self._round_tensors(*state, attn_len, all_greedy)
-        *fp, self.pending_token, self.carry, packed = out
+        *fp, self.pending_token, self.carry, packed, v_feat = out
         self.fp = FirstPass.of_tensors(fp)
         table.copy_(packed, non_blocking=True)
-        # The verify forward's features at cache indices L-1..L-1+K (a graph's output is
-        # overwritten by its next replay: copied here, on the round's stream).
-        feats = self.fp.features.clone() if self.emit_features else None
+        # The verify forward's features at cache indices L-1..L-1+K, head input included (a
+        # graph's output is overwritten by its next replay: copied here, on the round's stream).
+        feats = v_feat.clone() if self.emit_features else None
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()
@@ -462,8 +467,9 @@ class SpecDecoder:
         pass. In: the pending first pass (`FirstPass.tensors()`), the pending token `[B]`, the
         carry `[3, B]` (L, remaining, live) and the uploaded `[4, B]` (the same and `set`: rows
         whose values the host sets). Out: the next first pass's tensors, the next pending
-        token, the next carry, and `[B, K + 3]`: emitted tokens (-1 padded), the accepted count
-        and the number of drafts."""
+        token, the next carry, `[B, K + 3]`: emitted tokens (-1 padded), the accepted count
+        and the number of drafts, and the verify forward's features `[B, K + 1, F]` in the
+        columns of `emit_spec` (what `emit_features` copies out)."""
         K = self.k
         with no_host_sync(self.sync_check, self.device):
             now = torch.where(host[3].bool(), host[:3], carry)
@@ -487,7 +493,7 @@ class SpecDecoder:
             v_live = live[:, None] & (j[None] <= num_drafts[:, None])
             v_cache = torch.where(v_live, (L - 1)[:, None] + j[None], -1)
             v_rope = self.target.rope_positions(v_cache, self.rows)
-            f = self.features
+            f = self.emit_spec
             logits, v_feat = self._target_fwd(
                 self.target,
                 v_ids,
@@ -514,7 +520,10 @@ class SpecDecoder:
             going = live & (L_next < self.max_model_len) & (left > 0)
             carry = torch.stack([L_next, left, going.long()])
             v_rope = v_rope.contiguous()
-            return fp_rows, fp_ids, v_feat, fp_cache, v_rope, next_pending, carry, packed
+            # The drafter's columns (all of them unless emit_spec adds the head input).
+            fp_feat = v_feat[..., : fp_features.shape[-1]].contiguous()
+            out = (fp_rows, fp_ids, fp_feat, fp_cache, v_rope, next_pending, carry, packed)
+            return (*out, v_feat)
 
     def generate(
         self, requests: list[Request], on_finish=None, between_rounds=None

@@ -52,6 +52,14 @@ class FeatureSpec:
     def width(self, hidden_size: int) -> int:
         return self.count * hidden_size
 
+    def with_head_input(self) -> FeatureSpec:
+        """This spec plus the *head input*: the target's final hidden state from which its
+        distribution is recomputed (`lm_head(final_norm(h))` for `pre_norm`, `lm_head(h)` for
+        `post_norm`). The spec's own final hidden is the head input when it has one, else the
+        pre-norm one is appended last, so this spec's features are a prefix of the result.
+        What a feature cache stores and what the runner emits for training (one definition)."""
+        return FeatureSpec(self.layer_inputs, self.final_hidden or "pre_norm")
+
     def check(self, num_layers: int) -> None:
         """One-line `ConfigError` for a tap the target does not have."""
         bad = [j for j in self.layer_inputs if not 0 <= j < num_layers]

@@ -93,7 +93,7 @@ class Layout:
         """The layout for a drafter's `spec`, and the spec the writer asks the target for
         (the drafter's, plus the pre-norm final hidden when it has no final hidden)."""
         storage_dtype(dtype)
-        ask = FeatureSpec(spec.layer_inputs, spec.final_hidden or "pre_norm")
+        ask = spec.with_head_input()
         layout = cls(tuple(spec_names(ask)), ask.final_hidden, hidden_size, rope_axes, dtype)
         return layout, ask
 

@@ -31,6 +31,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from draftinfer.models.target import FeatureSpec, TargetOutput
+from drafttrain.cache.emitted import is_emitted
 from drafttrain.cache.fingerprint import common_fingerprint, split_fingerprint
 from drafttrain.cache.format import FORMAT, STORAGE, Layout, decode, mismatch
 from drafttrain.frozen.head import HeadLogits, TargetHead, TrainTargetOutput
@@ -82,6 +83,24 @@ class _Split:
         return int(self.shard[row]), int(self.start[row]), int(self.length[row])
 
 
+def _open_splits(root: Path, m: dict[str, Any], names: list[str], verify: bool, key: str):
+    """The `_Split` of each of `names`, after checking the output is complete and its files
+    are there with their sizes (and, `verify`, sha256)."""
+    splits = {}
+    output = ShardedOutput(root, FORMAT, m)
+    for split in names:
+        entries = [e for e in output.shards if e["split"] == split]
+        planned = m["splits"][split]["num_shards"]
+        if not output.complete or len(entries) != planned:
+            raise DataError(
+                f"{key}={root} is incomplete ({len(entries)} of {planned} {split} "
+                "shards written): write it again with the same settings"
+            )
+        output.check(entries, verify)  # every file there, size (and sha256)
+        splits[split] = _Split(root, entries)
+    return splits
+
+
 def _open(path: Path):
     try:
         return safe_open(str(path), framework="pt", device="cpu")
@@ -118,6 +137,10 @@ class CachedTarget:
         m = FORMAT.read(root)
         if m is None:
             raise DataError(f"data.cache={root} is not a feature cache: no manifest.json there")
+        if is_emitted(m):
+            raise ConfigError(
+                f"data.cache={root} holds samples the runner emitted: read it with data.emitted"
+            )
         layout = Layout.from_dict(m["layout"])
         layout.columns(features, f"data.cache={root}")  # all the drafter consumes is stored
         if layout.hidden_size != target.info.hidden_size:
@@ -143,20 +166,66 @@ class CachedTarget:
         bad = mismatch(want, have)
         if bad:
             raise ConfigError(f"data.cache={root} was written for another config: {bad}")
-        splits = {}
-        output = ShardedOutput(root, FORMAT, m)
-        for split in wanted:
-            entries = [e for e in output.shards if e["split"] == split]
-            planned = m["splits"][split]["num_shards"]
-            if not output.complete or len(entries) != planned:
-                raise DataError(
-                    f"data.cache={root} is incomplete ({len(entries)} of {planned} {split} "
-                    "shards written): rerun `python -m drafttrain.cache` with the same settings"
-                )
-            output.check(entries, cfg.cache.verify)  # every file there, size (and sha256)
-            splits[split] = _Split(root, entries)
+        splits = _open_splits(root, m, list(wanted), cfg.cache.verify, "data.cache")
         head = TargetHead.of(target, layout.head_input)
         return cls(root, layout, head, splits, "train", target.model.dtype)
+
+    @classmethod
+    def open_emitted(cls, cfg: TrainConfig, target, features: FeatureSpec) -> CachedTarget:
+        """The runner-emitted samples at `cfg.data.emitted` (`drafttrain.cache.emitted`), checked
+        against the target (the one the runner ran: same `target.name_or_path`) and the drafter's
+        `features`. Its training split is `tokenized_split()`: the samples carry their tokens."""
+        root = Path(cfg.data.emitted)
+        m = FORMAT.read(root)
+        if m is None:
+            raise DataError(f"data.emitted={root} holds no emitted samples: no manifest.json there")
+        if not is_emitted(m):
+            raise ConfigError(
+                f"data.emitted={root} is an offline feature cache: read it with data.cache"
+            )
+        layout = Layout.from_dict(m["layout"])
+        layout.columns(features, f"data.emitted={root}")
+        if layout.hidden_size != target.info.hidden_size:
+            raise ConfigError(
+                f"data.emitted={root} holds hidden size {layout.hidden_size}, the target has "
+                f"{target.info.hidden_size}"
+            )
+        have = m["fingerprint"]["target.name_or_path"]
+        if have != cfg.target.name_or_path:
+            raise ConfigError(
+                f"data.emitted={root} was decoded by target {have!r}, training's target is "
+                f"{cfg.target.name_or_path!r}"
+            )
+        splits = _open_splits(root, m, ["train"], cfg.cache.verify, "data.emitted")
+        head = TargetHead.of(target, layout.head_input)
+        return cls(root, layout, head, splits, "train", target.model.dtype)
+
+    def tokenized_split(self):
+        """The training split the stored tokens make (emitted samples only): a
+        `TokenizedSplit` over `input_ids`, `loss_mask`, `length`, dataset row i = cached row i,
+        batched by the text collate."""
+        from datasets import Dataset
+
+        from drafttrain.data.batching import TokenizedSplit, collate
+
+        sp = self._splits["train"]
+        n = len(sp.shard)
+        cols: dict[str, list] = {"input_ids": [None] * n, "loss_mask": [None] * n}
+        for row in range(n):
+            shard, start, length = sp.locate(row)
+            f = sp.handle(shard)
+            for k in cols:
+                if k not in f.keys():
+                    raise DataError(f"{sp.paths[shard]} holds no {k}: not runner-emitted samples")
+                cols[k][row] = f.get_slice(k)[start : start + length].tolist()
+        data = Dataset.from_dict({**cols, "length": [len(x) for x in cols["input_ids"]]})
+
+        def held_out(cfg, seed):
+            raise ConfigError("data.emitted holds no held-out split: set data.eval_split=null")
+
+        return TokenizedSplit(
+            data, lambda rows, pad: collate([data[i] for i in rows], pad), held_out
+        )
 
     def for_split(self, split: str) -> CachedTarget:
         """The same cache answering the rows of `split` ("train" or "eval")."""

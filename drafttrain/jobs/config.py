@@ -96,6 +96,11 @@ class DataConfig:
     # the target). It must have been written with this config's target, drafter features,
     # data and `cache.dtype` (checked at setup). See `CacheConfig` and docs/training.md.
     cache: str | None = None
+    # Samples the runner decoded with `emit_features=True`, written by
+    # `drafttrain.cache.emitted.write_emitted` (the online mode): both the training data (their
+    # tokens, loss on the output) and the target's features and distribution, read like
+    # `cache`; `data.path` is still tokenized for the drafter's initialisation (draft vocab).
+    emitted: str | None = None
 
 
 @dataclass

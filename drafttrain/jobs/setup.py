@@ -188,12 +188,21 @@ def setup_training(cfg: TrainConfig, device: torch.device) -> TrainingSetup:
     """Target, data and the initialised drafter: everything of training that can fail on bad
     input, before the run writes anything of its own. With `data.cache` the cache is checked
     against the config and the drafter, then stands in for the target (whose body is freed)."""
-    job = setup_drafter_job(cfg, device, feature_cache=bool(cfg.data.cache))
+    if cfg.data.cache and cfg.data.emitted:
+        raise ConfigError("data.cache and data.emitted are both set: train from one of them")
+    if cfg.data.emitted and cfg.data.eval_split:
+        raise ConfigError("data.emitted holds no held-out split: set data.eval_split=null")
+    stored = bool(cfg.data.cache or cfg.data.emitted)
+    job = setup_drafter_job(cfg, device, feature_cache=stored)
     drafter = job.spec.init_drafter(cfg.drafter, job.init_context())
     target = job.target
     if cfg.data.cache:  # read features from an offline cache; the target is never run
         target = CachedTarget.open(
             cfg, job.target, job.tokenizer, job.split.data, drafter.config.features
         )
+    elif cfg.data.emitted:  # the runner's samples: tokens and features; the target never runs
+        target = CachedTarget.open_emitted(cfg, job.target, drafter.config.features)
+        job.split = target.tokenized_split()
+    if stored:
         job.target = None  # only the cache's head (final norm, output embedding) is kept
     return TrainingSetup(job, drafter, target)

@@ -3,7 +3,9 @@ every committed token (the prefill's for the prompt, each round's verify forward
 tokens it committed), what an online trainer consumes without a second target pass. They equal
 a fresh prefill of the target over the whole committed sequence, row for row (f_i pairs with
 token i + 1, convention 1), with and without pipelining, across a drafter swap, for requests
-that stop on EOS and on max_tokens; with it off nothing is copied."""
+that stop on EOS and on max_tokens; with it off nothing is copied. Their columns are the
+drafter's features plus the head input (`FeatureSpec.with_head_input`), what training needs
+(`tests/train/test_emitted.py` trains on them)."""
 
 from __future__ import annotations
 
@@ -54,11 +56,10 @@ def test_emitted_features_equal_a_fresh_prefill(kind_env, pipeline):
     assert sum(a for o in outs for a in o.accepted) > 20  # rounds committed accepted drafts
     for p, o in zip(prompts, outs):
         seq = p + o.token_ids
-        assert o.features.shape == (
-            len(seq) - 1,
-            drafter.config.features.width(target.info.hidden_size),
-        )
-        want = prefill_features(target, seq[:-1], drafter.config.features)
+        # The drafter's features plus the head input (eagle3: the pre-norm final hidden).
+        assert dec.emit_spec == drafter.config.features.with_head_input()
+        assert o.features.shape == (len(seq) - 1, dec.emit_spec.width(target.info.hidden_size))
+        want = prefill_features(target, seq[:-1], dec.emit_spec)
         torch.testing.assert_close(o.features, want, rtol=1e-4, atol=1e-3)
 
 
