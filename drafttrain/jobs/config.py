@@ -290,6 +290,11 @@ class OnlineConfig:
     max_new_tokens: int = 48
     k: int = 3
     batch_size: int = 8
+    # The online trainer's data per quota: this many questions of the shifted mix (new ones at
+    # every time point), decoded by the online runner on the moved target with its current
+    # version; it emits the target features of the tokens it commits, and the trainer trains
+    # on those (`data.emitted`), running no target forward of its own.
+    train_prompts: int = 64
 
 
 @dataclass
@@ -433,7 +438,7 @@ def check_online_config(cfg: TrainConfig) -> None:
     """The drift job's values (`online.*`), one-line `ConfigError`s."""
     o = cfg.online
     at_least("online", o, 1, "segments", "target_steps", "steps_per_publish", "base_steps")
-    at_least("online", o, 1, "prompts", "max_new_tokens", "k", "batch_size")
+    at_least("online", o, 1, "prompts", "max_new_tokens", "k", "batch_size", "train_prompts")
     at_least("online", o, 1, "target_tokens_per_batch")
     if o.target_steps < o.segments:
         raise ConfigError("online.target_steps must be >= online.segments")

@@ -5,10 +5,14 @@ a drafter that stays (stale) and one that follows it (online), the same prompts,
                  published as version 0 (the stale drafter, and the online one's start)
     t = 1..S     the target is fine-tuned `online.target_steps / S` more steps on the shifted
                  data mix (`drafttrain.online.shift`), as a policy moves under RL; the online
-                 trainer runs its step quota (`online.steps_per_publish`) on the moved target's
-                 features over the same mix and publishes the next version (weights only,
-                 atomically, `drafttrain.online.publish`); then both drafters decode the same
-                 held-out prompts with the moved target in the runner. The online runner is
+                 runner decodes `online.train_prompts` new questions of that mix with the moved
+                 target and its current version, emitting the target features of the tokens
+                 it commits (`SpecDecoder(emit_features=True)`: the drafter's features and the
+                 head input, written as training samples by `drafttrain.cache.emitted`); the
+                 online trainer runs its step quota (`online.steps_per_publish`) on those
+                 rollouts (`data.emitted`: no target forward of its own) and publishes the
+                 next version (weights only, atomically, `drafttrain.online.publish`); then
+                 both drafters decode the same held-out prompts with the moved target. The online runner is
                  one `SpecDecoder` for the whole job: its target's weights are reloaded in
                  place and its drafter takes each version as a hot swap between rounds
                  (`VersionWatcher`), never rebuilt.
@@ -16,15 +20,16 @@ a drafter that stays (stale) and one that follows it (online), the same prompts,
 Every measurement checks losslessness (the speculative tokens equal plain greedy decoding of the
 same target). Outputs in `output_dir`: `al_over_time.json` (the table), `al_over_time.png`
 (the plot), `versions/` (the published versions and their `manifest.json`), `targets/` (the
-target after each segment), `drafter/` (the online trainer's run). Resumable: killed anywhere
-and started again with the same `output_dir`, it reuses every finished target segment, resumes
-the trainer from its checkpoint, continues the versions from the manifest and measures only
-the time points it has not measured; the table it ends with is the uninterrupted run's.
+target after each segment), `emitted/t_NN/` (the rollouts each quota trained on),
+`drafter/` (the online trainer's run). Resumable: killed anywhere and started again with the
+same `output_dir`, it reuses every finished target segment and rollout set (each written
+atomically), resumes the trainer from its checkpoint, continues the versions from the manifest
+and measures only the time points it has not measured; the table it ends with is the
+uninterrupted run's. A rollout set is decoded with the newest published version (the one the
+uninterrupted run's runner holds at that point), so a redone one is the same.
 
-What it does not do yet: the trainer reads the moved target's features with a forward of its
-own over the shifted mix (the live frozen target of `drafttrain.jobs.train`). The runner can
-emit the features it computes for committed tokens (`SpecDecoder(emit_features=True)`); a
-trainer that consumes them (no second target pass) is not built.
+The version-0 drafter is trained on the original target with the live target (an offline
+start); every later version trains on the runner's rollouts alone.
 """
 
 from __future__ import annotations
@@ -69,16 +74,27 @@ def _write_jsonl(rows: list[dict], path: Path) -> None:
     tmp.replace(path)
 
 
-def drafter_run_config(cfg: TrainConfig, run: Path, target: str, data: str, steps: int):
+def drafter_run_config(
+    cfg: TrainConfig, run: Path, target: str, data: str, steps: int, emitted: Path | None = None
+):
     """The online trainer's config for a quota ending at `steps`: the preset's drafter and
     trainer, resumed in `run/drafter` (its checkpoints carry the optimizer and the data cursor
-    across quotas), on `target` and `data`; nothing but training (no export, eval or walk)."""
+    across quotas), on `target` and `data` (the runner's samples `emitted`, when given);
+    nothing but training (no export, eval or walk)."""
     o = cfg.online
     r = dataclasses.replace
+    em = None if emitted is None else str(emitted)
     return r(
         cfg,
         target=r(cfg.target, name_or_path=target),
-        data=r(cfg.data, path=data, eval_split=None, cache_dir=str(run / "drafter_cache")),
+        data=r(
+            cfg.data,
+            path=data,
+            eval_split=None,
+            cache_dir=str(run / "drafter_cache"),
+            cache=None,
+            emitted=em,
+        ),
         trainer=r(
             cfg.trainer,
             max_steps=steps,
@@ -119,6 +135,25 @@ def fine_tune_segment(prev: str, out: Path, examples, pad_id: int, o, seed: int)
         if (Path(prev) / name).is_file():
             shutil.copyfile(Path(prev) / name, tmp / name)
     tmp.rename(out)
+    return out
+
+
+def rollouts(decoder, prompts, o, eos, target_name: str, out: Path, max_length: int) -> Path:
+    """The online trainer's data: `prompts` decoded greedily by the runner (`decoder`, built
+    with `emit_features=True`), written with the features it emitted to `out` (atomically;
+    kept when already there)."""
+    from drafttrain.cache.emitted import EmittedSample, write_emitted
+
+    if (out / "manifest.json").is_file():
+        return out
+    reqs = [Request(p, max_tokens=o.max_new_tokens, stop_token_ids=tuple(eos)) for p in prompts]
+    outs, _ = decoder.generate(reqs)
+    samples = [EmittedSample.of(p, r) for p, r in zip(prompts, outs, strict=True)]
+    t = decoder.target.info
+    spec = decoder.features
+    write_emitted(
+        out, samples, spec, t.hidden_size, target_name, t.rope_axes, "float32", max_length
+    )
     return out
 
 
@@ -233,7 +268,21 @@ def run_online_drift(cfg: TrainConfig) -> dict[str, Any]:
         return tok(text, add_special_tokens=False)["input_ids"]
 
     prompts = [prompt_ids(r["messages"]) for r in test_rows[: o.prompts]]
-    max_len = max(len(p) for p in prompts) + o.max_new_tokens + o.k + 2
+    # The online trainer's questions: new ones of the shifted mix at every time point.
+    need = o.segments * o.train_prompts
+    pool: list[list[int]] = []
+    for r in _rows(shifted_dir / "train.jsonl"):
+        q = prompt_ids(r["messages"])
+        if len(q) < cfg.data.max_length:
+            pool.append(q)
+        if len(pool) == need:
+            break
+    if len(pool) < need:
+        raise DataError(
+            f"online.train_prompts={o.train_prompts} x {o.segments} segments needs {need} "
+            f"questions of the shifted mix; it has {len(pool)} (data.max_samples)"
+        )
+    max_len = max(len(p) for p in prompts + pool[:need]) + o.max_new_tokens + o.k + 2
 
     # The runner: one native target (weights reloaded in place per segment), the stale
     # drafter and the online one (hot-swapped), each its own decoder.
@@ -246,7 +295,7 @@ def run_online_drift(cfg: TrainConfig) -> dict[str, Any]:
     online, _ = load_drafter(v0, target.shared_weights())
     kw = dict(max_batch=o.batch_size, max_model_len=max_len)
     stale_dec = SpecDecoder(target, stale, o.k, **kw)
-    online_dec = SpecDecoder(target, online, o.k, **kw)
+    online_dec = SpecDecoder(target, online, o.k, emit_features=True, **kw)
     watcher = VersionWatcher(versions)
 
     table_path = run / TABLE
@@ -267,16 +316,27 @@ def run_online_drift(cfg: TrainConfig) -> dict[str, Any]:
                     examples = [e for e in examples if len(e[0]) <= cfg.data.max_length]
                 fine_tune_segment(prev, snap, examples, pad_id, o, cfg.seed + t)
             prev = str(snap)
-            # The online trainer's quota on the moved target, then an atomic publish.
-            quota_end = o.base_steps + t * o.steps_per_publish
-            if read_manifest(versions)["versions"][-1]["steps"] < quota_end:
-                train(drafter_run_config(cfg, run, prev, str(shifted_dir), quota_end))
-                publish_checkpoint(versions, run / "drafter", per_step, target_step=step)
-        if t in done:
+        quota_end = o.base_steps + t * o.steps_per_publish
+        quota = t > 0 and read_manifest(versions)["versions"][-1]["steps"] < quota_end
+        if t in done and not quota:
             continue
         load_weights(target, weight_files(Path(prev)))  # the moved target, in place
         for dec in (stale_dec, online_dec):  # the embedding / head the drafters share
             dec.target_weights_updated()
+        if quota:
+            # The online runner decodes new questions of the mix on the moved target with its
+            # current version (the newest published: what it holds here in an uninterrupted
+            # run), emitting the features of what it commits; the trainer's quota trains on
+            # them alone, then an atomic publish.
+            watcher.between_rounds(online_dec)
+            qs = pool[(t - 1) * o.train_prompts : t * o.train_prompts]
+            em = rollouts(
+                online_dec, qs, o, eos, prev, run / "emitted" / f"t_{t:02d}", cfg.data.max_length
+            )
+            train(drafter_run_config(cfg, run, prev, str(shifted_dir), quota_end, em))
+            publish_checkpoint(versions, run / "drafter", per_step, target_step=step)
+        if t in done:
+            continue
         row = {
             "time": t,
             "target_step": step,

@@ -24,6 +24,7 @@ TINY = [
     "online.segments=2",
     "online.steps_per_publish=6",
     "online.prompts=4",
+    "online.train_prompts=16",
     "online.max_new_tokens=16",
     "online.target_tokens_per_batch=256",
     "data.max_samples=300",

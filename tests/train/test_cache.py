@@ -31,6 +31,7 @@ from drafttrain.frozen.target import FrozenTarget
 from drafttrain.jobs.errors import ConfigError, DataError
 from drafttrain.jobs.train import train
 from drafttrain.trainer.shards import MANIFEST, temp_path
+from tests.support.no_target import forbid_target_forward
 from tests.support.presets import compose_preset
 
 REPO = Path(__file__).resolve().parents[2]
@@ -99,20 +100,6 @@ def online(tmp_path_factory):
         return runs[kind]
 
     return get
-
-
-def forbid_target_forward(monkeypatch) -> None:
-    """From here on, running the target in any form raises: its interface call, the HF
-    model, its decoder layers."""
-    from transformers.models.llama import modeling_llama
-
-    def boom(*_a, **_k):
-        raise AssertionError("the target forward ran during cached training")
-
-    monkeypatch.setattr(FrozenTarget, "forward", boom)
-    monkeypatch.setattr(FrozenTarget, "__call__", boom)
-    monkeypatch.setattr(modeling_llama.LlamaForCausalLM, "forward", boom)
-    monkeypatch.setattr(modeling_llama.LlamaDecoderLayer, "forward", boom)
 
 
 def _rel_diff(a: list[float], b: list[float]) -> float:

@@ -23,9 +23,9 @@ from drafttrain.frozen.target import FrozenTarget
 from drafttrain.jobs.errors import ConfigError
 from drafttrain.jobs.train import train
 from tests.support.kind_factories import drafter_for
+from tests.support.no_target import forbid_target_forward
 from tests.support.presets import compose_preset
 from tests.support.prompts import zoo_prompts
-from tests.train.test_cache import forbid_target_forward
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
