@@ -192,7 +192,8 @@ class SpecDecoder:
     weights the drafter starts with (`update_drafter` moves it on). `emit_features=True`
     hands each request's committed tokens' target features back (`RequestOutput.features`):
     the ones the round's verify forward and the prefill computed anyway (the next first pass),
-    copied out on the device once per round, so an online trainer needs no second target pass.
+    plus the head input (`emit_spec`), copied out on the device once per round, so an online
+    trainer needs no second target pass (`drafttrain.cache.emitted`).
     """
 
     def __init__(
