@@ -102,7 +102,6 @@ class Rollouts:
 
     def __init__(self, cfg: TrainConfig, target, features, device, run_dir: Path, k: int):
         from draftinfer.evaluation.run import pick_dtype
-
         from drafttrain.registry import target_family
 
         self.cfg, self.target, self.features, self.device = cfg, target, features, device
