@@ -226,11 +226,11 @@ def family_of(name_or_path: str | Path) -> FamilySpec:
     return FAMILIES.for_architectures(read_target_config(name_or_path).get("architectures"))
 
 
-def check_pair(drafter_spec, family: FamilySpec) -> None:
-    """One-line `ConfigError` when a drafter kind and a target family do not fit: the kind needs
-    a feature the family does not provide, or the family's inputs take a form the kind does
-    not handle."""
-    missing = sorted(drafter_spec.needs - family.provides)
+def check_pair(drafter_spec, family: FamilySpec, arch: Any | None = None) -> None:
+    """One-line `ConfigError` when a drafter kind and a target family do not fit: the kind (with
+    configuration `arch`, when given: `DrafterSpec.needs_for`) needs a feature the family does
+    not provide, or the family's inputs take a form the kind does not handle."""
+    missing = sorted(drafter_spec.needs_for(arch) - family.provides)
     unhandled = sorted(family.requires - drafter_spec.handles)
     if missing or unhandled:
         why = []
@@ -275,6 +275,11 @@ class DrafterSpec:
     # form the kind does not handle is refused (`draftinfer.registry.check_pair`).
     needs: ClassVar[frozenset[str]] = frozenset()
     handles: ClassVar[frozenset[str]] = frozenset()
+
+    def needs_for(self, arch: Any | None) -> frozenset[str]:
+        """What a drafter of this kind with configuration `arch` (a runtime or training
+        config; None: any) consumes of a target: `needs` unless a kind's option changes it."""
+        return self.needs
 
     # -- construction ---------------------------------------------------------------------
     def build(self, arch: Any) -> torch.nn.Module:
@@ -360,7 +365,7 @@ class DrafterSpec:
                 f"drafter taps target layers {bad}; the target has {info.num_layers} layers"
             )
         if info.family:
-            check_pair(self, family_spec(info.family))
+            check_pair(self, family_spec(info.family), arch)
         if arch.max_position_embeddings < info.max_position_embeddings:
             raise CheckpointError(
                 f"drafter max_position_embeddings {arch.max_position_embeddings} is shorter "

@@ -180,9 +180,10 @@ class TrainFamily:
         architecture `arch` (its config object)."""
         return []
 
-    def check_kind(self, spec) -> None:
-        """One-line `ConfigError` when drafter kind `spec` cannot train on this family."""
-        check_pair(spec, FAMILIES.spec(self.name))
+    def check_kind(self, spec, arch: Any | None = None) -> None:
+        """One-line `ConfigError` when drafter kind `spec` (with training config `arch`, when
+        given) cannot train on this family."""
+        check_pair(spec, FAMILIES.spec(self.name), arch)
 
 
 TRAIN_FAMILIES = NamedRegistry("drafttrain.families", ConfigError, "target family")

@@ -123,7 +123,7 @@ def check_drafter_job(cfg: TrainConfig, feature_cache: bool) -> tuple[TrainSpec,
     dtype_of(cfg.trainer.optimizer_dtype, "optimizer_dtype")
     resolve_target_path(cfg.target.name_or_path)
     family = family_for(list(getattr(_target_config(cfg.target), "architectures", None) or []))
-    family.check_kind(drafter_spec(spec.name))  # the kind x family pair
+    family.check_kind(drafter_spec(spec.name), cfg.drafter)  # the kind x family pair
     if feature_cache:
         check_feature_cache(family, cfg.target.name_or_path)
     return spec, family

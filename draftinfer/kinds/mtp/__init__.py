@@ -39,6 +39,15 @@ class MTPSpec(DrafterSpec):
     needs = frozenset({"final_hidden", "dense_decoder_layer"})
     handles = frozenset({"multimodal_window", "mrope_positions"})
 
+    def needs_for(self, arch) -> frozenset[str]:
+        """`block: hf` builds each module's block from the target's own transformers decoder
+        layer class (MLA, routed experts and all), so it needs no dense layer of the family;
+        so does a training config (no `block`: training takes `hf` where the family has no
+        dense layer, `drafttrain.kinds.mtp`). None (any drafter of the kind): `needs`."""
+        if arch is not None and getattr(arch, "block", "hf") == "hf":
+            return self.needs - {"dense_decoder_layer"}
+        return self.needs
+
     def conventions(self, arch) -> dict[str, Any]:
         # Our MTP fields (n_predict, mtp_chain, mtp_carry, mtp_feature_tap, ...) travel under
         # `"drafttrain"`: `MTPConfig.from_hf` reads them back from there.
