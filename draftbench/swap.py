@@ -106,7 +106,9 @@ def bench_kind(kind: str, a, target, shape: dict, device, dtype) -> dict:
     def reqs():
         return [Request(p, max_tokens=a.rounds + 1) for p in ps]
 
+    t0 = time.perf_counter()
     dec.generate(reqs())  # warm-up: compiles and captures every bucket the runs reach
+    print(f"{kind}: warm-up (compile, capture) {time.perf_counter() - t0:.1f} s", flush=True)
     plain, plain_stats = dec.generate(reqs())
     graphs_before = len(dec._graphed.graphs) if dec._graphed else 0
     replays_before = dec._graphed.replays if dec._graphed else 0
@@ -119,6 +121,7 @@ def bench_kind(kind: str, a, target, shape: dict, device, dtype) -> dict:
             d.update_drafter(DrafterUpdate(v, updates[v % 2]))
 
     swapped, stats = dec.generate(reqs(), between_rounds=between_rounds)
+    print(f"{kind}: plain and swapped runs done {time.perf_counter() - t0:.1f} s", flush=True)
     dec.apply_ms += [a.elapsed_time(b) for a, b in dec.apply_events]  # synced at its end
     graphs_after = len(dec._graphed.graphs) if dec._graphed else 0
     replays_after = dec._graphed.replays if dec._graphed else 0

@@ -275,7 +275,9 @@ class PlainStep:
             self._fwd = compiled(
                 target_forward, dynamic=True, **({"options": options} if options else {})
             )
-        self._graphed = GraphedFunction(self._step) if cuda_graphs else None
+        # One graph per (batch, attention bucket): successive groups of `greedy_generate`
+        # may hold fewer rows than the first.
+        self._graphed = GraphedFunction(self._graph_step) if cuda_graphs else None
         self.calls = 0
 
     @property
@@ -290,10 +292,13 @@ class PlainStep:
         logits, _ = self._fwd(self.target, ids, rows, cache_pos, rope, attn_len, (), None)
         return (logits,)
 
+    def _graph_step(self, ids, cache_pos, rows, batch: int, attn_len: int):
+        return self._step(ids, cache_pos, rows, attn_len)
+
     def __call__(self, ids, cache_pos, rows, attn_len: int) -> torch.Tensor:
         self.calls += 1
         if self._graphed is None:
             return self._step(ids, cache_pos, rows, attn_len)[0]
         # The graph's output buffer is overwritten by the next replay: the loop only reads
         # this step's logits before it calls again.
-        return self._graphed((ids, cache_pos, rows), attn_len)[0]
+        return self._graphed((ids, cache_pos, rows), ids.shape[0], attn_len)[0]

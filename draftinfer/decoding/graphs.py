@@ -60,6 +60,12 @@ class GraphedFunction:
             entry = self._capture(key, tensors, static)
         for dst, src in zip(entry.inputs, tensors, strict=True):
             if dst is not src:
+                if dst.shape != src.shape:  # a broadcasting copy would replay wrong rows
+                    raise ValueError(
+                        f"graph for {key} was captured with an input of shape "
+                        f"{tuple(dst.shape)}, called with {tuple(src.shape)}: a shape that "
+                        "varies must be part of the static key"
+                    )
                 dst.copy_(src)
         entry.graph.replay()
         self.replays += 1

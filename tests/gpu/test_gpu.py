@@ -420,6 +420,11 @@ def test_the_runners_plain_baseline_decodes_what_the_eager_loop_does(tiny_llama3
     assert step._graphed.replays > 0 and len(step._graphed.graphs) >= 2  # two buckets or more
     eos = [eager[0][5], eager[2][11]]  # tokens the outputs reach: every row stops on one
     assert greedy_generate(model, ps, 40, eos, step_fn=step) == greedy_generate(model, ps, 40, eos)
+    # Seven prompts in groups of 4 and 3 rows: one graph per batch size and bucket (a graph
+    # captured at 4 rows once met the 3-row group, in the job's verify on CUDA).
+    ps7 = prompts(7, seed=501)
+    assert greedy_generate(model, ps7, 40, [], step_fn=step) == greedy_generate(model, ps7, 40, [])
+    assert {key[0] for key in step._graphed.graphs} == {3, 4}
 
 
 def test_swap_between_graph_replays_is_not_recaptured(tmp_path):
@@ -436,3 +441,52 @@ def test_swap_between_graph_replays_is_not_recaptured(tmp_path):
     for r in json.loads(out.read_text())["results"]:
         assert r["swaps"] >= 4 and r["replays"] > 0 and not r["recaptured"], r
         assert r["tokens_identical"], r
+
+
+def test_emitted_features_from_captured_rounds_equal_a_fresh_prefill(zoo_run):
+    """Online training's data on CUDA (`SpecDecoder(emit_features=True)`): rounds compiled,
+    replayed from CUDA graphs and pipelined, with a drafter swap between replays, hand back
+    for every committed token the target features the verify pass computed; fp32, they equal a
+    fresh prefill of the whole committed sequence row for row (the CPU test is
+    `tests/infer/test_emit_features.py`)."""
+    from draftinfer.decoding.swap import DrafterUpdate
+    from draftinfer.files.checkpoint import load_drafter
+    from draftinfer.files.paths import resolve_path
+    from tests.infer.test_emit_features import prefill_features
+    from tests.support.prompts import zoo_prompts
+
+    export = zoo_run("eagle3")["export_dir"]
+    target = load_native_target(
+        resolve_path("zoo:llama-tiny"), "cuda", torch.float32, max_batch=4, max_seq_len=384
+    )
+    drafter, _ = load_drafter(export, target.shared_weights())
+    drafter = drafter.to("cuda", torch.float32)
+    eos = tuple(target.config.eos_token_ids)
+    ps = zoo_prompts(8, seed=4)
+    reqs = [Request(p, max_tokens=12 + 5 * (i % 4), stop_token_ids=eos) for i, p in enumerate(ps)]
+    dec = SpecDecoder(
+        target,
+        drafter,
+        3,
+        max_batch=4,
+        max_model_len=384,
+        compile="all",
+        cuda_graphs=True,
+        emit_features=True,
+    )
+    update = DrafterUpdate.from_export(export, 1)
+    n = [0]
+
+    def between_rounds(d):
+        n[0] += 1
+        if n[0] == 3:
+            d.update_drafter(update)
+
+    outs, stats = dec.generate(reqs, between_rounds=between_rounds)
+    assert dec._graphed is not None and dec._graphed.replays > 0
+    assert sum(a for o in outs for a in o.accepted) > 20  # rounds committed accepted drafts
+    for p, o in zip(ps, outs):
+        seq = p + o.token_ids
+        want = prefill_features(target, seq[:-1], dec.emit_spec)
+        assert o.features.shape == want.shape
+        torch.testing.assert_close(o.features.to(want.device), want, rtol=1e-3, atol=1e-3)
