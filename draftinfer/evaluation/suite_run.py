@@ -127,10 +127,10 @@ def run_suites(cfg: InferConfig) -> SuitesReport:
         pick_dtype,
         plain_step,
         resolve_fast_path,
+        served_drafter_config,
         serving_transforms,
         spec_decoder,
     )
-    from draftinfer.files.checkpoint import read_drafter_config
     from draftinfer.files.loading import load_native_target
     from draftinfer.registry import family_of
 
@@ -139,7 +139,7 @@ def run_suites(cfg: InferConfig) -> SuitesReport:
     temps = check_suites_config(cfg)
     suites = [_with_overrides(load_suite(n), cfg) for n in cfg.eval.suites]
     dtype = pick_dtype(cfg.dtype, device)
-    spec, arch, meta = read_drafter_config(cfg.drafter)
+    spec, arch, meta = served_drafter_config(cfg)
     target_name = cfg.target or meta.get("target") or ""
     if not target_name:
         raise ConfigError("target=... is required: the drafter does not record its target")

@@ -52,7 +52,7 @@ class MTPTrainSpec(TrainSpec):
                 if cfg.mask_pos0_embedding is None
                 else cfg.mask_pos0_embedding
             ),
-            block="native" if _dense_layer(info.architecture) else "hf",
+            block="native" if _runner_block(info.architecture) else "hf",
             layout=cfg.layout,
         )
 
@@ -93,9 +93,10 @@ register_train_kind(MTPTrainSpec())
 __all__ = ["MTPObjective", "MTPTrainConfig", "MTPTrainSpec"]
 
 
-def _dense_layer(architecture: str) -> bool:
+def _runner_block(architecture: str) -> bool:
     """Whether the runner builds MTP blocks for this target natively: its family is native and
-    provides a dense decoder layer (else each block is the target's own transformers layer)."""
+    provides a drafter block (the dense Llama block, or the family's own native layer); else
+    each block is the target's own transformers layer."""
     if not FAMILIES.is_native(architecture):
         return False
-    return "dense_decoder_layer" in FAMILIES.for_architectures([architecture]).provides
+    return "drafter_block" in FAMILIES.for_architectures([architecture]).provides
