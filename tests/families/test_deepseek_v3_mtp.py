@@ -203,6 +203,83 @@ def test_runner_builds_the_block_the_family_provides():
     check_pair(drafter_spec("mtp"), fam)
 
 
+def _file_tensor(files: dict[str, torch.Tensor], L: int, src: int, ours: str) -> torch.Tensor:
+    """The released file's value of our module tensor `layers.{k}.<rest>` for released layer
+    `src`, written out here from the DeepSeek layout (REFERENCES part D, C4), not read from the
+    layout code: `model.layers.{L+src}.` + the block's names, `shared_head.norm` for the final
+    norm, experts stacked from per-expert tensors (gate rows, then up rows)."""
+    rest = ours.split(".", 2)[2]
+    p = f"model.layers.{L + src}."
+    if rest.startswith("norm."):
+        return files[p + "shared_head." + rest]
+    if rest.startswith("block."):
+        rest = rest[len("block.") :]
+    if rest.endswith("experts.gate_up_proj"):
+        base = p + rest[: -len("gate_up_proj")]
+        E = sum(1 for n in files if n.startswith(base) and n.endswith("gate_proj.weight"))
+        return torch.stack(
+            [
+                torch.cat(
+                    [files[f"{base}{e}.gate_proj.weight"], files[f"{base}{e}.up_proj.weight"]]
+                )
+                for e in range(E)
+            ]
+        )
+    if rest.endswith("experts.down_proj"):
+        base = p + rest[: -len("down_proj")]
+        E = sum(1 for n in files if n.startswith(base) and n.endswith("down_proj.weight"))
+        return torch.stack([files[f"{base}{e}.down_proj.weight"] for e in range(E)])
+    return files[p + rest]
+
+
+@pytest.mark.parametrize("init", ["native", "native_all"])
+def test_training_init_native_starts_from_the_released_layers(init, tmp_path):
+    """`drafter.init=native`: module 0's every tensor equals the target file's released layer
+    0; modules 1.. start as `target_last_layer` (the target's last layer as block, eh_proj
+    [noise | identity]). `native_all`: module k equals released layer k % 2 (3 modules, 2
+    released layers)."""
+    from drafttrain.registry import InitContext, train_spec
+    from tests.support.kind_factories import frozen_target
+
+    path = released_target(2)
+    files = load_file(str(path / "model.safetensors"))
+    target = frozen_target(str(path))
+    spec = train_spec("mtp")
+    cfg = spec.config_class(n_predict=3, init=init)
+    d = spec.init_drafter(cfg, InitContext(target, None, None, tmp_path))
+    assert d.config.own_layer and d.config.block == "native"
+    own = d.trainable_state_dict()
+    copied = range(3) if init == "native_all" else range(1)
+    for name, t in own.items():
+        k = int(name.split(".")[1])
+        if k in copied:
+            want = _file_tensor(files, 3, k % 2, name)
+            assert torch.equal(t, want.to(t.dtype)), name
+    if init == "native":  # module 1: the target's last layer, not a released one
+        last = {n: v for n, v in target.layers[-1].state_dict().items()}
+        for n, v in last.items():
+            assert torch.equal(own[f"layers.1.block.{n}"], v.float()), n
+        H = d.config.hidden_size
+        assert torch.equal(own["layers.1.eh_proj.weight"][:, H:], torch.eye(H))
+
+
+def test_training_init_native_needs_released_layers(tmp_path):
+    """A target without MTP layers of its own: `drafter.init=native` is a one-line error."""
+    from drafttrain.registry import InitContext, train_spec
+    from tests.support.kind_factories import frozen_target
+    from tests.support.moe_checkpoints import save_moe_target
+
+    cfg = deepseek_v3_config(layers=2, hidden=32, heads=2, num_nextn_predict_layers=0)
+    path = save_moe_target(cfg, tmp_path / "t")
+    spec = train_spec("mtp")
+    with pytest.raises(ConfigError) as e:
+        spec.init_drafter(
+            spec.config_class(n_predict=1, init="native"),
+            InitContext(frozen_target(str(path)), None, None, tmp_path),
+        )
+    assert "\n" not in str(e.value) and "ships no drafter layers" in str(e.value)
+
+
 def test_runner_cli_serves_the_released_layers(tmp_path):
     """`run_eval` (what `python -m draftinfer drafter=native target=DIR` runs) on a target with
     a tokenizer: the report names the drafter `native`, is lossless, and carries the AL and
