@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from draftinfer.conventions.metrics import acceptance_length
 from draftinfer.decoding.baseline import greedy_generate
 from draftinfer.decoding.engine import Request, SpecDecoder
 from draftinfer.decoding.proposer import causal_attn, greedy_chooser
@@ -307,3 +308,63 @@ def test_runner_cli_serves_the_released_layers(tmp_path):
     assert report.acceptance_length >= 1.0 and len(report.per_position_acceptance) == 3
     with pytest.raises(ConfigError, match="drafter=native serves the target's own"):
         run_eval(InferConfig(**common))
+
+
+@pytest.mark.slow  # trains a tiny target with its MTP layer (~12 s on one core)
+def test_a_jointly_trained_released_layer_is_served_losslessly_and_accepted(tmp_path):
+    """A tiny DeepSeek-V3 trained with its own MTP layer as DeepSeek trains it (the main
+    next-token loss plus 0.3 x the MTP layer's loss, gradients into the main model;
+    `drafttrain.zoo.mtp_joint`) on patterned chat (counting), saved with the layer at
+    `model.layers.{L}.*` experts per expert, then served as released (`drafter=native`):
+    greedy output equals plain greedy at K = 1 and at K = 3 (the one layer reused three times,
+    as DeepSeek-V3's is served), and the drafts are accepted."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_layers import MtpModel
+
+    from drafttrain.zoo import text_data, text_train
+    from drafttrain.zoo.build_moe import encode
+    from drafttrain.zoo.mtp_joint import NextTokenWithMTP, save_released_mtp
+    from drafttrain.zoo.target_train import TokenBudgetBatches, decay_groups, train_target
+    from tests.support.tiny_models import write_counting_chat
+    from tests.support.tiny_tokenizers import make_llama3_tokenizer
+
+    tok = make_llama3_tokenizer(tmp_path / "tok")
+    cfg = deepseek_v3_config(
+        vocab_size=len(tok), layers=2, hidden=64, heads=2, first_k_dense_replace=1
+    )
+    cfg.pad_token_id, cfg.eos_token_id = tok.pad_token_id, tok.eos_token_id
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    mtp = MtpModel(model, 1)
+    mtp.apply(model._init_weights)  # transformers leaves some MtpModel tensors uninitialised
+    rows = text_data.read_jsonl(write_counting_chat(tmp_path / "chat.jsonl", n=200))
+    ex = encode(tok, rows)
+    train_ex, test_ex = ex[:150], ex[150:]
+    args = text_train.TrainArgs(steps=150, tokens_per_batch=1024, lr=3e-3, warmup=10)
+    batches = TokenBudgetBatches(
+        train_ex, 1024, 0, lambda idx: text_train.collate(train_ex, idx, tok.pad_token_id)
+    )
+    objective = NextTokenWithMTP(model, mtp, 0.3)
+    groups = decay_groups(list(objective.named_parameters()), 0.1)
+    log, _ = train_target(
+        model, batches, args, groups, torch.device("cpu"), progress=False, objective=objective
+    )
+    assert log[-1]["mtp_loss"] < 0.25 * log[0]["mtp_loss"], log  # the layer learned
+    model.save_pretrained(str(tmp_path / "target"))
+    save_released_mtp(mtp, model, tmp_path / "target")
+
+    target = load_native_target(tmp_path / "target", "cpu", torch.float32, 4, 256)
+    d, _ = load_released_drafter(tmp_path / "target", target.shared_weights())
+    prompts = [x[: m.index(1)] for x, m in test_ex[:8]]  # up to the first answer token
+    eos = [tok.eos_token_id]
+    plain = greedy_generate(target, prompts, 24, eos)
+    assert all(len(p) > 4 for p in plain)  # the target answers (counts), not just stops
+    for k in (1, 3):
+        dec = SpecDecoder(target, d, k, max_batch=4, max_model_len=256)
+        outs, _ = dec.generate(
+            [Request(p, max_tokens=24, stop_token_ids=tuple(eos)) for p in prompts]
+        )
+        assert [o.token_ids for o in outs] == plain, k
+        al = acceptance_length([a for o in outs for a in o.accepted])
+        print(f"served as released, K={k}: AL {al:.3f}")
+        assert al > 1 + 0.5 * k, (k, al)  # most drafts accepted

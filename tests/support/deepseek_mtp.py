@@ -12,41 +12,12 @@ MTP conversion (`layers.{k}.mtp_block.` -> `model.layers.{L+k}.`, `post_norm` ->
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import torch
 
+from drafttrain.zoo.mtp_joint import released_names
 from tests.support.moe_checkpoints import save_moe_target
-
-
-def released_names(state: dict[str, torch.Tensor], L: int) -> dict[str, torch.Tensor]:
-    """transformers' `MtpModel` state (`layers.{k}.{enorm, hnorm, eh_proj, post_norm,
-    mtp_block.*}`) under the released DeepSeek names, experts per expert."""
-    out = {}
-    for name, t in state.items():
-        m = re.match(r"^layers\.(\d+)\.(.*)$", name)
-        if m is None:
-            continue  # the shared embedding / head / rotary: the target's
-        prefix, rest = f"model.layers.{L + int(m.group(1))}.", m.group(2)
-        if rest.startswith("mtp_block."):
-            rest = rest[len("mtp_block.") :]
-        elif rest.startswith("post_norm."):
-            rest = "shared_head.norm." + rest[len("post_norm.") :]
-        if rest.endswith("experts.gate_up_proj"):
-            base = prefix + rest[: -len(".gate_up_proj")]
-            inter = t.shape[1] // 2
-            for e in range(t.shape[0]):
-                out[f"{base}.{e}.gate_proj.weight"] = t[e, :inter].contiguous()
-                out[f"{base}.{e}.up_proj.weight"] = t[e, inter:].contiguous()
-            continue
-        if rest.endswith("experts.down_proj"):
-            base = prefix + rest[: -len(".down_proj")]
-            for e in range(t.shape[0]):
-                out[f"{base}.{e}.down_proj.weight"] = t[e].contiguous()
-            continue
-        out[prefix + rest] = t.contiguous()
-    return out
 
 
 def save_deepseek_with_mtp(config, path: Path, n_mtp: int = 1, seed: int = 0) -> Path:
