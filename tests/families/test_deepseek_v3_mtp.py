@@ -281,14 +281,8 @@ def test_training_init_native_needs_released_layers(tmp_path):
     assert "\n" not in str(e.value) and "ships no drafter layers" in str(e.value)
 
 
-def test_runner_cli_serves_the_released_layers(tmp_path):
-    """`run_eval` (what `python -m draftinfer drafter=native target=DIR` runs) on a target with
-    a tokenizer: the report names the drafter `native`, is lossless, and carries the AL and
-    per-position acceptance of the released layers; without `target=` it is a one-line
-    error."""
-    from draftinfer.evaluation.config import InferConfig
-    from draftinfer.evaluation.run import run_eval
-    from tests.support.moe_targets import write_chat
+def _target_with_tokenizer(tmp_path: Path) -> Path:
+    """A tiny DeepSeek-V3 with one released MTP layer and a chat tokenizer beside it."""
     from tests.support.tiny_tokenizers import make_llama3_tokenizer
 
     tok = make_llama3_tokenizer(tmp_path / "tok")
@@ -298,6 +292,19 @@ def test_runner_cli_serves_the_released_layers(tmp_path):
     cfg.pad_token_id, cfg.eos_token_id = tok.pad_token_id, tok.eos_token_id
     path = save_deepseek_with_mtp(cfg, tmp_path / "target", n_mtp=1)
     tok.save_pretrained(str(path))
+    return path
+
+
+def test_runner_cli_serves_the_released_layers(tmp_path):
+    """`run_eval` (what `python -m draftinfer drafter=native target=DIR` runs) on a target with
+    a tokenizer: the report names the drafter `native`, is lossless, and carries the AL and
+    per-position acceptance of the released layers; without `target=` it is a one-line
+    error."""
+    from draftinfer.evaluation.config import InferConfig
+    from draftinfer.evaluation.run import run_eval
+    from tests.support.moe_targets import write_chat
+
+    path = _target_with_tokenizer(tmp_path)
     common = dict(
         drafter="native", prompts=str(write_chat(tmp_path / "chat.jsonl", n=6)), num_prompts=3,
         max_new_tokens=10, batch_size=2, max_model_len=256, k=3, progress=False, plot="none",
@@ -308,6 +315,30 @@ def test_runner_cli_serves_the_released_layers(tmp_path):
     assert report.acceptance_length >= 1.0 and len(report.per_position_acceptance) == 3
     with pytest.raises(ConfigError, match="drafter=native serves the target's own"):
         run_eval(InferConfig(**common))
+
+
+@pytest.mark.slow  # an acceptance suite run (~12 s)
+def test_acceptance_suites_serve_the_released_layers(tmp_path):
+    """An acceptance suite over `drafter=native`: results go where eval.out_dir says (there is
+    no export directory: without it, a one-line error), identified by the target's own files;
+    lossless."""
+    from draftinfer.evaluation.config import EvalConfig, InferConfig
+    from draftinfer.evaluation.suite_run import run_suites
+    from tests.support.suite_data import TEXT_SUITES, write_suite_copies
+
+    path = _target_with_tokenizer(tmp_path)
+    copies = write_suite_copies(tmp_path / "copies", n=2)
+    suite = dict(suites=[TEXT_SUITES[0]], path=str(copies), max_new_tokens=8)
+    suites_cfg = dict(
+        drafter="native", target=str(path), k=3, batch_size=2, max_model_len=256,
+        temperatures=[0.0], progress=False, device="cpu",
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="drafter=native: give eval.out_dir"):
+        run_suites(InferConfig(**suites_cfg, eval=EvalConfig(**suite)))
+    out = tmp_path / "suites"
+    result = run_suites(InferConfig(**suites_cfg, eval=EvalConfig(**suite, out_dir=str(out))))
+    assert result.lossless and (out / "suites.json").is_file()
+    assert not (Path("native") / "suites").exists()
 
 
 @pytest.mark.slow  # trains a tiny target with its MTP layer (~12 s on one core)
