@@ -108,7 +108,11 @@ DEFAULT_FAMILY = "causal_lm"
 # `dense_decoder_layer`: the target's decoder layer is a dense (Llama-shaped) block a drafter
 # may copy or mirror (an MTP module is such a block, initialised from the target's last layer);
 # a family whose layers route tokens to experts does not provide it.
-FEATURES = frozenset({"layer_inputs", "final_hidden", "dense_decoder_layer"})
+# `drafter_block`: the runner builds a drafter's decoder block for this family (an MTP module's:
+# the dense Llama block where the family provides `dense_decoder_layer`, else the family's own
+# native layer, `NativeCausalLM.decoder_layer(cfg, index)`, with its own cache, as DeepSeek's
+# MTP layer is a whole decoder layer of the target).
+FEATURES = frozenset({"layer_inputs", "final_hidden", "dense_decoder_layer", "drafter_block"})
 INPUT_FORMS = frozenset({"multimodal_window", "mrope_positions"})
 
 
@@ -122,6 +126,11 @@ class FamilySpec:
     requires: ClassVar[frozenset[str]] = frozenset()
     # Whether this family's prompts may hold image parts (its prompt encoder reads them).
     takes_images: ClassVar[bool] = False
+    # The multi-token-prediction layers this family's checkpoints may ship (DESIGN convention
+    # 15), as their semantics: `count_key` (the config.json field holding their number), and
+    # the drafter fields that serve them as released (`layout`, `mtp_feature_tap`, `mtp_chain`,
+    # `mtp_carry`, `mask_pos0_embedding`); None: its checkpoints ship none.
+    released_mtp: ClassVar[dict[str, Any] | None] = None
 
     def decoder_config(self, config: dict[str, Any]) -> dict[str, Any]:
         """The language decoder's fields of a target `config.json` (vocabulary, hidden size,
@@ -280,6 +289,12 @@ class DrafterSpec:
         """What a drafter of this kind with configuration `arch` (a runtime or training
         config; None: any) consumes of a target: `needs` unless a kind's option changes it."""
         return self.needs
+
+    def released_arch(self, config: dict[str, Any], family: FamilySpec) -> Any | None:
+        """The architecture config of the drafter of this kind that a target checkpoint ships
+        in its own files (`config`: its parsed config.json; `family`: the family serving it),
+        or None when it ships none (`draftinfer.files.checkpoint.released_drafter`)."""
+        return None
 
     # -- construction ---------------------------------------------------------------------
     def build(self, arch: Any) -> torch.nn.Module:

@@ -23,6 +23,7 @@ import json
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -39,7 +40,13 @@ from draftinfer.decoding.sampling import SamplingParams
 from draftinfer.evaluation.config import InferConfig
 from draftinfer.evaluation.prompts import load_prompts
 from draftinfer.evaluation.report import RunReport
-from draftinfer.files.checkpoint import load_drafter, read_drafter_config
+from draftinfer.files.checkpoint import (
+    NATIVE_DRAFTER,
+    load_drafter,
+    load_released_drafter,
+    read_drafter_config,
+    released_drafter_config,
+)
 from draftinfer.files.errors import ConfigError
 from draftinfer.files.paths import resolve_path
 from draftinfer.models.rope import POSITION_MODES, serve_positions_1d
@@ -110,7 +117,10 @@ def check_infer_config(cfg: InferConfig) -> None:
     if cfg.baseline not in BASELINES:
         raise ConfigError(f"baseline must be one of {list(BASELINES)}, got {cfg.baseline!r}")
     if not cfg.drafter:
-        raise ConfigError("drafter=DIR is required (an exported drafter directory)")
+        raise ConfigError(
+            "drafter=DIR is required (an exported drafter directory, or native: the target's "
+            "own drafter layers)"
+        )
     if cfg.mode not in ("fast", "reference"):
         raise ConfigError(f"mode must be fast or reference, got {cfg.mode!r}")
     if cfg.verify not in VERIFY_MODES:
@@ -160,10 +170,30 @@ def read_round_costs(path: str) -> dict[int, float]:
     return costs
 
 
+def served_drafter_config(cfg: InferConfig) -> tuple[Any, Any, dict[str, Any]]:
+    """(kind spec, architecture config, meta) of the drafter `cfg.drafter` names: an exported
+    directory, or `native`, the drafter layers the target ships in its own files (then
+    `target=` is required; `draftinfer.files.checkpoint.released_drafter_config`)."""
+    if cfg.drafter != NATIVE_DRAFTER:
+        return read_drafter_config(cfg.drafter)
+    if not cfg.target:
+        raise ConfigError(
+            f"drafter={NATIVE_DRAFTER} serves the target's own drafter layers: target=... is "
+            "required"
+        )
+    return released_drafter_config(resolve_path(cfg.target))
+
+
 def load_served_drafter(cfg: InferConfig, target, device: torch.device, dtype: torch.dtype):
-    """The exported drafter, attached to the target's shared weights, rotating positions as
+    """The exported drafter (or, `drafter=native`, the target's own drafter layers read from
+    its files), attached to the target's shared weights, rotating positions as
     `cfg.drafter_positions` says."""
-    drafter, _ = load_drafter(cfg.drafter, target.shared_weights(), device=device, dtype=dtype)
+    if cfg.drafter == NATIVE_DRAFTER:
+        drafter, _ = load_released_drafter(
+            resolve_path(cfg.target), target.shared_weights(), device=device, dtype=dtype
+        )
+    else:
+        drafter, _ = load_drafter(cfg.drafter, target.shared_weights(), device=device, dtype=dtype)
     if cfg.drafter_positions == "1d":
         serve_positions_1d(drafter)
     return drafter
@@ -272,7 +302,7 @@ def run_eval(cfg: InferConfig) -> RunReport:
     check_infer_config(cfg)
     round_costs = read_round_costs(cfg.round_costs) if cfg.round_costs else None
     dtype = pick_dtype(cfg.dtype, device)
-    spec, arch, meta = read_drafter_config(cfg.drafter)
+    spec, arch, meta = served_drafter_config(cfg)
     target_name = cfg.target or meta.get("target") or ""
     if not target_name:
         raise ConfigError("target=... is required: the drafter does not record its target")

@@ -46,6 +46,7 @@ from draftinfer.evaluation.suite_report import (
     splice_card_section,
 )
 from draftinfer.evaluation.suites import SuiteConfig, SuiteRow, load_suite, suite_rows, suite_source
+from draftinfer.files.checkpoint import NATIVE_DRAFTER
 from draftinfer.files.errors import ConfigError
 from draftinfer.files.paths import resolve_path
 
@@ -58,6 +59,11 @@ def check_suites_config(cfg: InferConfig) -> list[float]:
     from draftinfer.evaluation.run import check_infer_config
 
     check_infer_config(cfg)
+    if cfg.drafter == NATIVE_DRAFTER and not cfg.eval.out_dir:
+        raise ConfigError(
+            f"drafter={NATIVE_DRAFTER}: give eval.out_dir=DIR (the results of the target's own "
+            "drafter layers have no export directory to go in)"
+        )
     if cfg.report:
         raise ConfigError(
             "report= is the held-out run's JSON; a suite run writes <eval.out_dir>/suites.json"
@@ -127,10 +133,10 @@ def run_suites(cfg: InferConfig) -> SuitesReport:
         pick_dtype,
         plain_step,
         resolve_fast_path,
+        served_drafter_config,
         serving_transforms,
         spec_decoder,
     )
-    from draftinfer.files.checkpoint import read_drafter_config
     from draftinfer.files.loading import load_native_target
     from draftinfer.registry import family_of
 
@@ -139,7 +145,7 @@ def run_suites(cfg: InferConfig) -> SuitesReport:
     temps = check_suites_config(cfg)
     suites = [_with_overrides(load_suite(n), cfg) for n in cfg.eval.suites]
     dtype = pick_dtype(cfg.dtype, device)
-    spec, arch, meta = read_drafter_config(cfg.drafter)
+    spec, arch, meta = served_drafter_config(cfg)
     target_name = cfg.target or meta.get("target") or ""
     if not target_name:
         raise ConfigError("target=... is required: the drafter does not record its target")
@@ -193,7 +199,8 @@ def run_suites(cfg: InferConfig) -> SuitesReport:
         plain_step=plain_step(cfg, target),
     )
     out_dir = Path(cfg.eval.out_dir or Path(cfg.drafter) / SUITES_DIR)
-    identity = _drafter_identity(cfg.drafter)
+    # The files the drafter is read from: an export, or the target's own (drafter=native).
+    identity = _drafter_identity(target_path if cfg.drafter == NATIVE_DRAFTER else cfg.drafter)
     stores = {}
     for s, src in zip(suites, sources):
         for t in temps:
@@ -265,7 +272,7 @@ def run_suites(cfg: InferConfig) -> SuitesReport:
     report.write(out_dir)
     plot = save_suites_plot(report, out_dir / PLOT_NAME)
     card = Path(cfg.drafter) / "README.md"
-    if cfg.eval.card and card.is_file():
+    if cfg.eval.card and cfg.drafter != NATIVE_DRAFTER and card.is_file():
         rel = os.path.relpath(plot, card.parent)
         splice_card_section(card, card_section(report, None if rel.startswith("..") else rel))
     return report

@@ -260,3 +260,50 @@ def snapshot_drafter(
     spec.attach_shared(module, shared)
     module.load_own_state(tensors)
     return module.to(device=device, dtype=dtype).eval()
+
+
+# `drafter=native`: the drafter layers a target checkpoint ships in its own files (DESIGN
+# convention 15: DeepSeek-V3's `model.layers.{L+k}.*` MTP layers), served with no training.
+NATIVE_DRAFTER = "native"
+
+
+def released_drafter_config(target: str | Path) -> tuple[DrafterSpec, Any, dict[str, Any]]:
+    """(kind spec, architecture config, meta) of the drafter the target checkpoint `target`
+    (a local directory or hub id) ships in its own files: the kind whose `released_arch`
+    reads it from the target's `config.json` and family; a one-line `ConfigError` when it
+    ships none."""
+    from draftinfer.files.errors import ConfigError
+    from draftinfer.files.target_dir import read_target_config
+    from draftinfer.registry import FAMILIES, registered_kinds
+
+    config = read_target_config(target)
+    family = FAMILIES.for_architectures(config.get("architectures"))
+    for kind in registered_kinds():
+        spec = drafter_spec(kind)
+        arch = spec.released_arch(config, family)
+        if arch is not None:
+            return spec, arch, {"target": str(target), "released": True}
+    counted = (family.released_mtp or {}).get("count_key")
+    why = f" (config.json: {counted} = {config.get(counted)!r})" if counted else ""
+    raise ConfigError(
+        f"drafter={NATIVE_DRAFTER}: target {target} ({family.name} family) ships no drafter "
+        f"layers of its own{why}"
+    )
+
+
+def load_released_drafter(
+    target: str | Path,
+    shared: dict[str, torch.Tensor],
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """`load_drafter` for `drafter=native`: the drafter the target ships, its tensors read from
+    the target's own safetensors (the names the kind claims, e.g. `model.layers.{L+k}.*`),
+    checked by name and shape like any export's."""
+    from draftinfer.files.target_dir import resolve_checkpoint_dir
+
+    spec, arch, meta = released_drafter_config(target)
+    drafter, tensors = read_drafter_tensors(resolve_checkpoint_dir(target), spec, arch)
+    spec.attach_shared(drafter, shared)
+    drafter.load_own_state(tensors)
+    return drafter.to(device=device, dtype=dtype).eval(), meta

@@ -180,16 +180,21 @@ def train_target(
     progress: bool = True,
     hooks: Sequence[LoopHook] = (),
     aux_loss_coef: float = 0.0,
+    objective: nn.Module | None = None,
 ) -> tuple[list[dict[str, Any]], list[float]]:
     """Train `model` in place on `device` with AdamW over param `groups` (a group's `lr` is its
     base rate; default `a.lr`). Returns the build log's rows (one per `LOG_EVERY` steps and
     the last; hooks' metrics merged) and the per-step losses (`NextTokenLM`'s objective, with
-    its MoE load-balancing term at `aux_loss_coef`). Leaves the model in eval mode."""
+    its MoE load-balancing term at `aux_loss_coef`; or `objective`, a module over `model` with
+    the same `forward(batch) -> (loss, metrics)`, e.g. `mtp_joint.NextTokenWithMTP`). Leaves
+    the model in eval mode."""
     tc = trainer_config(a, progress)
     accelerator = make_accelerator(tc, cpu=device.type == "cpu")
     optimizer = build_optimizer(groups, tc)
     scheduler = warmup_cosine(optimizer, tc)
-    module, optimizer = accelerator.prepare(NextTokenLM(model, aux_loss_coef), optimizer)
+    if objective is None:
+        objective = NextTokenLM(model, aux_loss_coef)
+    module, optimizer = accelerator.prepare(objective, optimizer)
     log = BuildLog(echo=not progress)
     result = run_loop(
         accelerator,
@@ -202,5 +207,5 @@ def train_target(
         desc="train",
         hooks=hooks,
     )
-    model.eval()
+    objective.eval()
     return log.rows(), result.losses

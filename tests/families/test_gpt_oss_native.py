@@ -78,7 +78,8 @@ def test_registered_and_config_facts(gpt_oss_dir):
     assert FAMILIES.native_class({"architectures": ["GptOssForCausalLM"]}) is GptOssForCausalLM
     assert FAMILIES.native_class({"model_type": "gpt_oss"}) is GptOssForCausalLM
     spec = family_spec("gpt_oss")
-    assert spec.provides == FEATURES - {"dense_decoder_layer"} and not spec.requires
+    assert spec.provides == FEATURES - {"dense_decoder_layer", "drafter_block"}
+    assert not spec.requires
     assert kinds_for_family("gpt_oss")  # drafter kinds pair with it
     model = native(gpt_oss_dir)
     c = model.config

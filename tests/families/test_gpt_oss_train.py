@@ -213,11 +213,14 @@ def test_yarn_keys_are_parsed_strictly():
 
 
 def test_a_kind_the_family_does_not_fit_is_refused_in_one_line():
-    """MTP modules are dense blocks of the target's layer shape; this family's layers route
-    tokens to experts (`dense_decoder_layer` not provided): refused before anything loads."""
+    """The runner builds no MTP block for this family yet (`drafter_block` not provided: its
+    layers route tokens to experts, and its own layer is not run as a module's block): refused
+    before anything loads."""
     from draftinfer.files.errors import ConfigError
     from draftinfer.registry import drafter_spec
 
     assert "mtp" not in kinds_for_family(FAMILY)
-    with pytest.raises(ConfigError, match="cannot run on a 'gpt_oss' target: it needs dense"):
+    with pytest.raises(
+        ConfigError, match="cannot run on a 'gpt_oss' target: it needs drafter_block"
+    ):
         train_family(FAMILY).check_kind(drafter_spec("mtp"))

@@ -70,7 +70,8 @@ def test_registered_and_config_facts(qwen3_moe_dir):
     )
     assert FAMILIES.native_class({"model_type": "qwen3_moe"}) is Qwen3MoeForCausalLM
     spec = family_spec("qwen3_moe")
-    assert spec.provides == FEATURES - {"dense_decoder_layer"} and not spec.requires
+    assert spec.provides == FEATURES - {"dense_decoder_layer", "drafter_block"}
+    assert not spec.requires
     assert kinds_for_family("qwen3_moe")
     model = native(qwen3_moe_dir)
     c = model.config

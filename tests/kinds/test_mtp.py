@@ -224,9 +224,10 @@ def test_stitch_round_trip_and_missing_layer(kind_env, zoo_target, tmp_path):
 @pytest.mark.slow
 def test_transformers_deepseek_v3_mtp_loads_our_stitched_modules(tmp_path):
     """A tiny DeepSeek-V3 target (61 layers: transformers maps its MTP layer by the pattern
-    `model.layers.61.*`), MTP trained through the same code path (`block: hf`, the family's
-    own decoder layer with MLA and MoE), exported, stitched, loaded by transformers'
-    `MtpModel.from_pretrained`: its module logits equal ours."""
+    `model.layers.61.*`), MTP trained through the same code path (`block: native`, the
+    family's own native layer with MLA and MoE), exported, stitched, loaded by transformers'
+    `MtpModel.from_pretrained`: its module logits equal ours, and so does our runner's first
+    draft."""
     transformers = pytest.importorskip("transformers")
     mtp_model = getattr(pytest.importorskip("transformers.modeling_layers"), "MtpModel", None)
     if mtp_model is None:
@@ -292,7 +293,9 @@ def test_transformers_deepseek_v3_mtp_loads_our_stitched_modules(tmp_path):
     )
     assert summary["losses"][-1] < summary["losses"][0]
     spec, arch, _ = read_drafter_config(summary["export_dir"])
-    assert arch.block == "hf" and arch.architecture == "DeepseekV3ForCausalLM"
+    # The runner has a block for this family (its own native layer: MLA, routed experts).
+    assert arch.block == "native" and arch.own_layer
+    assert arch.architecture == "DeepseekV3ForCausalLM"
     out = spec.stitch(summary["export_dir"], arch, tmp_path / "target", tmp_path / "stitched")
     main = transformers.AutoModelForCausalLM.from_pretrained(str(out), attn_implementation="eager")
     theirs_model = mtp_model.from_pretrained(main).eval()
@@ -318,7 +321,12 @@ def test_transformers_deepseek_v3_mtp_loads_our_stitched_modules(tmp_path):
     # The same weights and operations: equal to fp32 rounding (exactly 0 on the machines of
     # earlier runs, 2.4e-7 on 2026-11-26's; a wrong weight or layout is off by O(1)).
     assert diff <= 1e-5, diff
-    # Our runner refuses to run the family's own (non-native) blocks, with one line.
-    with pytest.raises(CheckpointError, match="draftinfer runs MTP modules for Llama"):
-        drafter_spec("mtp").proposer_class(ours, 1, 16, torch.device("cpu"), torch.float32)
+    # Our runner serves these modules: its cached first draft equals transformers'.
+    prop = drafter_spec("mtp").proposer_class(ours, 2, 16, torch.device("cpu"), torch.float32)
+    first = FirstPass(torch.arange(2), ids[:, 1:], h[:, :-1], pos[:, :-1], pos[:, :-1])
+    drafts, _ = prop.propose(prop.admit(first), torch.tensor([1, 1]), 1)
+    with torch.no_grad():  # row i consumes (t_{i+1}, f_i): transformers' layer on those rows
+        shifted = theirs_model.forward_layer(0, h[:, :-1], pos[:, :-1], None, input_ids=ids[:, 1:])
+        want = theirs_model._project_to_logits(shifted)[:, -1].argmax(-1)
+    assert drafts[:, 0].tolist() == want.tolist()
     shutil.rmtree(out)

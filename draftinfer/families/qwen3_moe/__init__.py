@@ -14,7 +14,8 @@ class Qwen3MoeFamily(FamilySpec):
     models = {"Qwen3MoeForCausalLM": Qwen3MoeForCausalLM}
     # layer_inputs (residual stream taps), final_hidden; not dense_decoder_layer: its layers
     # route tokens to experts, which no MTP module (a dense block here) can mirror yet.
-    provides = FEATURES - {"dense_decoder_layer"}
+    # Nor drafter_block: the MTP kind does not run its routed layers as a module's block yet.
+    provides = FEATURES - {"dense_decoder_layer", "drafter_block"}
 
 
 register_family(Qwen3MoeFamily())

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from draftinfer.files.errors import CheckpointError
-from draftinfer.kinds.mtp.config import MTPConfig
+from draftinfer.files.errors import CheckpointError, ConfigError
+from draftinfer.kinds.mtp.config import _NOT_ARCH, MTPConfig
 from draftinfer.kinds.mtp.layouts import OWN_NAME, layout_of
 from draftinfer.kinds.mtp.module import MTPDrafter
 from draftinfer.kinds.mtp.proposer import MTPProposer
@@ -35,18 +35,36 @@ class MTPSpec(DrafterSpec):
     proposer_class = MTPProposer
     mode = "multi-token prediction"
     # Each module is a decoder block of the target's layer shape (initialised from its last
-    # layer by default): a dense one.
-    needs = frozenset({"final_hidden", "dense_decoder_layer"})
+    # layer by default) that the runner builds for the family (`drafter_block`): the dense
+    # Llama block, or the family's own native layer (`MTPConfig.own_layer`).
+    needs = frozenset({"final_hidden", "drafter_block"})
     handles = frozenset({"multimodal_window", "mrope_positions"})
 
     def needs_for(self, arch) -> frozenset[str]:
         """`block: hf` builds each module's block from the target's own transformers decoder
-        layer class (MLA, routed experts and all), so it needs no dense layer of the family;
-        so does a training config (no `block`: training takes `hf` where the family has no
-        dense layer, `drafttrain.kinds.mtp`). None (any drafter of the kind): `needs`."""
+        layer class (MLA, routed experts and all), so it needs no block of the runner's; so
+        does a training config (no `block`: training takes `hf` where the runner builds no
+        block for the family, `drafttrain.kinds.mtp`). None (any drafter of the kind): `needs`."""
         if arch is not None and getattr(arch, "block", "hf") == "hf":
-            return self.needs - {"dense_decoder_layer"}
+            return self.needs - {"drafter_block"}
         return self.needs
+
+    def released_arch(self, config, family):
+        """The MTP layers a checkpoint of `family` ships (`FamilySpec.released_mtp`: how many
+        its config.json counts, what they consume and carry), as this kind's architecture with
+        the runner's native block (the family's own layer): what `drafter=native` serves."""
+        own = family.released_mtp
+        if own is None:
+            return None
+        n = int(config.get(own["count_key"]) or 0)
+        if n < 1:
+            return None
+        fields = {k: v for k, v in own.items() if k != "count_key"}
+        target = {k: v for k, v in config.items() if k not in _NOT_ARCH and k != own["count_key"]}
+        try:
+            return MTPConfig(n_predict=n, target_config=target, block="native", **fields)
+        except ConfigError as e:
+            raise CheckpointError(f"the target's own MTP layers: {e}") from None
 
     def conventions(self, arch) -> dict[str, Any]:
         # Our MTP fields (n_predict, mtp_chain, mtp_carry, mtp_feature_tap, ...) travel under
@@ -160,7 +178,8 @@ class MTPSpec(DrafterSpec):
         runner = (
             f"This target ({arch.architecture}) is served by `draftinfer` as is."
             if arch.block == "native"
-            else f"`draftinfer` does not run {arch.architecture} targets (block: hf)."
+            else f"`draftinfer` does not run these modules (block: hf, {arch.architecture}'s "
+            "own transformers layers)."
         )
         return (
             f"{engines}\n\n{registration}\n\n{runner}\n\n"

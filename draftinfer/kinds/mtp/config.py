@@ -15,8 +15,10 @@ fields under `"drafttrain"`:
   transformers' `MtpModel`);
 - `mask_pos0_embedding`: zero the token embedding at RoPE position 0, as vLLM's
   `DeepSeekMultiTokenPredictorLayer` does (`inputs_embeds[positions == 0] = 0`);
-- `block`: `native` (a Llama/Qwen2/Qwen3 decoder layer: `draftinfer.models.layers.DecoderLayer`, run
-  by training and the runner alike) or `hf` (the target family's own decoder-layer class,
+- `block`: `native` (run by training and the runner alike: a Llama/Qwen2/Qwen3 decoder layer,
+  `draftinfer.models.layers.DecoderLayer`, or, for a family whose layers are not that dense
+  block (DeepSeek-V3), the family's own native layer at index `L + k` with its own cache,
+  `own_layer`, `native_layer`) or `hf` (the target family's own decoder-layer class,
   for training against any HF causal LM; the runner refuses it);
 - `layout`: the checkpoint layout and the semantics that go with it (`layouts.py`):
   `deepseek` (`model.layers.{L+k}.*`, embedding-first concat, a final norm per module, module
@@ -114,15 +116,27 @@ class MTPConfig:
         self.target_num_layers = int(c["num_hidden_layers"])
         self.max_position_embeddings = int(c.get("max_position_embeddings", 0))
         self.architecture = c["architectures"][0]
+        self.own_layer = False
         if self.block == "native":
             self._native_block()
 
     def _native_block(self) -> None:
         """Block and RoPE fields from the target family's config (the native targets' rules)."""
         from draftinfer.files.loading import native_class_for
+        from draftinfer.registry import FAMILIES
 
         c = self.target_config
         cls = native_class_for(c)  # a one-line ConfigError for a family we cannot run
+        # The family's own native layer as each module's block, where its layers are not the
+        # dense Llama block (`drafter_block` without `dense_decoder_layer`; `native_layer`).
+        provides = FAMILIES.for_architectures(c["architectures"]).provides
+        self.own_layer = "dense_decoder_layer" not in provides
+        if self.own_layer:
+            native = self.native_layer()[1]
+            self.rms_norm_eps = native.rms_norm_eps
+            self.head_dim = native.head_dim  # the rotary's width (MLA: the RoPE slice)
+            self.rope_theta, self.rope_scaling = native.rope_theta, native.rope_scaling
+            return
         self.num_attention_heads = int(c["num_attention_heads"])
         self.num_key_value_heads = int(c.get("num_key_value_heads") or self.num_attention_heads)
         self.head_dim = int(c.get("head_dim") or self.hidden_size // self.num_attention_heads)
@@ -132,6 +146,25 @@ class MTPConfig:
         family = cls.block_flags(bias, bool(c.get("mlp_bias", False)))
         self.qkv_bias, self.o_bias, self.mlp_bias, self.qk_norm = family
         self.rope_theta, self.rope_scaling = rope_from_hf(_Attrs(c), self.head_dim)
+
+    def native_layer(self):
+        """(the target family's native class, its `NativeConfig`) for `own_layer` blocks: module
+        k's block is `cls.decoder_layer(cfg, L + k)`, the layer the target would have at that
+        index (DeepSeek-V3: MLA with a latent cache, routed experts past
+        `first_k_dense_replace`), built from the target's config.json as the runner builds the
+        target."""
+        if getattr(self, "_native", None) is None:
+            import transformers
+
+            from draftinfer.files.loading import native_class_for
+
+            cls = native_class_for(self.target_config)
+            try:
+                hf = transformers.AutoConfig.for_model(**self.target_config)
+            except (ValueError, KeyError, TypeError) as e:
+                raise ConfigError(f"mtp target_config: {e}") from None
+            self._native = (cls, cls.config_from_hf(hf, []))
+        return self._native
 
     # -- what every drafter config provides -----------------------------------------------
     @property

@@ -10,6 +10,9 @@ Our module names (`MTPDrafter.trainable_state_dict`): `layers.{k}.{enorm,hnorm,e
   (`[H, 2H]`, embedding first), `shared_head.norm` and the block's keys directly under the
   prefix (vLLM inserts `mtp_block.`), plus the engine copies `shared_head.head` (per module)
   and `embed_tokens` (first module; vLLM lifts it to the shared embedding), which we ignore.
+  Routed experts read either way: stacked (`experts.gate_up_proj`, `experts.down_proj`, what
+  transformers 5 and our blocks hold) or per expert, as the released checkpoints store them
+  (`experts.{e}.{gate,up,down}_proj.weight`, `stack_experts`).
 - `mrv2` (Inkling, vLLM MRv2's multi-module user; REFERENCES C, "Checkpoint layouts"):
   `model.mtp.layers.{k}.{hidden_norm, embed_norm, input_proj, transformer_block.*}` with
   `input_proj` `[H, 2H]` reading `[hidden_norm(h) ‖ embed_norm(emb)]` (hidden first) and one
@@ -71,7 +74,36 @@ class DeepSeekLayout:
                 out[f"layers.{k}.{rest}"] = t
             else:
                 out[f"layers.{k}.block.{rest}"] = t
-        return out
+        return stack_experts(out)
+
+
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert tensors as released DeepSeek checkpoints store them
+    (`{prefix}.{e}.{gate,up,down}_proj.weight`, `(out, in)`) stacked into the layout our blocks
+    and transformers 5 hold, `{prefix}.gate_up_proj [E, 2I, H]` (gate rows first, then up:
+    `Experts.per_expert_sources`) and `{prefix}.down_proj [E, H, I]`; a prefix whose experts
+    are not all there (0..E-1, three each) is left as it is (reported as unexpected names)."""
+    groups: dict[str, dict[tuple[int, str], str]] = {}
+    for name in tensors:
+        m = _PER_EXPERT.match(name)
+        if m is not None:
+            groups.setdefault(m.group(1), {})[int(m.group(2)), m.group(3)] = name
+    out = dict(tensors)
+    for prefix, parts in groups.items():
+        E = 1 + max(e for e, _ in parts)
+        if len(parts) != 3 * E:
+            continue
+        gate_up = [
+            torch.cat([tensors[parts[e, "gate"]], tensors[parts[e, "up"]]]) for e in range(E)
+        ]
+        out[f"{prefix}.gate_up_proj"] = torch.stack(gate_up)
+        out[f"{prefix}.down_proj"] = torch.stack([tensors[parts[e, "down"]] for e in range(E)])
+        for name in parts.values():
+            del out[name]
+    return out
 
 
 # Our per-module part -> Inkling's name under `model.mtp.layers.{k}.`.

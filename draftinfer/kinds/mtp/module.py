@@ -19,14 +19,59 @@ copies, which the export writes).
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from draftinfer.conventions.slots import Slots
 from draftinfer.conventions.window import TokenEmbeds, token_embeddings
+from draftinfer.decoding.proposer import causal_attn
 from draftinfer.kinds.mtp.config import MTPConfig
+from draftinfer.models.kv_cache import bind_cache, resolve_attn_len, visibility_mask, write_index
 from draftinfer.models.layers import AttnFn, DecoderLayer, RMSNorm, head_logits
 from draftinfer.models.rope import RotaryEmbedding
+
+
+@dataclass
+class LayerSlots:
+    """What a block that is the family's own native layer (`MTPConfig.own_layer`) reads in the
+    runner, in place of an `AttnFn`: the arguments a target's layer takes after `(x, cos,
+    sin)` (`NativeCausalLM.forward`), over the block's own cache (its attention's buffers,
+    `MTPDrafter.allocate_caches`). rows `[B]`, cache_pos `[B, T]` (-1: padding), write_pos
+    `[B, T]` (the scratch column for padding), attn_len L; the mask `[B, 1, T * group, L]` is
+    built once per (group, window) and shared by the modules."""
+
+    rows: torch.Tensor
+    cache_pos: torch.Tensor
+    write_pos: torch.Tensor
+    attn_len: int
+    _masks: dict = field(default_factory=dict)
+
+    def args(self, block: nn.Module, group: int) -> tuple:
+        window = getattr(block.self_attn, "window", None)
+        if (group, window) not in self._masks:
+            self._masks[group, window] = visibility_mask(
+                self.cache_pos, self.attn_len, group, window
+            )
+        return self.rows, self.write_pos, self._masks[group, window], self.attn_len
+
+
+@contextmanager
+def scratch_cache(attn: nn.Module, B: int, T: int, like: torch.Tensor) -> Iterator[None]:
+    """The attention `attn` of an own-layer block over a fresh cache of `B` rows x `T` indices
+    (its `allocate_cache`), its own buffers (the runner's cache) put back afterwards: how
+    training and the reference loop run the block causally over whole rows, gradients flowing
+    through the cache writes."""
+    saved = dict(attn._buffers)
+    attn.allocate_cache(B, T, like.dtype, like.device)
+    try:
+        yield
+    finally:
+        for name, buf in saved.items():
+            setattr(attn, name, buf)
 
 
 def hf_layer_classes(cfg: MTPConfig):
@@ -71,7 +116,17 @@ class MTPDrafter(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)
         self.lm_head.weight.requires_grad_(False)
         self.hf_rotary = None
-        if c.block == "native":
+        self.max_seq_len = 0  # of the own-layer blocks' caches (`allocate_caches`)
+        if c.block == "native" and c.own_layer:
+            # The family's own layer at the index the module sits at in the checkpoint
+            # (`model.layers.{L+k}`): the target's attention and MLP kinds, its names.
+            cls, native = c.native_layer()
+            L = c.target_num_layers
+            blocks = [cls.decoder_layer(native, L + k) for k in range(c.n_predict)]
+            eps = c.rms_norm_eps
+            self.group = native.num_heads // native.num_kv_heads
+            self.rotary = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling)
+        elif c.block == "native":
             blocks = [DecoderLayer(c) for _ in range(c.n_predict)]
             eps = c.rms_norm_eps
             self.rotary = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling)
@@ -114,7 +169,10 @@ class MTPDrafter(nn.Module):
         x = layer.eh_proj(torch.cat([h, e] if self.config.hidden_first else [e, h], dim=-1))
         if self.hf_rotary is None:
             cos, sin = self.rotary(rope_pos)
-            pre = layer.block(x, cos, sin, attn_fn, k)
+            if self.config.own_layer:
+                pre = self._own_layer(layer.block, x, cos, sin, attn_fn)
+            else:
+                pre = layer.block(x, cos, sin, attn_fn, k)
         else:  # the family's own layer, training only: plain causal attention over the rows
             T = x.shape[1]
             causal = torch.full((T, T), float("-inf"), device=x.device).triu(1)
@@ -126,6 +184,56 @@ class MTPDrafter(nn.Module):
             )
             pre = out[0] if isinstance(out, tuple) else out
         return self.final_norm(k)(pre), pre
+
+    def _own_layer(self, block, x, cos, sin, attn) -> torch.Tensor:
+        """An own-layer block over `x [B, T, H]`: through its cache at `attn`'s slots (the
+        runner, `LayerSlots`), or, given plain causal attention (training, the reference
+        loop), causally over the whole rows through a scratch cache."""
+        if isinstance(attn, LayerSlots):
+            return block(x, cos, sin, *attn.args(block, self.group))
+        if attn is not causal_attn:
+            raise TypeError(
+                "an MTP module whose block is the target family's own layer attends through "
+                "its own cache (LayerSlots) or causally over whole rows (causal_attn)"
+            )
+        B, T, _ = x.shape
+        pos = torch.arange(T, device=x.device).expand(B, T)
+        rows = torch.arange(B, device=x.device)
+        with scratch_cache(block.self_attn, B, T, x):
+            return block(x, cos, sin, *LayerSlots(rows, pos, pos, T).args(block, self.group))
+
+    def new_caches(
+        self, max_batch: int, max_seq_len: int, dtype: torch.dtype, device: torch.device
+    ) -> list[dict[str, torch.Tensor]]:
+        """Own-layer blocks: a fresh cache per module (its attention's `allocate_cache`: MLA's
+        latent, `[max_batch, max_seq_len + 1, kv_lora_rank + qk_rope_head_dim]`), written and
+        rolled back like the target's (no KV computed from a rejected draft is ever read). The
+        proposer owns them and installs them before each call (`use_caches`), so two proposers
+        over one drafter never share a cache."""
+        caches = []
+        for layer in self.layers:
+            attn = layer.block.self_attn
+            attn.allocate_cache(max_batch, max_seq_len, dtype, device)
+            caches.append({k: v for k, v in attn._buffers.items() if v is not None})
+        self.max_seq_len = max_seq_len
+        return caches
+
+    def use_caches(self, caches: list[dict[str, torch.Tensor]]) -> None:
+        """Make `caches` (from `new_caches`) the blocks' caches (assignments, no copy)."""
+        for layer, cache in zip(self.layers, caches):
+            for name, t in cache.items():
+                setattr(layer.block.self_attn, name, t)
+        self.max_seq_len = next(iter(caches[0].values())).shape[1] - 1
+
+    def bind(self, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], slots: Slots):
+        """What the modules attend through for one forward over `slots`: an `AttnFn` over the
+        runner's per-module K/V (`bind_cache`), or, for own-layer blocks, `LayerSlots` over
+        the blocks' own caches."""
+        if not self.config.own_layer:
+            return bind_cache(k_cache, v_cache, slots)
+        attn_len = resolve_attn_len(slots, self.max_seq_len)
+        write_pos = write_index(slots.cache_pos, self.max_seq_len)
+        return LayerSlots(slots.rows, slots.cache_pos, write_pos, attn_len)
 
     def carry(self, normed: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         """What module k hands module k+1 when chained (`mtp_carry`)."""

@@ -47,7 +47,7 @@ from draftinfer.decoding.proposer import (
     greedy_chooser,
 )
 from draftinfer.files.errors import CheckpointError
-from draftinfer.models.kv_cache import KVCache, bind_cache
+from draftinfer.models.kv_cache import KVCache
 
 
 def cached_mtp_forward(
@@ -56,7 +56,7 @@ def cached_mtp_forward(
     """Module j over rows through its KV cache -> (normed, pre-norm) `[B, T, H]`; `mm`: the
     target's input embeddings of rows consuming a multimodal placeholder (or None)."""
     slots = Slots(rows, cache_pos, rope_pos, attn_len)
-    return drafter(j, ids, h_in, rope_pos, bind_cache(k_cache, v_cache, slots), mm)
+    return drafter(j, ids, h_in, rope_pos, drafter.bind(k_cache, v_cache, slots), mm)
 
 
 def mtp_window_module(
@@ -239,14 +239,20 @@ class MTPProposer(Proposer):
         c = drafter.config
         if c.block != "native":
             raise CheckpointError(
-                f"this MTP drafter's blocks are {c.architecture}'s own layers (block: hf); "
-                "draftinfer runs MTP modules for Llama, Qwen2 and Qwen3 targets"
+                f"this MTP drafter's blocks are {c.architecture}'s own transformers layers "
+                "(block: hf); draftinfer runs MTP modules of block native (Llama, Qwen2, "
+                "Qwen3 targets, and the target family's own native layer where it has one)"
             )
         N, dev = c.n_predict, self.device
         self.N = N
-        self.cache = KVCache(
-            N, max_batch, max_seq_len, c.num_key_value_heads, c.head_dim, dev, dtype
-        )
+        self.own_caches = None
+        if c.own_layer:  # each block is the family's own layer: its attention reads its cache
+            self.own_caches = drafter.new_caches(max_batch, max_seq_len, dtype, dev)
+            self.cache = KVCache(0, max_batch, max_seq_len, 1, 1, dev, dtype)
+        else:
+            self.cache = KVCache(
+                N, max_batch, max_seq_len, c.num_key_value_heads, c.head_dim, dev, dtype
+            )
         axes = () if c.rope_axes == 1 else (3,)
         # The per-request cache (convention 10): the last N-1 rows of the previous window.
         self.hist = FirstPass(
@@ -271,6 +277,11 @@ class MTPProposer(Proposer):
         self._inputs = compiled(mtp_window_inputs, **kwargs)
         self._keep = compiled(mtp_keep_history, **kwargs)
 
+    def _install(self) -> None:
+        """Own-layer blocks read this proposer's caches (`MTPDrafter.use_caches`)."""
+        if self.own_caches is not None:
+            self.drafter.use_caches(self.own_caches)
+
     def _run(self, j, ids, h_in, rope, rows, cache_pos, attn_len, mm=None):
         c = self.cache
         return self._fwd(self.drafter, c.k, c.v, j, ids, h_in, rope, rows, cache_pos, attn_len, mm)
@@ -278,6 +289,12 @@ class MTPProposer(Proposer):
     def kv_snapshot(self, row: int, n: int) -> list[torch.Tensor]:
         """Module j's KV at rows 0..n-1-j: the rows whose consumed token t_{i+j+1} lies in a
         committed prefix of n + 1 tokens."""
+        if self.own_caches is not None:
+            return [
+                t[row, : max(n - j, 0)].clone()
+                for j, cache in enumerate(self.own_caches)
+                for t in cache.values()
+            ]
         out = []
         for j, (k, v) in enumerate(zip(self.cache.k, self.cache.v)):
             m = max(n - j, 0)
@@ -383,6 +400,7 @@ class MTPProposer(Proposer):
         tokens, for a caller that feeds the drafter a prompt in chunks; the engine admits a
         whole prompt at once) are consumed in place of drafts; rows that would need a token
         beyond them are re-prefilled by the next window (point 5)."""
+        self._install()
         self._keep_mm(first_pass)
         self.hist.cache_pos[first_pass.rows] = -1
         if self.hist.mm is not None:
@@ -414,6 +432,7 @@ class MTPProposer(Proposer):
         choose: DraftChooser = greedy_chooser,
         attn_len: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self._install()
         d, N, fp = self.drafter, self.N, first_pass
         ids, feats, win_pos, run_pos, rope, mm_mask, mm_embeds, last, drafts, live = self._inputs(
             *self._hist_args(),

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from drafttrain.jobs.config import DrafterTrainConfig, above, at_least, one_of
 
-INITS = ("target_last_layer", "random")
+INITS = ("target_last_layer", "random", "native", "native_all")
 
 
 @dataclass
@@ -26,7 +26,10 @@ class MTPTrainConfig(DrafterTrainConfig):
     # the layout's own (deepseek: true, mrv2: false).
     mask_pos0_embedding: bool | None = None
     # "target_last_layer": each module's block starts as a copy of the target's last decoder
-    # layer, its final norm as the target's, eh_proj as [small noise | identity]; "random".
+    # layer, its final norm as the target's, eh_proj as [small noise | identity]; "random";
+    # "native": module 0 is the MTP layer the target ships in its own files (DeepSeek-V3's
+    # `model.layers.{L}.*`; `drafter=native` in the runner serves it as released), the others
+    # as target_last_layer; "native_all": module k is the target's layer k % (its count).
     init: str = "target_last_layer"
     # Loss weight of module k: "uniform" (1) or "geometric" (loss_decay^k).
     loss_weights: str = "geometric"
