@@ -129,8 +129,7 @@ class DeepseekV3ForCausalLM(NativeCausalLM):
             v_head_dim=cfg.v_head_dim,
             softmax_scale=cfg.softmax_scale,
             rope_interleave=cfg.rope_interleave,
-            bias=cfg.qkv_bias,
-            eps=cfg.rms_norm_eps,
+            bias=cfg.qkv_bias,  # the latent norms keep HF's eps (`mla.LATENT_NORM_EPS`)
         )
 
     @classmethod
