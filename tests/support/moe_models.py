@@ -384,3 +384,109 @@ def random_glm4_moe_configs(n: int, seed: int = 0) -> list:
             )
         )
     return out
+
+
+def glm4_moe_lite_config(
+    vocab_size: int = 512,
+    layers: int = 3,
+    hidden: int = 64,
+    heads: int = 4,
+    q_lora_rank: int | None = 24,
+    kv_lora_rank: int = 16,
+    qk_nope_head_dim: int = 8,
+    qk_rope_head_dim: int = 8,
+    v_head_dim: int = 12,
+    experts: int = 8,
+    n_group: int = 4,
+    topk_group: int = 2,
+    top_k: int = 2,
+    moe_intermediate: int = 16,
+    n_shared_experts: int = 1,
+    dense_layers: int = 1,
+    norm_topk_prob: bool = True,
+    routed_scaling_factor: float = 1.8,
+    rope_interleave: bool = True,
+    yarn: dict | None = None,
+    attention_bias: bool = False,
+    max_len: int = 512,
+    **extra,
+):
+    """GLM-4.7-Flash (`glm4_moe_lite`): DeepSeek-V3's MLA (low-rank q, the latent of
+    `kv_lora_rank` plus the decoupled RoPE key), group-limited sigmoid routing with the
+    correction bias, shared experts; `mlp_layer_types` lists `dense_layers` dense layers, then
+    sparse ones. `yarn`: YaRN rope keys or None for plain RoPE."""
+    from transformers import Glm4MoeLiteConfig
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    if yarn is not None:
+        rope = {"rope_type": "yarn", "rope_theta": 10000.0, **yarn}
+    return Glm4MoeLiteConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        moe_intermediate_size=moe_intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        q_lora_rank=q_lora_rank,
+        kv_lora_rank=kv_lora_rank,
+        qk_nope_head_dim=qk_nope_head_dim,
+        qk_rope_head_dim=qk_rope_head_dim,
+        v_head_dim=v_head_dim,
+        n_routed_experts=experts,
+        n_group=n_group,
+        topk_group=topk_group,
+        num_experts_per_tok=top_k,
+        n_shared_experts=n_shared_experts,
+        mlp_layer_types=["dense"] * dense_layers + ["sparse"] * (layers - dense_layers),
+        norm_topk_prob=norm_topk_prob,
+        routed_scaling_factor=routed_scaling_factor,
+        rope_interleave=rope_interleave,
+        rope_parameters=rope,
+        attention_bias=attention_bias,
+        max_position_embeddings=max_len,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        **extra,
+    )
+
+
+def random_glm4_moe_lite_configs(n: int, seed: int = 0) -> list:
+    """`n` varied GLM-4.7-Flash-style configs: MLA ranks and head widths (with and without a q
+    LoRA), interleaved or NeoX RoPE, plain RoPE or YaRN (`mscale` and `mscale_all_dim` equal or
+    not), the grouped routing of `_random_routing`, 0 to L-1 dense layers first in
+    `mlp_layer_types`, attention biases."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        layers = rng.choice([2, 3, 4])
+        yarn = None
+        if rng.random() < 0.5:
+            yarn = {
+                "factor": rng.choice([2.0, 4.0, 40.0]),
+                "original_max_position_embeddings": rng.choice([16, 64]),
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": rng.choice([0.707, 1.0]),
+                "mscale_all_dim": rng.choice([0.707, 1.0]),
+            }
+        out.append(
+            glm4_moe_lite_config(
+                layers=layers,
+                hidden=rng.choice([32, 64]),
+                heads=rng.choice([1, 2, 4]),
+                q_lora_rank=rng.choice([None, 16, 24]),
+                kv_lora_rank=rng.choice([8, 16, 32]),
+                qk_nope_head_dim=rng.choice([4, 8, 16]),
+                qk_rope_head_dim=rng.choice([4, 8]),
+                v_head_dim=rng.choice([4, 8, 12]),
+                dense_layers=rng.randint(0, layers - 1),
+                rope_interleave=rng.random() < 0.75,
+                yarn=yarn,
+                attention_bias=rng.random() < 0.25,
+                **_random_routing(rng, layers),
+            )
+        )
+    return out
