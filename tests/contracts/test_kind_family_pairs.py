@@ -43,6 +43,7 @@ NOT_YET: dict[tuple[str, str], str] = {
     ("mtp", "qwen3_moe"): "MTP modules with routed-expert blocks (MoE targets, part 2)",
     ("mtp", "deepseek_v3"): "MTP modules with MLA and routed-expert blocks (issue 48, part 2)",
     ("mtp", "glm4_moe"): "MTP modules with partial-rotary, routed-expert blocks (issue 48, part 2)",
+    ("mtp", "glm4_moe_lite"): "MTP modules with MLA and routed-expert blocks (issue 48, part 2)",
 }
 
 
