@@ -216,3 +216,20 @@ def test_unsupported_configs_are_one_line_config_errors(lite_dir, tmp_path, chan
     with pytest.raises(ConfigError, match=message) as e:
         native(edited_config(lite_dir, tmp_path / "t", **changes))
     assert "\n" not in str(e.value) and "Glm4MoeLiteForCausalLM" in str(e.value)
+
+
+def test_the_released_mtp_layer_is_skipped(lite_dir, tmp_path):
+    """GLM-4.7-Flash's files carry the MTP layer at `model.layers.{L}` (47 released;
+    `num_nextn_predict_layers`): the target loads without it, logits unchanged; unmarked, the
+    same tensors are unknown ones."""
+    from draftinfer.conventions.slots import Slots
+    from draftinfer.files.errors import CheckpointError
+    from tests.support.moe_checkpoints import with_released_mtp_layer
+
+    stitched = with_released_mtp_layer(lite_dir, tmp_path / "mtp")
+    seq = torch.tensor([rand_ids(12, 5)])
+    slots = Slots(torch.tensor([0]), torch.arange(12)[None])
+    want = native(lite_dir)(seq, slots).logits
+    assert torch.equal(native(stitched)(seq, slots).logits, want)
+    with pytest.raises(CheckpointError, match="does not use: model.layers.3"):
+        native(edited_config(stitched, tmp_path / "unmarked", num_nextn_predict_layers=0))

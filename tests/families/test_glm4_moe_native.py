@@ -283,3 +283,20 @@ def test_partial_rotary_is_refused_where_the_attention_rotates_whole_heads():
     with pytest.raises(ConfigError, match="partial_rotary_factor 0.5 is not supported") as e:
         LlamaForCausalLM.config_from_hf(hf, [1])
     assert "\n" not in str(e.value)
+
+
+def test_the_released_mtp_layer_is_skipped(glm_dir, tmp_path):
+    """GLM-4.5's files carry the MTP layer at `model.layers.{L}` (`num_nextn_predict_layers`):
+    the target loads without it, logits unchanged; the same tensors with no
+    `num_nextn_predict_layers` are unknown tensors (the count is what skips them)."""
+    from draftinfer.conventions.slots import Slots
+    from draftinfer.files.errors import CheckpointError
+    from tests.support.moe_checkpoints import with_released_mtp_layer
+
+    stitched = with_released_mtp_layer(glm_dir, tmp_path / "mtp")
+    seq = torch.tensor([rand_ids(12, 5)])
+    slots = Slots(torch.tensor([0]), torch.arange(12)[None])
+    want = native(glm_dir)(seq, slots).logits
+    assert torch.equal(native(stitched)(seq, slots).logits, want)
+    with pytest.raises(CheckpointError, match="does not use: model.layers.3"):
+        native(edited_config(stitched, tmp_path / "unmarked", num_nextn_predict_layers=0))
