@@ -161,8 +161,8 @@ class CachedAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [B, T, H]
-        cos: torch.Tensor,  # [B, T, head_dim] fp32
-        sin: torch.Tensor,  # [B, T, head_dim] fp32
+        cos: torch.Tensor,  # [B, T, R] fp32, R = rotary_dim (partial rotary) or head_dim
+        sin: torch.Tensor,  # [B, T, R] fp32
         rows: torch.Tensor,  # [B] cache row of each batch row
         write_pos: torch.Tensor,  # [B, T] cache index of each slot (scratch column for padding)
         mask: torch.Tensor,  # [B, 1, T * group, L] bool, True = may attend (this layer's window)
@@ -518,7 +518,7 @@ class NativeCausalLM(nn.Module):
         rope_pos = slots.rope_pos
         if rope_pos is None:
             rope_pos = self.rope_positions(slots.cache_pos, slots.rows)
-        cos, sin = self.rotary(rope_pos)  # [B, T, head_dim] fp32
+        cos, sin = self.rotary(rope_pos)  # [B, T, rotary_dim or head_dim] fp32
         x = embeds = self.model.embed_tokens(ids)  # [B, T, H]
         taps: dict[int, torch.Tensor] = {}
         wanted = set(features.layer_inputs) if features is not None else set()
