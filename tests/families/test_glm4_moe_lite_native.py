@@ -143,7 +143,8 @@ def test_registered_and_config_facts(lite_dir):
     )
     assert FAMILIES.native_class({"model_type": "glm4_moe_lite"}) is Glm4MoeLiteForCausalLM
     spec = family_spec("glm4_moe_lite")
-    assert spec.provides == FEATURES - {"dense_decoder_layer"} and not spec.requires
+    assert spec.provides == {"layer_inputs", "final_hidden"} <= FEATURES
+    assert not spec.requires
     assert kinds_for_family("glm4_moe_lite")
     model = native(lite_dir)
     c = model.config

@@ -7,16 +7,18 @@ layer-input taps and the final hidden state."""
 from __future__ import annotations
 
 from draftinfer.families.glm4_moe.model import FAMILY, Glm4MoeForCausalLM
-from draftinfer.registry import FEATURES, FamilySpec, register_family
+from draftinfer.registry import FamilySpec, register_family
 
 
 class Glm4MoeFamily(FamilySpec):
     name = FAMILY
     models = {"Glm4MoeForCausalLM": Glm4MoeForCausalLM}
-    # layer_inputs (residual stream taps), final_hidden; not dense_decoder_layer: its layers
-    # route tokens to experts and rotate half of each head, which no MTP module (a dense Llama
-    # block here) can mirror yet.
-    provides = FEATURES - {"dense_decoder_layer"}
+    # The residual-stream taps and the final hidden state, named rather than "all but" so
+    # that a capability added to the vocabulary is not claimed by default. Not
+    # dense_decoder_layer (its layers route tokens to experts and rotate half of each head),
+    # and no MTP module runs this family's layers as its block yet (issue 48: the mtp
+    # kind on GLM).
+    provides = frozenset({"layer_inputs", "final_hidden"})
 
 
 register_family(Glm4MoeFamily())
