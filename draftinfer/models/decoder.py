@@ -43,7 +43,13 @@ from draftinfer.models.kv_cache import (
     write_index,
 )
 from draftinfer.models.layers import RMSNorm, SwiGLU
-from draftinfer.models.rope import RotaryEmbedding, apply_rope, rope_axes, rope_from_hf
+from draftinfer.models.rope import (
+    RotaryEmbedding,
+    apply_rope,
+    partial_rotary_factor,
+    rope_axes,
+    rope_from_hf,
+)
 from draftinfer.models.target import FeatureSpec, TargetInfo, TargetInputs, TargetOutput, as_inputs
 
 
@@ -69,6 +75,9 @@ class NativeConfig:
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k, before RoPE
     eos_token_ids: list[int] = field(default_factory=list)
+    # Partial rotary (GLM-4.5: half the head): RoPE on the first `rotary_dim` dimensions of
+    # each q/k head, the rest unrotated; None: the whole head (`head_dim`).
+    rotary_dim: int | None = None
 
     @property
     def num_hidden_layers(self) -> int:  # HF spelling, for callers that use it
@@ -152,8 +161,8 @@ class CachedAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [B, T, H]
-        cos: torch.Tensor,  # [B, T, head_dim] fp32
-        sin: torch.Tensor,  # [B, T, head_dim] fp32
+        cos: torch.Tensor,  # [B, T, R] fp32, R = rotary_dim (partial rotary) or head_dim
+        sin: torch.Tensor,  # [B, T, R] fp32
         rows: torch.Tensor,  # [B] cache row of each batch row
         write_pos: torch.Tensor,  # [B, T] cache index of each slot (scratch column for padding)
         mask: torch.Tensor,  # [B, 1, T * group, L] bool, True = may attend (this layer's window)
@@ -274,6 +283,9 @@ class NativeCausalLM(nn.Module):
     """
 
     hf_model_types: tuple[str, ...] = ()
+    # Whether this family's attention rotates part of each head (`NativeConfig.rotary_dim`
+    # from the HF `partial_rotary_factor`); a family that does not refuses a factor below 1.
+    partial_rotary: ClassVar[bool] = False
     # The target family (`draftinfer.families`) whose registration serves this class.
     family: ClassVar[str] = ""
 
@@ -282,7 +294,8 @@ class NativeCausalLM(nn.Module):
         self.config = config
         self.model = Backbone(config, self.decoder_layer, self.rms_norm(config, config.hidden_size))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        rotary_dim = config.rotary_dim or config.head_dim  # partial rotary: a narrower table
+        self.rotary = RotaryEmbedding(rotary_dim, config.rope_theta, config.rope_scaling)
         self.max_batch = 0
         self.max_seq_len = 0
         self.tie_weights()
@@ -308,6 +321,20 @@ class NativeCausalLM(nn.Module):
             raise ConfigError(f"{arch}: hidden_act {act!r} is not supported (only silu)")
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         theta, scaling = rope_from_hf(hf, head_dim)  # strict: unknown rope keys are errors
+        factor = partial_rotary_factor(hf)
+        rotary_dim = None
+        if factor != 1.0:
+            rotary_dim = int(head_dim * factor)  # HF's rotary width
+            if not cls.partial_rotary:
+                raise ConfigError(
+                    f"{arch}: partial_rotary_factor {factor} is not supported (RoPE over the "
+                    "whole head only)"
+                )
+            if not 2 <= rotary_dim <= head_dim or rotary_dim % 2:
+                raise ConfigError(
+                    f"{arch}: partial_rotary_factor {factor} of head_dim {head_dim} gives "
+                    f"{rotary_dim} rotary dimensions (an even number in 2..{head_dim})"
+                )
         qkv_bias, o_bias, mlp_bias, qk_norm = cls.block_flags(
             bool(getattr(hf, "attention_bias", False)), bool(getattr(hf, "mlp_bias", False))
         )
@@ -330,6 +357,7 @@ class NativeCausalLM(nn.Module):
             mlp_bias=mlp_bias,
             qk_norm=qk_norm,
             eos_token_ids=list(eos_token_ids),
+            rotary_dim=rotary_dim,
         )
 
     @classmethod
@@ -490,7 +518,7 @@ class NativeCausalLM(nn.Module):
         rope_pos = slots.rope_pos
         if rope_pos is None:
             rope_pos = self.rope_positions(slots.cache_pos, slots.rows)
-        cos, sin = self.rotary(rope_pos)  # [B, T, head_dim] fp32
+        cos, sin = self.rotary(rope_pos)  # [B, T, rotary_dim or head_dim] fp32
         x = embeds = self.model.embed_tokens(ids)  # [B, T, H]
         taps: dict[int, torch.Tensor] = {}
         wanted = set(features.layer_inputs) if features is not None else set()

@@ -52,6 +52,12 @@ from draftinfer.models.rope import apply_rope, apply_rope_interleaved
 # drafting rounds); longer forwards (prefill chunks) expand the latent.
 ABSORB_MAX_TOKENS = 16
 PATHS = ("absorbed", "expanded")
+# The epsilon of the latent norms (`q_a_layernorm`, `kv_a_layernorm`): transformers builds them
+# with its RMSNorm's default, 1e-6, whatever the config's `rms_norm_eps` (HF
+# `DeepseekV3Attention`, `Glm4MoeLiteAttention`; DeepSeek's reference code does the same; vLLM
+# passes `rms_norm_eps`). Equal for DeepSeek-V3 (1e-6); GLM-4.7-Flash's config says 1e-5, which
+# moves its logits by ~1e-4 in fp32 when used here.
+LATENT_NORM_EPS = 1e-6
 
 
 def mla_softmax_scale(qk_head_dim: int, scaling: dict | None) -> float:
@@ -87,7 +93,7 @@ class LatentAttention(nn.Module):
         softmax_scale: float,
         rope_interleave: bool = True,
         bias: bool = False,
-        eps: float = 1e-6,
+        eps: float = LATENT_NORM_EPS,
     ):
         super().__init__()
         self.n_heads, self.kv_lora_rank = num_heads, kv_lora_rank

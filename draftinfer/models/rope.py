@@ -101,13 +101,11 @@ def rope_from_hf(config: Any, head_dim: int | None = None):
         head_dim = getattr(config, "head_dim", None) or (
             config.hidden_size // config.num_attention_heads
         )
-    name = type(config).__name__
-    params = getattr(config, "rope_parameters", None)
-    if isinstance(params, dict) and params:
-        params, where = dict(params), f"{name}.rope_parameters"
-    else:
-        params, where = dict(getattr(config, "rope_scaling", None) or {}), f"{name}.rope_scaling"
-        params.setdefault("rope_theta", float(getattr(config, "rope_theta", 10000.0)))
+    params, where = _hf_rope_params(config)
+    # How much of a head rotates is the target attention's (`partial_rotary_factor`), not the
+    # frequencies': the caller reads it (`partial_rotary_factor`) and builds the rotary over
+    # that many dimensions; a drafter keeps its own whole-head RoPE (DESIGN 14).
+    params.pop("partial_rotary_factor", None)
     if params.get("rope_type", params.get("type")) == "yarn":
         # transformers' `standardize_rope_params`: the pretraining length defaults to the
         # model's own.
@@ -115,6 +113,28 @@ def rope_from_hf(config: Any, head_dim: int | None = None):
         if default is not None:
             params.setdefault("original_max_position_embeddings", default)
     return parse_rope(params, head_dim, where)
+
+
+def _hf_rope_params(config: Any) -> tuple[dict[str, Any], str]:
+    """The rope dict of an HF config (transformers 5 `rope_parameters`, or 4's `rope_scaling`
+    plus `rope_theta`) and where it was read, for messages."""
+    name = type(config).__name__
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and params:
+        return dict(params), f"{name}.rope_parameters"
+    params = dict(getattr(config, "rope_scaling", None) or {})
+    params.setdefault("rope_theta", float(getattr(config, "rope_theta", 10000.0)))
+    return params, f"{name}.rope_scaling"
+
+
+def partial_rotary_factor(config: Any) -> float:
+    """The fraction of each head RoPE rotates in an HF config (`partial_rotary_factor` in
+    `rope_parameters`, or a top-level attribute as transformers 4 spelled it; 1.0 when absent):
+    GLM-4.5/4.6 rotate the first half (HF `apply_rotary_pos_emb`: `rotary_dim = cos.shape[-1]`,
+    the rotary built over `int(head_dim * factor)` dimensions)."""
+    params, _ = _hf_rope_params(config)
+    factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    return 1.0 if factor is None else float(factor)
 
 
 def rope_axes(scaling: dict[str, Any] | None) -> int:
@@ -298,7 +318,16 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x `[B, T, heads, D]`, cos/sin `[B, T, D]` or `[T, D]` -> rotated x (dtype kept)."""
+    """x `[B, T, heads, D]`, cos/sin `[B, T, R]` or `[T, R]` -> rotated x (dtype kept).
+
+    `R = D`: the whole head rotates. `R < D` (partial rotary, GLM-4.5's half head): the first
+    `R` dimensions rotate (NeoX halves within them), the other `D - R` pass through, as HF's
+    `apply_rotary_pos_emb` does when its rotary is narrower than the head."""
+    rotary = cos.shape[-1]
+    if rotary > x.shape[-1]:
+        raise ValueError(f"rotary of {rotary} dimensions for heads of {x.shape[-1]}")
+    if rotary < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]], dim=-1)
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     out = x.float() * cos + _rotate_half(x.float()) * sin
     return out.to(x.dtype)

@@ -122,3 +122,34 @@ def set_experts(path: Path, seed: int) -> None:
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
             sd[name] = representable_experts(tuple(sd[name].shape), seed + i)
     save_file(sd, str(file), metadata={"format": "pt"})
+
+
+def with_released_mtp_layer(src: Path, dst: Path, layers: int = 1) -> Path:
+    """A copy of target checkpoint `src` at `dst` in the layout DeepSeek-V3 and GLM release
+    (REFERENCES part D, C4 and D): `layers` MTP layers past the last decoder layer,
+    `model.layers.{L+k}.{enorm,hnorm,eh_proj,shared_head.norm}` plus a whole decoder block under
+    the same prefix (a copy of the last layer's tensors), and `num_nextn_predict_layers` in the
+    config. They belong to a drafter: a target loader must skip them."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    file = dst / "model.safetensors"
+    sd = load_file(str(file))
+    cfg = json.loads((dst / "config.json").read_text())
+    L, H = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"])
+    last = f"model.layers.{L - 1}."
+    for k in range(layers):
+        prefix = f"model.layers.{L + k}."
+        for name in [n for n in sd if n.startswith(last)]:
+            sd[prefix + name[len(last) :]] = sd[name].clone()
+        for name, shape in (
+            ("enorm.weight", (H,)),
+            ("hnorm.weight", (H,)),
+            ("eh_proj.weight", (H, 2 * H)),
+            ("shared_head.norm.weight", (H,)),
+        ):
+            sd[prefix + name] = torch.ones(shape)
+    save_file(sd, str(file), metadata={"format": "pt"})
+    cfg["num_nextn_predict_layers"] = layers
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst

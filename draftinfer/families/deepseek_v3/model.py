@@ -39,17 +39,22 @@ from torch import nn
 
 from draftinfer.files.errors import ConfigError
 from draftinfer.models.decoder import DecoderLayer, NativeCausalLM, NativeConfig, TensorSource
-from draftinfer.models.layers import SwiGLU
+from draftinfer.models.grouped_moe import (
+    GroupedMoEFields,
+    grouped_moe_fields,
+    grouped_moe_mlp,
+    stacked_expert_sources,
+)
 from draftinfer.models.mla import LatentAttention, mla_softmax_scale
-from draftinfer.models.moe import Experts, GroupedSigmoidRouter, MoEBlock, SiluGLU
 
 FAMILY = "deepseek_v3"
 
 
 @dataclass
-class DeepseekV3NativeConfig(NativeConfig):
+class DeepseekV3NativeConfig(NativeConfig, GroupedMoEFields):
     """`NativeConfig` (`head_dim` = `qk_rope_head_dim`, the rotary's width; `intermediate_size`
-    the dense layers') plus MLA's ranks and head widths and the routed experts."""
+    the dense layers') plus MLA's ranks and head widths and the routed experts
+    (`draftinfer.models.grouped_moe`)."""
 
     q_lora_rank: int | None = None
     kv_lora_rank: int = 0
@@ -58,15 +63,6 @@ class DeepseekV3NativeConfig(NativeConfig):
     v_head_dim: int = 0
     rope_interleave: bool = True
     softmax_scale: float = 1.0
-    num_experts: int = 0
-    top_k: int = 0
-    moe_intermediate_size: int = 0
-    n_shared_experts: int = 0
-    n_group: int = 1
-    topk_group: int = 1
-    norm_topk_prob: bool = True
-    routed_scaling_factor: float = 1.0
-    first_k_dense_replace: int = 0
 
 
 class DeepseekV3ForCausalLM(NativeCausalLM):
@@ -96,28 +92,7 @@ class DeepseekV3ForCausalLM(NativeCausalLM):
                 f"{name}: num_key_value_heads {kv_heads} != num_attention_heads {heads} "
                 "(MLA expands the latent to every head)"
             )
-        L = int(hf.num_hidden_layers)
-        experts, top_k = int(hf.n_routed_experts or 0), int(hf.num_experts_per_tok)
-        n_group, topk_group = int(hf.n_group or 1), int(hf.topk_group or 1)
-        dense = int(hf.first_k_dense_replace or 0)
-        shared = int(hf.n_shared_experts or 0)
-        if experts < 1:
-            raise ConfigError(f"{name}: n_routed_experts {experts}: a dense model, not an MoE")
-        if experts % n_group or experts // n_group < 2:
-            raise ConfigError(
-                f"{name}: {experts} experts do not split into {n_group} groups of >= 2"
-            )
-        if not 1 <= topk_group <= n_group:
-            raise ConfigError(f"{name}: topk_group {topk_group} of {n_group} groups")
-        if not 1 <= top_k <= topk_group * (experts // n_group):
-            raise ConfigError(
-                f"{name}: num_experts_per_tok {top_k} for {topk_group} kept groups of "
-                f"{experts // n_group} experts"
-            )
-        if not 0 <= dense <= L:
-            raise ConfigError(f"{name}: first_k_dense_replace {dense} for {L} layers")
-        if shared < 1:
-            raise ConfigError(f"{name}: n_shared_experts {shared}: only >= 1 shared experts")
+        moe = grouped_moe_fields(hf, name)
         fields = cls.decoder_fields(hf, eos_token_ids)
         # The rotary covers the decoupled RoPE slice only (HF sets `head_dim` to it); every
         # head attends the latent (`num_kv_heads`: one mask row per query head).
@@ -134,15 +109,7 @@ class DeepseekV3ForCausalLM(NativeCausalLM):
             v_head_dim=int(hf.v_head_dim),
             rope_interleave=bool(getattr(hf, "rope_interleave", True)),
             softmax_scale=mla_softmax_scale(nope + rope_dim, fields["rope_scaling"]),
-            num_experts=experts,
-            top_k=top_k,
-            moe_intermediate_size=int(hf.moe_intermediate_size),
-            n_shared_experts=shared,
-            n_group=n_group,
-            topk_group=topk_group,
-            norm_topk_prob=bool(hf.norm_topk_prob),
-            routed_scaling_factor=float(hf.routed_scaling_factor),
-            first_k_dense_replace=dense,
+            **moe,
         )
 
     @classmethod
@@ -162,29 +129,12 @@ class DeepseekV3ForCausalLM(NativeCausalLM):
             v_head_dim=cfg.v_head_dim,
             softmax_scale=cfg.softmax_scale,
             rope_interleave=cfg.rope_interleave,
-            bias=cfg.qkv_bias,
-            eps=cfg.rms_norm_eps,
+            bias=cfg.qkv_bias,  # the latent norms keep HF's eps (`mla.LATENT_NORM_EPS`)
         )
 
     @classmethod
     def decoder_layer(cls, cfg: DeepseekV3NativeConfig, index: int) -> nn.Module:
-        H = cfg.hidden_size
-        if index < cfg.first_k_dense_replace:
-            mlp: nn.Module = SwiGLU(H, cfg.intermediate_size)
-        else:
-            E, inter = cfg.num_experts, cfg.moe_intermediate_size
-            router = GroupedSigmoidRouter(
-                H,
-                E,
-                cfg.top_k,
-                cfg.n_group,
-                cfg.topk_group,
-                cfg.norm_topk_prob,
-                cfg.routed_scaling_factor,
-            )
-            experts = Experts(E, H, inter, SiluGLU(), bias=False, x_at_w=False)
-            shared = SwiGLU(H, inter * cfg.n_shared_experts)
-            mlp = MoEBlock(router, experts, "gate", shared_experts=shared)
+        mlp = grouped_moe_mlp(cfg, index)  # dense first layers, then routed + shared experts
         return DecoderLayer(cfg, cls.attention(cfg), mlp, norm=partial(cls.rms_norm, cfg))
 
     def checkpoint_sources(
@@ -192,7 +142,4 @@ class DeepseekV3ForCausalLM(NativeCausalLM):
     ) -> list[TensorSource] | None:
         """The stacked expert parameters from the per-expert tensors HF saves
         (`Experts.per_expert_sources`)."""
-        prefix, _, leaf = param.rpartition(".")
-        if not prefix.endswith("mlp.experts"):
-            return None
-        return self.get_submodule(prefix).per_expert_sources(prefix, leaf)
+        return stacked_expert_sources(self, param)
