@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from draftinfer.files.paths import resolve_path
-from drafttrain.zoo import target_build, text_data, text_train
+from drafttrain.zoo import deepseek_target, mtp_joint, target_build, text_data, text_train
 from drafttrain.zoo.moe_targets import TARGETS, ZooMoE
 
 MAX_LENGTH = 2048  # no zoo conversation comes near it: nothing is cut
@@ -41,11 +41,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, required=True, help="e.g. draftinfer/zoo (the shipped zoo)")
     p.add_argument("--family", choices=sorted(TARGETS), action="append", help="default: both")
     p.add_argument("--chat", default="zoo:chat", help="the zoo chat ({train,test}.jsonl)")
-    p.add_argument("--steps", type=int, default=d.steps)
+    # Default: `train_args()`'s (steps 900, lr 3e-3, 4096 tokens), or the target's own
+    # (`ZooMoE.train_defaults`).
+    p.add_argument("--steps", type=int, default=None, help=f"default {d.steps}")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--tokens-per-batch", type=int, default=d.tokens_per_batch)
+    p.add_argument("--lr", type=float, default=None, help=f"default {d.lr}")
+    p.add_argument(
+        "--tokens-per-batch", type=int, default=None, help=f"default {d.tokens_per_batch}"
+    )
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument(
         "--gen-rows", type=int, default=48, help="test rows answered greedily for the report"
@@ -56,6 +60,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 def train_args(**kw) -> text_train.TrainArgs:
     """The MoE builds' defaults: the Llama's recipe, sized to ~20 min on 2 shared cores."""
     return text_train.TrainArgs(**{"steps": 900, **kw})
+
+
+def overrides(a: argparse.Namespace) -> dict:
+    """The training settings the command line names (the rest: the target's defaults)."""
+    named = {"steps": a.steps, "lr": a.lr, "tokens_per_batch": a.tokens_per_batch}
+    return {"seed": a.seed, **{k: v for k, v in named.items() if v is not None}}
 
 
 def template_renderer(chat_template: str):
@@ -145,21 +155,35 @@ def build(spec: ZooMoE, a: argparse.Namespace, argv) -> dict:
         f"model: {n_params / 1e6:.2f}M parameters; {sum(len(x) for x, _ in train_ex)} train tokens",
         flush=True,
     )
-    targs = train_args(steps=a.steps, lr=a.lr, tokens_per_batch=a.tokens_per_batch, seed=a.seed)
+    targs = train_args(**{**spec.train_defaults, **overrides(a)})
+    mtp = None
     with timer("train_s"):
-        log, losses = text_train.train(
-            model, train_ex, tok.pad_token_id, targs, aux_loss_coef=spec.aux_loss_coef
-        )
+        if spec.mtp_layers:
+            log, losses, mtp = deepseek_target.train_with_mtp(
+                model, train_ex, tok.pad_token_id, targs, spec.mtp_layers
+            )
+        else:
+            log, losses = text_train.train(
+                model, train_ex, tok.pad_token_id, targs, aux_loss_coef=spec.aux_loss_coef
+            )
 
     stop_ids = [tok.convert_tokens_to_ids(t) for t in spec.stop_tokens]
     gen_cfg = target_build.generation_config(tok, list(spec.stop_tokens), spec.bos, spec.pad)
     target_build.save_model(model, mdir, gen_cfg)
+    if mtp is not None:  # the released layout: model.layers.{L+k}.*, num_nextn_predict_layers
+        mtp_joint.save_released_mtp(mtp, model, mdir)
     with timer("eval_s"):
-        model = target_build.load_shipped(mdir, attn_implementation=spec.attn_implementation)
+        L = config.num_hidden_layers
+        mtp_prefixes = tuple(f"model.layers.{L + k}." for k in range(spec.mtp_layers))
+        model = target_build.load_shipped(
+            mdir, mtp_prefixes, attn_implementation=spec.attn_implementation
+        )
         metrics, examples = target_build.score(
             model, tok, train_ex, test_ex, test_rows, a.gen_rows, stop_ids, spec.answer
         )
-        load = expert_load(model, test_ex, tok.pad_token_id, spec.shape.num_experts_per_tok)
+        load = (spec.expert_load or expert_load)(
+            model, test_ex, tok.pad_token_id, spec.shape.num_experts_per_tok
+        )
 
     report = target_build.write_report(
         out / f"build_log_{spec.family}.json",

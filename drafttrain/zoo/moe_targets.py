@@ -1,4 +1,4 @@
-"""The zoo's two MoE targets (`build_moe` is the CLI): what each is, apart from the steps every
+"""The zoo's MoE targets (`build_moe` is the CLI): what each is, apart from the steps every
 zoo build shares (`target_build`, `text_train`, `target_train`).
 
 - **`gpt-oss-tiny`** (`GptOssForCausalLM`): sinks, sliding windows of `SLIDING_WINDOW` keys on
@@ -13,7 +13,11 @@ zoo build shares (`target_build`, `text_train`, `target_train`).
   format (ChatML with the `<think>` block the last answer carries, empty here), so the target
   writes `<think>\\n\\n</think>\\n\\n` before each answer as Qwen3 does in thinking mode.
 
-Both: 8 decoder layers (the default aux taps (2, 4, 5) are distinct), hidden 256, 4 query heads
+- **`deepseek-tiny`** (`DeepseekV3ForCausalLM`): MLA, grouped sigmoid routing with the
+  correction bias, a shared expert, a dense first layer and its own MTP layer trained jointly;
+  `deepseek_target` says what it is.
+
+gpt-oss and Qwen3-MoE: 8 decoder layers (the default aux taps (2, 4, 5) are distinct), hidden 256, 4 query heads
 of head_dim 64 over 1 KV head, 8 experts of width 32 with top-2 routing, untied embeddings (as
 both releases), a byte-level BPE of 4,096 ids trained on the chat rendered in the target's own
 format (`text_data.train_tokenizer`: the Llama-3 pre-tokenizer, that format's specials), and
@@ -29,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from drafttrain.families.gpt_oss import harmony
+from drafttrain.zoo import deepseek_target
 
 SLIDING_WINDOW = 32
 # The routers' load-balancing weight the builds train with (Switch Transformer's), written into
@@ -242,7 +247,15 @@ class ZooMoE:
     attn_implementation: str
     aux_loss_coef: float
     rows: Callable[[list[dict]], list[dict]] | None = None  # the zoo chat -> this target's chat
-    shape: MoEShape = field(default_factory=MoEShape)
+    shape: Any = field(default_factory=MoEShape)  # MoEShape, or the family's own (DeepSeekShape)
+    # MTP layers trained with the target and shipped in its files (DeepSeek-V3's joint
+    # objective, `deepseek_target.train_with_mtp`); 0: plain next-token training.
+    mtp_layers: int = 0
+    # `expert_load(model, examples, pad_id, top_k)` for a model whose routers transformers does
+    # not record (default: `build_moe.expert_load`, from `output_router_logits`).
+    expert_load: Callable | None = None
+    # `build_moe.train_args` fields this target trains with unless the command line names them.
+    train_defaults: dict = field(default_factory=dict)
 
     def shape_dict(self) -> dict:
         return {**asdict(self.shape), "family": self.family}
@@ -280,4 +293,25 @@ QWEN3_MOE = ZooMoE(
     attn_implementation="sdpa",
     aux_loss_coef=QWEN3_AUX_LOSS,
 )
-TARGETS = {t.family: t for t in (GPT_OSS, QWEN3_MOE)}
+DEEPSEEK_V3 = ZooMoE(
+    family="deepseek_v3",
+    model_dir="deepseek-tiny",
+    data_dir="chat",
+    chat_template=deepseek_target.TEMPLATE,
+    specials=deepseek_target.SPECIALS,
+    bos=None,  # the template writes <｜begin▁of▁sentence｜> itself
+    eos=deepseek_target.EOS,
+    pad=deepseek_target.PAD,
+    stop_tokens=(deepseek_target.EOS,),
+    config=deepseek_target.deepseek_v3_config,
+    answer=deepseek_target.deepseek_answer,
+    attn_implementation="eager",
+    aux_loss_coef=0.0,  # auxiliary-loss-free: the correction bias balances (deepseek_target)
+    shape=deepseek_target.DeepSeekShape(),
+    mtp_layers=1,
+    expert_load=deepseek_target.expert_load,
+    # Sized to ~10 min on 2 shared cores: the joint objective's step at 2,048 tokens takes
+    # 2-4 s there (the main and the MTP head over a 4,096-id vocabulary, both backward).
+    train_defaults={"steps": 200, "tokens_per_batch": 2048, "warmup": 20},
+)
+TARGETS = {t.family: t for t in (GPT_OSS, QWEN3_MOE, DEEPSEEK_V3)}
