@@ -91,6 +91,8 @@ SHORT_STEPS = {
     "ptd_gpt_oss": 60,
     "dflash_gpt_oss": 60,
     "eagle3_qwen3_moe": 60,
+    "eagle3_deepseek": 60,
+    "mtp_deepseek": 60,
 }
 
 
