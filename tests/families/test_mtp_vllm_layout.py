@@ -22,7 +22,7 @@ from draftinfer.files.checkpoint import load_drafter, write_drafter
 from draftinfer.kinds.mtp.config import MTPConfig
 from draftinfer.kinds.mtp.module import MTPDrafter
 from tests.support.moe_checkpoints import save_moe_target
-from tests.support.moe_models import deepseek_v3_config
+from tests.support.moe_models import deepseek_v3_config, glm4_moe_config, glm4_moe_lite_config
 from tests.support.vllm_mtp_loader import VllmLoadError, load_mtp
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -40,7 +40,21 @@ def _deepseek_v3_no_q_lora():
     return cfg, "mla"
 
 
-FAMILIES = {"deepseek_v3": _deepseek_v3, "deepseek_v3_no_q_lora": _deepseek_v3_no_q_lora}
+def _glm4_moe():
+    # GQA (4 heads, 2 KV heads of 8, half rotated), q/k norm, q/k/v biases: vLLM's `qkv_proj`.
+    return glm4_moe_config(layers=3, hidden=32, heads=4, kv_heads=2, head_dim=8), "gqa"
+
+
+def _glm4_moe_lite():
+    return glm4_moe_lite_config(layers=3, hidden=32, heads=2), "mla"
+
+
+FAMILIES = {
+    "deepseek_v3": _deepseek_v3,
+    "deepseek_v3_no_q_lora": _deepseek_v3_no_q_lora,
+    "glm4_moe": _glm4_moe,
+    "glm4_moe_lite": _glm4_moe_lite,
+}
 
 
 def _trained_modules(target_dir: Path, seed: int) -> MTPDrafter:
