@@ -176,3 +176,28 @@ def test_released_layers_exported_load_in_vllm_as_the_originals(family, tmp_path
     assert sorted(exported.params) == sorted(original.params)
     for name, t in original.params.items():
         assert torch.equal(exported.params[name], t), name
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_training_init_native_starts_from_the_released_layer(family, tmp_path):
+    """`drafter.init=native_all` on a GLM target: module k starts as released layer k % N
+    (3 modules, 2 released layers), every tensor equal to what `drafter=native` serves (itself
+    checked against the oracle above), the block the family's own layer."""
+    from drafttrain.registry import InitContext, train_spec
+    from tests.support.kind_factories import frozen_target
+
+    path, _ = released_target(family, 2)
+    released, _ = load_released_drafter(path, _shared(_main(path)))
+    served = released.trainable_state_dict()
+    spec = train_spec("mtp")
+    d = spec.init_drafter(
+        spec.config_class(n_predict=3, init="native_all"),
+        InitContext(frozen_target(str(path)), None, None, tmp_path),
+    )
+    assert d.config.own_layer and d.config.block == "native"
+    own = d.trainable_state_dict()
+    assert len(own) == 3 * len(served) // 2
+    for name, t in own.items():
+        _, k, rest = name.split(".", 2)
+        want = served[f"layers.{int(k) % 2}.{rest}"]
+        assert torch.equal(t, want.to(t.dtype)), name
