@@ -143,7 +143,8 @@ def test_registered_and_config_facts(lite_dir):
     )
     assert FAMILIES.native_class({"model_type": "glm4_moe_lite"}) is Glm4MoeLiteForCausalLM
     spec = family_spec("glm4_moe_lite")
-    assert spec.provides == {"layer_inputs", "final_hidden"} <= FEATURES
+    assert spec.provides == {"layer_inputs", "final_hidden", "drafter_block"} <= FEATURES
+    assert spec.released_mtp["count_key"] == "num_nextn_predict_layers"
     assert not spec.requires
     assert kinds_for_family("glm4_moe_lite")
     model = native(lite_dir)

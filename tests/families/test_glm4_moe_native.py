@@ -169,7 +169,8 @@ def test_registered_and_config_facts(glm_dir):
     assert FAMILIES.native_class({"architectures": ["Glm4MoeForCausalLM"]}) is Glm4MoeForCausalLM
     assert FAMILIES.native_class({"model_type": "glm4_moe"}) is Glm4MoeForCausalLM
     spec = family_spec("glm4_moe")
-    assert spec.provides == {"layer_inputs", "final_hidden"} <= FEATURES
+    assert spec.provides == {"layer_inputs", "final_hidden", "drafter_block"} <= FEATURES
+    assert spec.released_mtp["count_key"] == "num_nextn_predict_layers"
     assert not spec.requires
     assert kinds_for_family("glm4_moe")
     model = native(glm_dir)
