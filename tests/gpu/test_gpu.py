@@ -452,7 +452,7 @@ def test_emitted_features_from_captured_rounds_equal_a_fresh_prefill(zoo_run):
     from draftinfer.decoding.swap import DrafterUpdate
     from draftinfer.files.checkpoint import load_drafter
     from draftinfer.files.paths import resolve_path
-    from tests.infer.test_emit_features import prefill_features
+    from tests.support.native_parity import prefill_features
     from tests.support.prompts import zoo_prompts
 
     export = zoo_run("eagle3")["export_dir"]

@@ -225,3 +225,16 @@ def edited_config(src, dst, **changes):
     cfg.update(changes)
     (dst / "config.json").write_text(json.dumps(cfg))
     return dst
+
+
+@torch.no_grad()
+def prefill_features(target, tokens: list[int], features) -> torch.Tensor:
+    """The target's features over `tokens` in one prefill (cache row 0): `[len, F]`."""
+    dev = next(target.parameters()).device
+    ids = torch.tensor([tokens], device=dev)
+    cache_pos = torch.arange(len(tokens), device=dev)[None]
+    rows = torch.tensor([0], device=dev)
+    plan = target.prefill_plan(ids, cache_pos, rows, [None])
+    inputs, rope = plan.chunk(slice(0, len(tokens)))
+    out = target(inputs, Slots(rows, cache_pos, rope), features, logit_index=cache_pos[:, -1:])
+    return out.features[0]
