@@ -12,18 +12,15 @@ import pytest
 import torch
 
 from draftinfer.files.loading import load_native_target
-from draftinfer.models.target import FeatureSpec
 from drafttrain.registry import target_family
 from tests.support.kind_factories import kinds_for_family
 from tests.support.moe_checkpoints import save_moe_target
 from tests.support.moe_models import glm4_moe_config
 from tests.support.moe_targets import (
-    family_target,
-    padded_batch,
+    assert_frozen_equals_native,
     train_a_few_steps,
     write_chat,
 )
-from tests.support.native_parity import rand_ids
 from tests.support.tiny_models import save_tiny_target
 from tests.support.tiny_tokenizers import make_llama3_tokenizer
 
@@ -55,19 +52,9 @@ def test_frozen_target_features_equal_the_native_targets(tmp_path, qk_norm):
     training side's frozen target (HF, SDPA) and the runner's native target agree."""
     cfg = glm4_moe_config(layers=4, first_k_dense_replace=1, use_qk_norm=qk_norm)
     path = save_moe_target(cfg, tmp_path / "t", seed=3)
-    frozen = family_target(FAMILY, str(path))
     native = load_native_target(path, "cpu", torch.float32, 3, 64)
     assert native.config.rotary_dim == 8 and native.config.qk_norm == qk_norm
-    rows = [rand_ids(n, 10 + n) for n in (13, 5, 9)]
-    ids, mask, slots = padded_batch(rows, 0)
-    spec = FeatureSpec(layer_inputs=(0, 1, 2, 3), final_hidden="post_norm")
-    a, b = frozen(ids, slots, spec), native(ids, slots, spec)
-    live = mask.bool()
-    diff = (a.features[live] - b.features[live]).abs().max().item()
-    logit_diff = (a.logits[live] - b.logits[live]).abs().max().item()
-    print(f"frozen vs native: features {diff:.2e}, logits {logit_diff:.2e}")
-    torch.testing.assert_close(a.features[live], b.features[live], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(a.logits[live], b.logits[live], rtol=1e-5, atol=1e-5)
+    assert_frozen_equals_native(FAMILY, path)
 
 
 def test_family_is_selected_by_architecture(env):
