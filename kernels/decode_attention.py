@@ -35,8 +35,12 @@ row is empty overall.
 path, benchmark baseline). `decode_attention` is registered as the custom op
 `draftkernels::decode_attention`, so `torch.compile` keeps it as one opaque call (inside
 CUDA graphs too). `supports(q, k_cache)` says when the kernel applies (CUDA, or the CPU
-interpreter, and `fits`: `T * g <= MAX_ROWS`, power-of-two head_dim); `fits` checks only the
-shapes, so a compiled caller can choose the kernel without a graph break.
+interpreter, and `fits`: `T * g <= MAX_LAUNCHES * MAX_ROWS`, power-of-two head_dim); `fits`
+checks only the shapes, so a compiled caller can choose the kernel without a graph break.
+More than `MAX_ROWS` query rows (a verify of K + 1 = 9 slots at g = 8: gpt-oss-20b and
+Qwen3-30B-A3B at K = 8) run as launches over consecutive slot ranges of at most `MAX_ROWS`
+rows each, every launch reading the keys again; before, such a pass fell back to SDPA (the
+prefill path) in every layer.
 """
 
 from __future__ import annotations
@@ -49,6 +53,9 @@ from draftkernels.runtime import pdl, triton_available, use_triton
 TRITON = triton_available()
 # Query rows (T * g) one program holds: decode (g), verify of K + 1 <= 16 slots at g = 4.
 MAX_ROWS = 64
+# Launches one call may take over consecutive query-slot ranges (`T * g` up to twice MAX_ROWS):
+# verify passes at g = 8 up to K + 1 = 16 slots; prefill chunks stay with SDPA.
+MAX_LAUNCHES = 2
 BLOCK_N = 64
 # Programs pass 1 aims for (about one wave on an H100's 132 SMs), and the most key splits
 # (pass 2 merges one row's splits in one vector load).
@@ -251,12 +258,14 @@ def decode_attention_ref(
 
 
 def fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the kernel handles these shapes (`T * g <= MAX_ROWS`, a power-of-two head_dim
-    of at least 16, unit-stride last dims). Shapes only, so `torch.compile` traces it."""
+    """Whether the kernel handles these shapes (`T * g <= MAX_LAUNCHES * MAX_ROWS` with
+    `g <= MAX_ROWS`, a power-of-two head_dim of at least 16, unit-stride last dims). Shapes
+    only, so `torch.compile` traces it."""
     d = q.shape[-1]
-    rows = q.shape[1] * (q.shape[2] // k_cache.shape[2])
+    g = q.shape[2] // k_cache.shape[2]
     return (
-        rows <= MAX_ROWS
+        g <= MAX_ROWS
+        and q.shape[1] * g <= MAX_LAUNCHES * MAX_ROWS
         and d >= 16
         and d & (d - 1) == 0
         and q.stride(-1) == 1 == k_cache.stride(-1)
@@ -398,7 +407,27 @@ def decode_attention(
     if not supports(q, k_cache):
         return decode_attention_ref(q, k_cache, v_cache, rows, mask, attn_len, sinks)
     sinks = None if sinks is None else sinks.contiguous()
-    return _launch(q, k_cache, v_cache, rows, mask, attn_len, sinks)
+    T, g = q.shape[1], q.shape[2] // k_cache.shape[2]
+    if T * g <= MAX_ROWS:
+        return _launch(q, k_cache, v_cache, rows, mask, attn_len, sinks)
+    # Consecutive slot ranges of at most MAX_ROWS query rows (mask rows t * g + j): each range
+    # gets exactly what a call with its slots alone returns.
+    step = MAX_ROWS // g
+    return torch.cat(
+        [
+            _launch(
+                q[:, t : t + step],
+                k_cache,
+                v_cache,
+                rows,
+                mask[:, :, t * g : (t + step) * g],
+                attn_len,
+                sinks,
+            )
+            for t in range(0, T, step)
+        ],
+        dim=1,
+    )
 
 
 @decode_attention.register_fake

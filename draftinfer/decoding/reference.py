@@ -16,7 +16,13 @@ import torch
 
 from draftinfer.conventions.slots import Slots
 from draftinfer.conventions.window import TokenEmbeds
-from draftinfer.decoding.engine import Request, RequestOutput, apply_stops, draft_cap, finalize_text
+from draftinfer.decoding.requests import (
+    Request,
+    RequestOutput,
+    apply_stops,
+    draft_cap,
+    finalize_text,
+)
 from draftinfer.decoding.sampling import SamplingState, with_seed
 from draftinfer.decoding.verify import Verifier
 from draftinfer.registry import spec_of

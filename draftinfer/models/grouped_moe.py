@@ -49,6 +49,18 @@ class GroupedMoEFields:
     first_k_dense_replace: int = 0
 
 
+def refuse_quantized(hf: Any, name: str) -> None:
+    """A one-line `ConfigError` for a quantized checkpoint (FP8 and the like): these families
+    load bf16/fp32 weights only."""
+    quant = getattr(hf, "quantization_config", None)
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant.quant_method
+        raise ConfigError(
+            f"{name}: quantization {method!r} is not supported (dequantize the checkpoint "
+            "to bf16 first)"
+        )
+
+
 def dense_prefix(hf: Any, name: str) -> int:
     """How many leading layers are dense: `first_k_dense_replace`, or the leading `"dense"`
     entries of `mlp_layer_types` where the config lists the layers (then every later entry must

@@ -20,8 +20,8 @@ sequence-length state can go stale between draft steps.
 
 Attention backends (`ATTENTION`, chosen per target layer from outside the model code by
 `draftinfer.models.transforms.use_attention`): `split_kv` (the default, `DEFAULT_ATTENTION`)
-runs a forward of at most 64 query rows per KV head (decode, verify, drafting) on CUDA through
-the split-KV Triton kernel `draftkernels.decode_attention`, and everything else as `sdpa`;
+runs a forward of at most 128 query rows per KV head (decode, verify, drafting; in launches of
+64) on CUDA through the split-KV Triton kernel `draftkernels.decode_attention`, and everything else as `sdpa`;
 `sdpa` runs `F.scaled_dot_product_attention` over the rows' cache prefix; `maths_decode` writes a compiled
 one-token step (T == 1) as plain tensor maths that inductor fuses into its own reduction
 kernels (how gpt-fast's decode step is compiled), and is `sdpa` everywhere else.
@@ -231,7 +231,7 @@ def cached_attention_split_kv(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`cached_attention` (same arguments) whose attention of a few query slots per row
-    (decode, verify, drafting: `T * g <= 64`) on CUDA is `draftkernels.decode_attention`, a
+    (decode, verify, drafting: `T * g <= 128`) on CUDA is `draftkernels.decode_attention`, a
     split-KV Triton kernel reading the cache in place; prefill chunks and the CPU run SDPA.
     A sliding window is only a mask, which the kernel reads like any other; sinks (gpt-oss)
     join the kernel's merge of its key splits."""

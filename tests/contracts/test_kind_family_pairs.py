@@ -41,8 +41,6 @@ def test_capabilities_are_declared_in_the_shared_vocabulary():
 NOT_YET: dict[tuple[str, str], str] = {
     ("mtp", "gpt_oss"): "MTP modules with routed-expert blocks (MoE targets, part 2)",
     ("mtp", "qwen3_moe"): "MTP modules with routed-expert blocks (MoE targets, part 2)",
-    ("mtp", "glm4_moe"): "MTP modules with partial-rotary, routed-expert blocks (issue 48, part 2)",
-    ("mtp", "glm4_moe_lite"): "MTP modules with MLA and routed-expert blocks (issue 48, part 2)",
 }
 
 

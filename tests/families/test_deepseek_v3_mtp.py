@@ -28,17 +28,12 @@ from draftinfer.models.mla import LatentAttention
 from draftinfer.models.moe import MoEBlock
 from draftinfer.registry import drafter_spec
 from tests.support.deepseek_mtp import mtp_oracle, save_deepseek_with_mtp
-from tests.support.moe_models import deepseek_v3_config
+from tests.support.moe_models import MLA_YARN_SHORT, deepseek_v3_config
 from tests.support.mtp_rounds import MTPSequence, assert_kv_equal
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-YARN = {
-    "factor": 4.0,
-    "original_max_position_embeddings": 16,
-    "mscale": 1.0,
-    "mscale_all_dim": 0.707,
-}
+YARN = MLA_YARN_SHORT
 
 
 @functools.lru_cache(maxsize=2)

@@ -10,29 +10,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftinfer.files.loading import load_native_target
-from draftinfer.models.target import FeatureSpec
 from drafttrain.registry import target_family
 from tests.support.kind_factories import kinds_for_family
 from tests.support.moe_checkpoints import save_moe_target
-from tests.support.moe_models import deepseek_v3_config
+from tests.support.moe_models import MLA_YARN_SHORT, deepseek_v3_config
 from tests.support.moe_targets import (
-    family_target,
-    padded_batch,
+    assert_frozen_equals_native,
     train_a_few_steps,
     write_chat,
 )
-from tests.support.native_parity import rand_ids
 from tests.support.tiny_models import save_tiny_target
 from tests.support.tiny_tokenizers import make_llama3_tokenizer
 
 FAMILY = "deepseek_v3"
-YARN = {
-    "factor": 4.0,
-    "original_max_position_embeddings": 16,
-    "mscale": 1.0,
-    "mscale_all_dim": 0.707,
-}
+YARN = MLA_YARN_SHORT
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -58,18 +49,7 @@ def test_frozen_target_features_equal_the_native_targets(tmp_path):
     training side's frozen target (HF, SDPA) and the runner's native target agree."""
     cfg = deepseek_v3_config(layers=4, first_k_dense_replace=1, yarn=YARN, rope_interleave=True)
     path = save_moe_target(cfg, tmp_path / "t", seed=3)
-    frozen = family_target(FAMILY, str(path))
-    native = load_native_target(path, "cpu", torch.float32, 3, 64)
-    rows = [rand_ids(n, 10 + n) for n in (13, 5, 9)]
-    ids, mask, slots = padded_batch(rows, 0)
-    spec = FeatureSpec(layer_inputs=(0, 1, 2, 3), final_hidden="post_norm")
-    a, b = frozen(ids, slots, spec), native(ids, slots, spec)
-    live = mask.bool()
-    diff = (a.features[live] - b.features[live]).abs().max().item()
-    logit_diff = (a.logits[live] - b.logits[live]).abs().max().item()
-    print(f"frozen vs native: features {diff:.2e}, logits {logit_diff:.2e}")
-    torch.testing.assert_close(a.features[live], b.features[live], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(a.logits[live], b.logits[live], rtol=1e-5, atol=1e-5)
+    assert_frozen_equals_native(FAMILY, path)
 
 
 def test_family_is_selected_by_architecture(env):

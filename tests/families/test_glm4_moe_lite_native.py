@@ -17,39 +17,35 @@ errors.
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
-from draftinfer.decoding.baseline import greedy_generate
 from draftinfer.families.glm4_moe_lite import Glm4MoeLiteForCausalLM
 from draftinfer.files.errors import ConfigError
-from draftinfer.files.loading import load_native_target
 from draftinfer.models.layers import SwiGLU
 from draftinfer.models.mla import PATHS, LatentAttention
 from draftinfer.models.moe import GroupedSigmoidRouter, MoEBlock
 from draftinfer.registry import FAMILIES, FEATURES, family_spec
 from tests.support.kind_factories import kinds_for_family
 from tests.support.moe_checkpoints import save_moe_target
-from tests.support.moe_models import glm4_moe_lite_config, random_glm4_moe_lite_configs
+from tests.support.moe_models import MLA_YARN, glm4_moe_lite_config, random_glm4_moe_lite_configs
 from tests.support.native_parity import (
     assert_forward_traces_as_one_graph,
+    assert_greedy_matches_hf,
+    cpu_target,
     edited_config,
     hf_model,
     rand_ids,
+    random_config_parity,
     speculative_rounds,
 )
 
 CONFIGS = random_glm4_moe_lite_configs(24)
 MAX_SEQ_LEN = 64
 LENGTHS = (19, 7, 12)  # the prefill (19 slots) expands MLA; decode and verify absorb it
-YARN = {
-    "factor": 40.0,
-    "original_max_position_embeddings": 64,
-    "beta_fast": 32.0,
-    "beta_slow": 1.0,
-    "mscale": 1.0,
-    "mscale_all_dim": 1.0,
-}
+YARN = MLA_YARN
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -60,8 +56,7 @@ def lite_dir(tmp_path_factory):
     return save_moe_target(cfg, tmp_path_factory.mktemp("glm4_moe_lite"))
 
 
-def native(path, max_batch: int = 3, max_seq_len: int = MAX_SEQ_LEN, dtype=torch.float32):
-    return load_native_target(path, "cpu", dtype, max_batch, max_seq_len)
+native = partial(cpu_target, max_seq_len=MAX_SEQ_LEN)
 
 
 def test_the_random_configs_cover_each_setting():
@@ -75,18 +70,12 @@ def test_the_random_configs_cover_each_setting():
 
 @pytest.mark.parametrize("index", range(len(CONFIGS)))
 def test_speculative_rounds_match_transformers(index, tmp_path, record_property):
-    cfg = CONFIGS[index]
-    path = save_moe_target(cfg, tmp_path, seed=index)
-    L = cfg.num_hidden_layers
-    diffs = speculative_rounds(
-        native(path), hf_model(str(path)), LENGTHS, taps=(0, L // 2, L - 1), seed=index
-    )
-    record_property("max_abs_logit_diff", diffs.logits)
-    print(f"config {index}: max |logit diff| {diffs.logits:.2e}, features {diffs.features:.2e}")
     # fp32: ~2e-7 measured. Checked by hand: the latent norms at the config's rms_norm_eps
     # (1e-5) instead of HF's 1e-6 fail 15 of the 24 configs, the RoPE layout flipped all 24;
     # test_each_piece_matters keeps one check per piece in the suite.
-    diffs.check(logits_atol=1e-5)
+    random_config_parity(
+        CONFIGS[index], index, tmp_path, record_property, LENGTHS, logits_atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -143,7 +132,8 @@ def test_registered_and_config_facts(lite_dir):
     )
     assert FAMILIES.native_class({"model_type": "glm4_moe_lite"}) is Glm4MoeLiteForCausalLM
     spec = family_spec("glm4_moe_lite")
-    assert spec.provides == {"layer_inputs", "final_hidden"} <= FEATURES
+    assert spec.provides == {"layer_inputs", "final_hidden", "drafter_block"} <= FEATURES
+    assert spec.released_mtp["count_key"] == "num_nextn_predict_layers"
     assert not spec.requires
     assert kinds_for_family("glm4_moe_lite")
     model = native(lite_dir)
@@ -182,14 +172,7 @@ def test_registered_and_config_facts(lite_dir):
 def test_static_attn_len_and_greedy_generate(lite_dir):
     hf = hf_model(str(lite_dir))
     speculative_rounds(native(lite_dir), hf, LENGTHS, taps=(1,), attn_len=MAX_SEQ_LEN).check(1e-5)
-    prompts = [rand_ids(5, 1), rand_ids(11, 2), rand_ids(9, 3)]
-    ours = greedy_generate(native(lite_dir), prompts, 10, [])
-    assert greedy_generate(native(lite_dir, max_batch=1), prompts[1:2], 10, []) == ours[1:2]
-    for p, mine in zip(prompts, ours):
-        out = hf.generate(
-            torch.tensor([p]), max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0
-        )
-        assert out[0, len(p) :].tolist() == mine
+    assert_greedy_matches_hf(native, lite_dir, hf, 10)
 
 
 def test_fixed_attn_len_forward_traces_as_one_graph(lite_dir):

@@ -2,36 +2,28 @@
 `Glm4MoeLiteForCausalLM`) gives the same features as the runner's native target (layer-input
 taps of the dense and the MoE layers, the post-norm final hidden) and the same logits on a
 padded batch, so a drafter trains on what it is served with; the family is selected by
-architecture; every kind that fits trains through it; `mtp` is refused in one line."""
+architecture; every kind that fits trains through it; `mtp` with the
+family's own layer as each module's block."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from draftinfer.files.loading import load_native_target
-from draftinfer.models.target import FeatureSpec
-from drafttrain.registry import target_family, train_family
+from drafttrain.registry import target_family
 from tests.support.kind_factories import kinds_for_family
 from tests.support.moe_checkpoints import save_moe_target
-from tests.support.moe_models import glm4_moe_lite_config
+from tests.support.moe_models import MLA_YARN_SHORT, glm4_moe_lite_config
 from tests.support.moe_targets import (
-    family_target,
-    padded_batch,
+    assert_frozen_equals_native,
     train_a_few_steps,
     write_chat,
 )
-from tests.support.native_parity import rand_ids
 from tests.support.tiny_models import save_tiny_target
 from tests.support.tiny_tokenizers import make_llama3_tokenizer
 
 FAMILY = "glm4_moe_lite"
-YARN = {
-    "factor": 4.0,
-    "original_max_position_embeddings": 16,
-    "mscale": 1.0,
-    "mscale_all_dim": 0.707,
-}
+YARN = MLA_YARN_SHORT
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -57,18 +49,7 @@ def test_frozen_target_features_equal_the_native_targets(tmp_path):
     training side's frozen target (HF, SDPA) and the runner's native target agree."""
     cfg = glm4_moe_lite_config(layers=4, dense_layers=1, yarn=YARN, rope_interleave=True)
     path = save_moe_target(cfg, tmp_path / "t", seed=3)
-    frozen = family_target(FAMILY, str(path))
-    native = load_native_target(path, "cpu", torch.float32, 3, 64)
-    rows = [rand_ids(n, 10 + n) for n in (13, 5, 9)]
-    ids, mask, slots = padded_batch(rows, 0)
-    spec = FeatureSpec(layer_inputs=(0, 1, 2, 3), final_hidden="post_norm")
-    a, b = frozen(ids, slots, spec), native(ids, slots, spec)
-    live = mask.bool()
-    diff = (a.features[live] - b.features[live]).abs().max().item()
-    logit_diff = (a.logits[live] - b.logits[live]).abs().max().item()
-    print(f"frozen vs native: features {diff:.2e}, logits {logit_diff:.2e}")
-    torch.testing.assert_close(a.features[live], b.features[live], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(a.logits[live], b.logits[live], rtol=1e-5, atol=1e-5)
+    assert_frozen_equals_native(FAMILY, path)
 
 
 def test_family_is_selected_by_architecture(env):
@@ -83,13 +64,20 @@ def test_every_kind_trains_through_the_family(env, tmp_path, kind):
     assert losses[-1] < 0.9 * losses[0], losses
 
 
-def test_mtp_is_refused_in_one_line():
-    """MTP modules are dense Llama blocks here; this family's layers are MLA + routed experts
-    (`dense_decoder_layer` not provided): refused before anything loads."""
-    from draftinfer.files.errors import ConfigError
+def test_mtp_trains_with_the_familys_own_layer_as_block(env, tmp_path):
+    """MTP modules on this family are built with the runner's block for it (`block: native`,
+    the family's own native layer: MLA with a latent cache, routed experts), the one definition the runner serves
+    (`tests/families/test_glm_mtp.py`)."""
+    from draftinfer.models.mla import LatentAttention
+    from draftinfer.models.moe import MoEBlock
     from draftinfer.registry import drafter_spec
 
-    assert "mtp" not in kinds_for_family(FAMILY)
-    with pytest.raises(ConfigError, match="cannot run on a 'glm4_moe_lite' target") as e:
-        train_family(FAMILY).check_kind(drafter_spec("mtp"))
-    assert "\n" not in str(e.value)
+    assert "mtp" in kinds_for_family(FAMILY)
+    losses, arch = train_a_few_steps(FAMILY, env, "mtp", tmp_path, steps=6)
+    assert arch.block == "native" and arch.own_layer
+    assert losses[-1] < losses[0], losses
+    d = drafter_spec("mtp").build(arch)
+    for layer in d.layers:
+        assert isinstance(layer.block.self_attn, LatentAttention) and isinstance(
+            layer.block.mlp, MoEBlock
+        )

@@ -17,14 +17,13 @@ sizes; greedy generation; one graph with a fixed `attn_len`; bf16; one-line erro
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 import pytest
 import torch
 
-from draftinfer.decoding.baseline import greedy_generate
 from draftinfer.families.glm4_moe import Glm4MoeForCausalLM
 from draftinfer.files.errors import ConfigError
-from draftinfer.files.loading import load_native_target
 from draftinfer.models.decoder import CachedAttention
 from draftinfer.models.layers import SwiGLU
 from draftinfer.models.moe import GroupedSigmoidRouter, MoEBlock
@@ -35,9 +34,12 @@ from tests.support.moe_checkpoints import save_moe_target
 from tests.support.moe_models import glm4_moe_config, random_glm4_moe_configs
 from tests.support.native_parity import (
     assert_forward_traces_as_one_graph,
+    assert_greedy_matches_hf,
+    cpu_target,
     edited_config,
     hf_model,
     rand_ids,
+    random_config_parity,
     speculative_rounds,
 )
 
@@ -54,8 +56,7 @@ def glm_dir(tmp_path_factory):
     return save_moe_target(glm4_moe_config(yarn=YARN), tmp_path_factory.mktemp("glm4_moe"))
 
 
-def native(path, max_batch: int = 3, max_seq_len: int = MAX_SEQ_LEN, dtype=torch.float32):
-    return load_native_target(path, "cpu", dtype, max_batch, max_seq_len)
+native = partial(cpu_target, max_seq_len=MAX_SEQ_LEN)
 
 
 def test_the_random_configs_cover_each_setting():
@@ -71,18 +72,12 @@ def test_the_random_configs_cover_each_setting():
 
 @pytest.mark.parametrize("index", range(len(CONFIGS)))
 def test_speculative_rounds_match_transformers(index, tmp_path, record_property):
-    cfg = CONFIGS[index]
-    path = save_moe_target(cfg, tmp_path, seed=index)
-    L = cfg.num_hidden_layers
-    diffs = speculative_rounds(
-        native(path), hf_model(str(path)), LENGTHS, taps=(0, L // 2, L - 1), seed=index
-    )
-    record_property("max_abs_logit_diff", diffs.logits)
-    print(f"config {index}: max |logit diff| {diffs.logits:.2e}, features {diffs.features:.2e}")
     # fp32: ~3e-7 measured. Checked by hand: rotating the whole head fails the 15 partial-
     # rotary configs, dropping the q/k norm the 15 that have it (test_each_glm_piece_matters
     # keeps one such check per piece in the suite).
-    diffs.check(logits_atol=1e-5)
+    random_config_parity(
+        CONFIGS[index], index, tmp_path, record_property, LENGTHS, logits_atol=1e-5
+    )
 
 
 def _without(model, piece: str):
@@ -169,7 +164,8 @@ def test_registered_and_config_facts(glm_dir):
     assert FAMILIES.native_class({"architectures": ["Glm4MoeForCausalLM"]}) is Glm4MoeForCausalLM
     assert FAMILIES.native_class({"model_type": "glm4_moe"}) is Glm4MoeForCausalLM
     spec = family_spec("glm4_moe")
-    assert spec.provides == {"layer_inputs", "final_hidden"} <= FEATURES
+    assert spec.provides == {"layer_inputs", "final_hidden", "drafter_block"} <= FEATURES
+    assert spec.released_mtp["count_key"] == "num_nextn_predict_layers"
     assert not spec.requires
     assert kinds_for_family("glm4_moe")
     model = native(glm_dir)
@@ -210,14 +206,7 @@ def test_static_attn_len_and_greedy_generate(glm_dir):
     `generate` token for token, batched and alone."""
     hf = hf_model(str(glm_dir))
     speculative_rounds(native(glm_dir), hf, LENGTHS, taps=(1,), attn_len=MAX_SEQ_LEN).check(1e-5)
-    prompts = [rand_ids(5, 1), rand_ids(11, 2), rand_ids(9, 3)]
-    ours = greedy_generate(native(glm_dir), prompts, 10, [])
-    assert greedy_generate(native(glm_dir, max_batch=1), prompts[1:2], 10, []) == ours[1:2]
-    for p, mine in zip(prompts, ours):
-        out = hf.generate(
-            torch.tensor([p]), max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0
-        )
-        assert out[0, len(p) :].tolist() == mine
+    assert_greedy_matches_hf(native, glm_dir, hf, 10)
 
 
 def test_fixed_attn_len_forward_traces_as_one_graph(glm_dir):

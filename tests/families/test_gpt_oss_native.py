@@ -14,14 +14,13 @@ checkpoints: `test_mxfp4.py`.
 from __future__ import annotations
 
 import shutil
+from functools import partial
 
 import pytest
 import torch
 
-from draftinfer.decoding.baseline import greedy_generate
 from draftinfer.families.gpt_oss import GptOssForCausalLM
 from draftinfer.files.errors import CheckpointError, ConfigError
-from draftinfer.files.loading import load_native_target
 from draftinfer.models.layers import RMSNorm
 from draftinfer.models.moe import ClampedSwiGLU, MoEBlock, TopKSoftmaxRouter
 from draftinfer.registry import FAMILIES, FEATURES, family_spec
@@ -30,9 +29,12 @@ from tests.support.moe_checkpoints import save_moe_target
 from tests.support.moe_models import gpt_oss_config, random_gpt_oss_configs
 from tests.support.native_parity import (
     assert_forward_traces_as_one_graph,
+    assert_greedy_matches_hf,
+    cpu_target,
     edited_config,
     hf_model,
     rand_ids,
+    random_config_parity,
     speculative_rounds,
 )
 
@@ -48,8 +50,7 @@ def gpt_oss_dir(tmp_path_factory):
     return save_moe_target(gpt_oss_config(), tmp_path_factory.mktemp("gpt_oss"))
 
 
-def native(path, max_batch: int = 3, max_seq_len: int = MAX_SEQ_LEN, dtype=torch.float32):
-    return load_native_target(path, "cpu", dtype, max_batch, max_seq_len)
+native = partial(cpu_target, max_seq_len=MAX_SEQ_LEN)
 
 
 def prompt_lengths(window: int) -> tuple[int, int, int]:
@@ -60,18 +61,7 @@ def prompt_lengths(window: int) -> tuple[int, int, int]:
 @pytest.mark.parametrize("index", range(len(CONFIGS)))
 def test_speculative_rounds_match_transformers(index, tmp_path, record_property):
     cfg = CONFIGS[index]
-    path = save_moe_target(cfg, tmp_path, seed=index)
-    model = native(path)
-    L = cfg.num_hidden_layers
-    diffs = speculative_rounds(
-        model,
-        hf_model(str(path)),
-        prompt_lengths(cfg.sliding_window),
-        taps=(0, L // 2, L - 1),
-        seed=index,
-    )
-    record_property("max_abs_logit_diff", diffs.logits)
-    diffs.check()
+    random_config_parity(cfg, index, tmp_path, record_property, prompt_lengths(cfg.sliding_window))
 
 
 def test_registered_and_config_facts(gpt_oss_dir):
@@ -111,15 +101,7 @@ def test_static_attn_len_and_greedy_generate(gpt_oss_dir):
         native(gpt_oss_dir), hf, prompt_lengths(8), taps=(1, 3), attn_len=MAX_SEQ_LEN
     )
     diffs.check()
-    prompts = [rand_ids(5, 1), rand_ids(11, 2), rand_ids(9, 3)]
-    ours = greedy_generate(native(gpt_oss_dir), prompts, 12, [])
-    # One request alone: its one-token steps take the experts' gather path.
-    assert greedy_generate(native(gpt_oss_dir, max_batch=1), prompts[1:2], 12, []) == ours[1:2]
-    for p, mine in zip(prompts, ours):
-        out = hf.generate(
-            torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
-        )
-        assert out[0, len(p) :].tolist() == mine
+    assert_greedy_matches_hf(native, gpt_oss_dir, hf, 12)
 
 
 def test_rms_norm_scales_in_fp32_like_transformers():

@@ -12,14 +12,13 @@ facts, the stacked in-memory layout loading by name, greedy generation and one-l
 from __future__ import annotations
 
 import shutil
+from functools import partial
 
 import pytest
 import torch
 
-from draftinfer.decoding.baseline import greedy_generate
 from draftinfer.families.qwen3_moe import Qwen3MoeForCausalLM
 from draftinfer.files.errors import CheckpointError, ConfigError
-from draftinfer.files.loading import load_native_target
 from draftinfer.models.layers import SwiGLU
 from draftinfer.models.moe import MoEBlock, SiluGLU, SoftmaxTopKRouter
 from draftinfer.registry import FAMILIES, FEATURES, family_spec
@@ -28,9 +27,11 @@ from tests.support.moe_checkpoints import save_moe_target
 from tests.support.moe_models import qwen3_moe_config, random_qwen3_moe_configs
 from tests.support.native_parity import (
     assert_forward_traces_as_one_graph,
+    assert_greedy_matches_hf,
+    cpu_target,
     edited_config,
     hf_model,
-    rand_ids,
+    random_config_parity,
     speculative_rounds,
 )
 
@@ -48,20 +49,12 @@ def qwen3_moe_dir(tmp_path_factory):
     return save_moe_target(cfg, tmp_path_factory.mktemp("qwen3_moe"))
 
 
-def native(path, max_batch: int = 3, max_seq_len: int = MAX_SEQ_LEN, dtype=torch.float32):
-    return load_native_target(path, "cpu", dtype, max_batch, max_seq_len)
+native = partial(cpu_target, max_seq_len=MAX_SEQ_LEN)
 
 
 @pytest.mark.parametrize("index", range(len(CONFIGS)))
 def test_speculative_rounds_match_transformers(index, tmp_path, record_property):
-    cfg = CONFIGS[index]
-    path = save_moe_target(cfg, tmp_path, seed=index)
-    L = cfg.num_hidden_layers
-    diffs = speculative_rounds(
-        native(path), hf_model(str(path)), LENGTHS, taps=(0, L // 2, L - 1), seed=index
-    )
-    record_property("max_abs_logit_diff", diffs.logits)
-    diffs.check()
+    random_config_parity(CONFIGS[index], index, tmp_path, record_property, LENGTHS)
 
 
 def test_registered_and_config_facts(qwen3_moe_dir):
@@ -114,15 +107,7 @@ def test_static_attn_len_and_greedy_generate(qwen3_moe_dir):
         native(qwen3_moe_dir), hf, LENGTHS, taps=(1, 3), attn_len=MAX_SEQ_LEN
     )
     diffs.check()
-    prompts = [rand_ids(5, 1), rand_ids(11, 2), rand_ids(9, 3)]
-    ours = greedy_generate(native(qwen3_moe_dir), prompts, 12, [])
-    # One request alone: its one-token steps take the experts' gather path.
-    assert greedy_generate(native(qwen3_moe_dir, max_batch=1), prompts[1:2], 12, []) == ours[1:2]
-    for p, mine in zip(prompts, ours):
-        out = hf.generate(
-            torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
-        )
-        assert out[0, len(p) :].tolist() == mine
+    assert_greedy_matches_hf(native, qwen3_moe_dir, hf, 12)
 
 
 def test_serving_transforms_keep_parity(qwen3_moe_dir):

@@ -421,7 +421,7 @@ def test_the_runners_plain_baseline_decodes_what_the_eager_loop_does(tiny_llama3
     eos = [eager[0][5], eager[2][11]]  # tokens the outputs reach: every row stops on one
     assert greedy_generate(model, ps, 40, eos, step_fn=step) == greedy_generate(model, ps, 40, eos)
     # Seven prompts in groups of 4 and 3 rows: one graph per batch size and bucket (a graph
-    # captured at 4 rows once met the 3-row group, in the job's verify on CUDA).
+    # captured for one row once met eight, in the job's verify on CUDA).
     ps7 = prompts(7, seed=501)
     assert greedy_generate(model, ps7, 40, [], step_fn=step) == greedy_generate(model, ps7, 40, [])
     assert {key[0] for key in step._graphed.graphs} == {3, 4}
@@ -452,7 +452,7 @@ def test_emitted_features_from_captured_rounds_equal_a_fresh_prefill(zoo_run):
     from draftinfer.decoding.swap import DrafterUpdate
     from draftinfer.files.checkpoint import load_drafter
     from draftinfer.files.paths import resolve_path
-    from tests.infer.test_emit_features import prefill_features
+    from tests.support.native_parity import prefill_features
     from tests.support.prompts import zoo_prompts
 
     export = zoo_run("eagle3")["export_dir"]

@@ -12,25 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftinfer.conventions.slots import Slots
 from draftinfer.decoding.engine import Request, SpecDecoder
 from draftinfer.decoding.swap import DrafterUpdate
+from tests.support.native_parity import prefill_features
 from tests.support.prompts import zoo_prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@torch.no_grad()
-def prefill_features(target, tokens: list[int], features) -> torch.Tensor:
-    """The target's features over `tokens` in one prefill (cache row 0): `[len, F]`."""
-    dev = next(target.parameters()).device
-    ids = torch.tensor([tokens], device=dev)
-    cache_pos = torch.arange(len(tokens), device=dev)[None]
-    rows = torch.tensor([0], device=dev)
-    plan = target.prefill_plan(ids, cache_pos, rows, [None])
-    inputs, rope = plan.chunk(slice(0, len(tokens)))
-    out = target(inputs, Slots(rows, cache_pos, rope), features, logit_index=cache_pos[:, -1:])
-    return out.features[0]
 
 
 @pytest.mark.parametrize("pipeline", [False, True])

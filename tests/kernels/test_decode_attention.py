@@ -58,6 +58,8 @@ SHAPES = [
     (3, 5, 8, 2, 64, 400, 333),  # verify of 5 slots, several rows and splits
     (2, 4, 4, 4, 32, 100, 70),  # no GQA
     (1, 16, 8, 2, 16, 80, 65),  # 64 rows: the largest tile, a key range past one tile
+    (1, 9, 16, 2, 32, 200, 150),  # g = 8, 9 slots (gpt-oss at K = 8): 72 rows, two launches
+    (2, 16, 8, 1, 16, 100, 70),  # g = 8, 16 slots: 128 rows, two full launches
 ]
 
 
@@ -138,9 +140,20 @@ def test_split_plan_covers_the_keys_once(programs, attn_len, min_chunk, monkeypa
     assert ns == 1 or chunk >= min_chunk
 
 
+def test_more_rows_than_one_launch_take_slot_ranges_each_as_its_own_call():
+    """72 rows at g = 8 (9 slots): slots 0-7 and slot 8 launched apart, each range's output
+    bit for bit what a call with those slots alone returns."""
+    q, _, _, kc, vc, rows, _, mask, L = case(1, 9, 16, 2, 32, 200, 150)
+    assert da.supports(q, kc) and 9 * 8 > da.MAX_ROWS
+    got = da.decode_attention(q, kc, vc, rows, mask, L)
+    head = da.decode_attention(q[:, :8].contiguous(), kc, vc, rows, mask[:, :, :64].contiguous(), L)
+    tail = da.decode_attention(q[:, 8:].contiguous(), kc, vc, rows, mask[:, :, 64:].contiguous(), L)
+    assert torch.equal(got, torch.cat([head, tail], dim=1))
+
+
 def test_too_many_rows_fall_back_to_the_reference():
-    q, _, _, kc, vc, rows, _, mask, L = case(1, 17, 8, 2, 16, 80, 65)
-    assert not da.supports(q, kc)  # 17 * 4 > MAX_ROWS
+    q, _, _, kc, vc, rows, _, mask, L = case(1, 33, 8, 2, 16, 80, 65)
+    assert not da.supports(q, kc)  # 33 * 4 > MAX_LAUNCHES * MAX_ROWS
     torch.testing.assert_close(
         da.decode_attention(q, kc, vc, rows, mask, L),
         da.decode_attention_ref(q, kc, vc, rows, mask, L),

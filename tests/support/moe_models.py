@@ -149,7 +149,27 @@ def random_qwen3_moe_configs(n: int, seed: int = 0) -> list:
     return out
 
 
-def deepseek_v3_config(
+# YaRN settings of the MLA families' fixed test targets: `MLA_YARN` the parity targets' (DeepSeek-V3's
+# factor 40, `mscale` = `mscale_all_dim`), `MLA_YARN_SHORT` the training and MTP targets' (a short
+# original context, `mscale` != `mscale_all_dim`: the softmax scale's correction matters).
+MLA_YARN = {
+    "factor": 40.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+MLA_YARN_SHORT = {
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.707,
+}
+
+
+def _mla_moe_config(
+    config_class,
     vocab_size: int = 512,
     layers: int = 3,
     hidden: int = 64,
@@ -165,7 +185,6 @@ def deepseek_v3_config(
     top_k: int = 2,
     moe_intermediate: int = 16,
     n_shared_experts: int = 1,
-    first_k_dense_replace: int = 1,
     norm_topk_prob: bool = True,
     routed_scaling_factor: float = 2.5,
     rope_interleave: bool = True,
@@ -174,16 +193,14 @@ def deepseek_v3_config(
     max_len: int = 512,
     **extra,
 ):
-    """DeepSeek-V3: MLA (low-rank q, the latent of `kv_lora_rank` plus the decoupled RoPE key),
-    group-limited sigmoid routing with the correction bias, shared experts, the first
-    `first_k_dense_replace` layers dense. `yarn`: YaRN rope keys (`factor`, `mscale`,
-    `mscale_all_dim`, ...) or None for plain RoPE."""
-    from transformers import DeepseekV3Config
-
+    """A config of `config_class` with DeepSeek-V3's MLA (low-rank q, the latent of
+    `kv_lora_rank` plus the decoupled RoPE key) and its grouped routing: the fields DeepSeek-V3
+    and GLM-4.7-Flash share (`extra`: each one's own). `yarn`: YaRN rope keys (`factor`,
+    `mscale`, `mscale_all_dim`, ...) or None for plain RoPE."""
     rope = {"rope_type": "default", "rope_theta": 10000.0}
     if yarn is not None:
         rope = {"rope_type": "yarn", "rope_theta": 10000.0, **yarn}
-    return DeepseekV3Config(
+    return config_class(
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
@@ -201,7 +218,6 @@ def deepseek_v3_config(
         topk_group=topk_group,
         num_experts_per_tok=top_k,
         n_shared_experts=n_shared_experts,
-        first_k_dense_replace=first_k_dense_replace,
         norm_topk_prob=norm_topk_prob,
         routed_scaling_factor=routed_scaling_factor,
         rope_interleave=rope_interleave,
@@ -214,6 +230,14 @@ def deepseek_v3_config(
         pad_token_id=0,
         **extra,
     )
+
+
+def deepseek_v3_config(first_k_dense_replace: int = 1, **kw):
+    """DeepSeek-V3 (`_mla_moe_config`'s fields): MLA, group-limited sigmoid routing with the
+    correction bias, shared experts, the first `first_k_dense_replace` layers dense."""
+    from transformers import DeepseekV3Config
+
+    return _mla_moe_config(DeepseekV3Config, first_k_dense_replace=first_k_dense_replace, **kw)
 
 
 def random_deepseek_v3_configs(n: int, seed: int = 0) -> list:
@@ -387,69 +411,18 @@ def random_glm4_moe_configs(n: int, seed: int = 0) -> list:
 
 
 def glm4_moe_lite_config(
-    vocab_size: int = 512,
-    layers: int = 3,
-    hidden: int = 64,
-    heads: int = 4,
-    q_lora_rank: int | None = 24,
-    kv_lora_rank: int = 16,
-    qk_nope_head_dim: int = 8,
-    qk_rope_head_dim: int = 8,
-    v_head_dim: int = 12,
-    experts: int = 8,
-    n_group: int = 4,
-    topk_group: int = 2,
-    top_k: int = 2,
-    moe_intermediate: int = 16,
-    n_shared_experts: int = 1,
-    dense_layers: int = 1,
-    norm_topk_prob: bool = True,
-    routed_scaling_factor: float = 1.8,
-    rope_interleave: bool = True,
-    yarn: dict | None = None,
-    attention_bias: bool = False,
-    max_len: int = 512,
-    **extra,
+    layers: int = 3, dense_layers: int = 1, routed_scaling_factor: float = 1.8, **kw
 ):
-    """GLM-4.7-Flash (`glm4_moe_lite`): DeepSeek-V3's MLA (low-rank q, the latent of
-    `kv_lora_rank` plus the decoupled RoPE key), group-limited sigmoid routing with the
-    correction bias, shared experts; `mlp_layer_types` lists `dense_layers` dense layers, then
-    sparse ones. `yarn`: YaRN rope keys or None for plain RoPE."""
+    """GLM-4.7-Flash (`glm4_moe_lite`, `_mla_moe_config`'s fields): DeepSeek-V3's MLA and
+    routing; `mlp_layer_types` lists `dense_layers` dense layers, then sparse ones."""
     from transformers import Glm4MoeLiteConfig
 
-    rope = {"rope_type": "default", "rope_theta": 10000.0}
-    if yarn is not None:
-        rope = {"rope_type": "yarn", "rope_theta": 10000.0, **yarn}
-    return Glm4MoeLiteConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        moe_intermediate_size=moe_intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        q_lora_rank=q_lora_rank,
-        kv_lora_rank=kv_lora_rank,
-        qk_nope_head_dim=qk_nope_head_dim,
-        qk_rope_head_dim=qk_rope_head_dim,
-        v_head_dim=v_head_dim,
-        n_routed_experts=experts,
-        n_group=n_group,
-        topk_group=topk_group,
-        num_experts_per_tok=top_k,
-        n_shared_experts=n_shared_experts,
-        mlp_layer_types=["dense"] * dense_layers + ["sparse"] * (layers - dense_layers),
-        norm_topk_prob=norm_topk_prob,
+    return _mla_moe_config(
+        Glm4MoeLiteConfig,
+        layers=layers,
         routed_scaling_factor=routed_scaling_factor,
-        rope_interleave=rope_interleave,
-        rope_parameters=rope,
-        attention_bias=attention_bias,
-        max_position_embeddings=max_len,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        **extra,
+        mlp_layer_types=["dense"] * dense_layers + ["sparse"] * (layers - dense_layers),
+        **kw,
     )
 
 

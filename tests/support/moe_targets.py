@@ -123,6 +123,28 @@ def padded_batch(ids: list[list[int]], pad_id: int):
     return x, mask, slots
 
 
+def assert_frozen_equals_native(family: str, path) -> None:
+    """A padded batch of three rows, taps at the input of every layer up to 4 plus the
+    post-norm final hidden: `family`'s frozen training target (HF) and the runner's native
+    target of the checkpoint at `path` give the same features and logits (fp32)."""
+    from draftinfer.files.loading import load_native_target
+    from draftinfer.models.target import FeatureSpec
+    from tests.support.native_parity import rand_ids
+
+    frozen = family_target(family, str(path))
+    native = load_native_target(path, "cpu", torch.float32, 3, 64)
+    rows = [rand_ids(n, 10 + n) for n in (13, 5, 9)]
+    ids, mask, slots = padded_batch(rows, 0)
+    spec = FeatureSpec(layer_inputs=(0, 1, 2, 3), final_hidden="post_norm")
+    a, b = frozen(ids, slots, spec), native(ids, slots, spec)
+    live = mask.bool()
+    diff = (a.features[live] - b.features[live]).abs().max().item()
+    logit_diff = (a.logits[live] - b.logits[live]).abs().max().item()
+    print(f"frozen vs native: features {diff:.2e}, logits {logit_diff:.2e}")
+    torch.testing.assert_close(a.features[live], b.features[live], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a.logits[live], b.logits[live], rtol=1e-5, atol=1e-5)
+
+
 def split_for(family: str, env: dict[str, str], max_length: int = 256):
     """(tokenizer, tokenized training split) of `env`'s data through `family`'s data adapter."""
     from drafttrain.frozen.target import load_tokenizer

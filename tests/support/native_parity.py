@@ -225,3 +225,62 @@ def edited_config(src, dst, **changes):
     cfg.update(changes)
     (dst / "config.json").write_text(json.dumps(cfg))
     return dst
+
+
+@torch.no_grad()
+def prefill_features(target, tokens: list[int], features) -> torch.Tensor:
+    """The target's features over `tokens` in one prefill (cache row 0): `[len, F]`."""
+    dev = next(target.parameters()).device
+    ids = torch.tensor([tokens], device=dev)
+    cache_pos = torch.arange(len(tokens), device=dev)[None]
+    rows = torch.tensor([0], device=dev)
+    plan = target.prefill_plan(ids, cache_pos, rows, [None])
+    inputs, rope = plan.chunk(slice(0, len(tokens)))
+    out = target(inputs, Slots(rows, cache_pos, rope), features, logit_index=cache_pos[:, -1:])
+    return out.features[0]
+
+
+def cpu_target(path, max_batch: int = 3, max_seq_len: int = 64, dtype=torch.float32):
+    """The native target of the checkpoint at `path` on the CPU, at the parity tests' sizes."""
+    from draftinfer.files.loading import load_native_target
+
+    return load_native_target(path, "cpu", dtype, max_batch, max_seq_len)
+
+
+def random_config_parity(
+    cfg, index: int, tmp_path, record_property, lengths, logits_atol: float = 1e-4
+) -> Diffs:
+    """One config of a family's random parity sweep: saved with weights seeded by `index`,
+    `speculative_rounds` against HF with taps `(0, L // 2, L - 1)`; the max logit difference
+    recorded (`record_property`) and printed, then checked."""
+    from tests.support.moe_checkpoints import save_moe_target
+
+    path = save_moe_target(cfg, tmp_path, seed=index)
+    L = cfg.num_hidden_layers
+    diffs = speculative_rounds(
+        cpu_target(path), hf_model(str(path)), lengths, taps=(0, L // 2, L - 1), seed=index
+    )
+    record_property("max_abs_logit_diff", diffs.logits)
+    print(f"config {index}: max |logit diff| {diffs.logits:.2e}, features {diffs.features:.2e}")
+    diffs.check(logits_atol=logits_atol)
+    return diffs
+
+
+def assert_greedy_matches_hf(native, path, hf, new_tokens: int) -> None:
+    """Greedy decoding of three prompts by `native(path, max_batch=...)` equals HF `generate`
+    token for token, batched and (the second prompt) alone: one row's one-token steps take
+    the paths a batch does not (the experts' gather path, absorbed MLA of one slot)."""
+    from draftinfer.decoding.baseline import greedy_generate
+
+    prompts = [rand_ids(5, 1), rand_ids(11, 2), rand_ids(9, 3)]
+    ours = greedy_generate(native(path), prompts, new_tokens, [])
+    assert greedy_generate(native(path, max_batch=1), prompts[1:2], new_tokens, []) == ours[1:2]
+    for p, mine in zip(prompts, ours):
+        out = hf.generate(
+            torch.tensor([p]),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        assert out[0, len(p) :].tolist() == mine

@@ -43,6 +43,7 @@ from draftinfer.models.grouped_moe import (
     GroupedMoEFields,
     grouped_moe_fields,
     grouped_moe_mlp,
+    refuse_quantized,
     stacked_expert_sources,
 )
 from draftinfer.models.mla import LatentAttention, mla_softmax_scale
@@ -74,13 +75,7 @@ class DeepseekV3ForCausalLM(NativeCausalLM):
     @classmethod
     def config_from_hf(cls, hf: Any, eos_token_ids: list[int]) -> DeepseekV3NativeConfig:
         name = cls.__name__
-        quant = getattr(hf, "quantization_config", None)
-        if quant:
-            method = quant.get("quant_method") if isinstance(quant, dict) else quant.quant_method
-            raise ConfigError(
-                f"{name}: quantization {method!r} is not supported (dequantize the checkpoint "
-                "to bf16 first)"
-            )
+        refuse_quantized(hf, name)
         for key, want in (("topk_method", "noaux_tc"), ("scoring_func", "sigmoid")):
             got = getattr(hf, key, want)
             if got != want:

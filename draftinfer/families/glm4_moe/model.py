@@ -37,12 +37,12 @@ from typing import Any
 
 from torch import nn
 
-from draftinfer.files.errors import ConfigError
 from draftinfer.models.decoder import DecoderLayer, NativeCausalLM, NativeConfig, TensorSource
 from draftinfer.models.grouped_moe import (
     GroupedMoEFields,
     grouped_moe_fields,
     grouped_moe_mlp,
+    refuse_quantized,
     stacked_expert_sources,
 )
 
@@ -66,13 +66,7 @@ class Glm4MoeForCausalLM(NativeCausalLM):
     @classmethod
     def config_from_hf(cls, hf: Any, eos_token_ids: list[int]) -> Glm4MoeNativeConfig:
         name = cls.__name__
-        quant = getattr(hf, "quantization_config", None)
-        if quant:
-            method = quant.get("quant_method") if isinstance(quant, dict) else quant.quant_method
-            raise ConfigError(
-                f"{name}: quantization {method!r} is not supported (dequantize the checkpoint "
-                "to bf16 first)"
-            )
+        refuse_quantized(hf, name)
         moe = grouped_moe_fields(hf, name)
         # NativeCausalLM's rule: sizes, heads, the rope (partial rotary read here,
         # `partial_rotary`), no sliding windows.

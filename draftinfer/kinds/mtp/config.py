@@ -134,7 +134,9 @@ class MTPConfig:
         if self.own_layer:
             native = self.native_layer()[1]
             self.rms_norm_eps = native.rms_norm_eps
-            self.head_dim = native.head_dim  # the rotary's width (MLA: the RoPE slice)
+            # The rotary's width: MLA's RoPE slice (its `head_dim`), GLM-4.5's rotated part of
+            # each head (`rotary_dim`, partial rotary), else the head.
+            self.head_dim = native.rotary_dim or native.head_dim
             self.rope_theta, self.rope_scaling = native.rope_theta, native.rope_scaling
             return
         self.num_attention_heads = int(c["num_attention_heads"])

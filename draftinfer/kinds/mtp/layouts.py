@@ -10,9 +10,11 @@ Our module names (`MTPDrafter.trainable_state_dict`): `layers.{k}.{enorm,hnorm,e
   (`[H, 2H]`, embedding first), `shared_head.norm` and the block's keys directly under the
   prefix (vLLM inserts `mtp_block.`), plus the engine copies `shared_head.head` (per module)
   and `embed_tokens` (first module; vLLM lifts it to the shared embedding), which we ignore.
-  Routed experts read either way: stacked (`experts.gate_up_proj`, `experts.down_proj`, what
-  transformers 5 and our blocks hold) or per expert, as the released checkpoints store them
-  (`experts.{e}.{gate,up,down}_proj.weight`, `stack_experts`).
+  Routed experts are written per expert, as the released DeepSeek/GLM checkpoints and
+  transformers 5's `save_pretrained` store them and vLLM's loaders map them
+  (`experts.{e}.{gate,up,down}_proj.weight`, `(out, in)`; `unstack_experts`), and read either
+  way: per expert or stacked (`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj [E, H, I]`,
+  what our blocks hold and exports before the per-expert names wrote; `stack_experts`).
 - `mrv2` (Inkling, vLLM MRv2's multi-module user; REFERENCES C, "Checkpoint layouts"):
   `model.mtp.layers.{k}.{hidden_norm, embed_norm, input_proj, transformer_block.*}` with
   `input_proj` `[H, 2H]` reading `[hidden_norm(h) ‖ embed_norm(emb)]` (hidden first) and one
@@ -50,7 +52,7 @@ class DeepSeekLayout:
         for k in range(module.config.n_predict):
             out[f"model.layers.{L + k}.shared_head.head.weight"] = module.lm_head.weight
         out[f"model.layers.{L}.embed_tokens.weight"] = module.embed_tokens.weight
-        return out
+        return unstack_experts(out)
 
     def wants(self, arch, name: str) -> bool:
         m = re.match(r"^model\.layers\.(\d+)\.", name)
@@ -103,6 +105,34 @@ def stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out[f"{prefix}.down_proj"] = torch.stack([tensors[parts[e, "down"]] for e in range(E)])
         for name in parts.values():
             del out[name]
+    return out
+
+
+_STACKED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def unstack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of `stack_experts`: every stacked `{prefix}.gate_up_proj [E, 2I, H]` (gate
+    rows first, then up) and `{prefix}.down_proj [E, H, I]` written as the per-expert tensors
+    released checkpoints hold, `{prefix}.{e}.{gate,up,down}_proj.weight` (`[I, H]`, `[I, H]`,
+    `[H, I]`), each its own storage (safetensors refuses views of one tensor)."""
+    out = {}
+    for name, t in tensors.items():
+        m = _STACKED.match(name)
+        if m is None or t.dim() != 3:
+            out[name] = t
+            continue
+        prefix, which = m.group(1), m.group(2)
+        if which == "gate_up_proj":
+            if t.shape[1] % 2:
+                raise ValueError(f"{name}: {tuple(t.shape)} does not split into gate and up")
+            inter = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{e}.gate_proj.weight"] = t[e, :inter].clone()
+                out[f"{prefix}.{e}.up_proj.weight"] = t[e, inter:].clone()
+        else:
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{e}.down_proj.weight"] = t[e].clone()
     return out
 
 
