@@ -428,9 +428,23 @@ def _mtp_check(cfg: dict, tensors: dict, rec: RunRecord, layout: str) -> EngineV
     seen = set()
     for name, t in tensors.items():
         module = _mtp_module_name(L, name)
-        if module is not None:
-            _close(t, rec.drafter[module], name)
-            seen.add(module)
+        if module is None:
+            continue
+        per_expert = re.match(r"^(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$", module)
+        if module not in rec.drafter and per_expert:
+            # Routed experts per expert on disk (what vLLM's loader maps), stacked in the module:
+            # gate and up concatenated in `gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`.
+            base, e, which = per_expert.group(1), int(per_expert.group(2)), per_expert.group(3)
+            stacked = base + (".down_proj" if which == "down" else ".gate_up_proj")
+            ours = rec.drafter[stacked][e]
+            if which != "down":
+                half = ours.shape[0] // 2
+                ours = ours[:half] if which == "gate" else ours[half:]
+            _close(t, ours, name)
+            seen.add(stacked)
+            continue
+        _close(t, rec.drafter[module], name)
+        seen.add(module)
     assert seen == set(rec.drafter), sorted(set(rec.drafter) ^ seen)
     # What the engine feeds module 0: the tensor the target forward returns, after the final
     # norm in vLLM's models; the run must have trained on that one.
