@@ -350,9 +350,10 @@ class DrafterSpec:
         per round."""
         return ""
 
-    def stitch(self, export_dir, arch: Any, target_dir, out_dir):
+    def stitch(self, export_dir, arch: Any, target_dir, out_dir, replace: bool = False):
         """Write this drafter into a copy of its target checkpoint (engines that load the
-        drafter from the target). Kinds that are not part of a target refuse."""
+        drafter from the target; `replace`: in place of the drafter layers the target ships).
+        Kinds that are not part of a target refuse."""
         raise CheckpointError(
             f"a {self.name!r} drafter is not stored inside its target; serve its export directory"
         )

@@ -212,6 +212,21 @@ def test_stitch_round_trip_and_missing_layer(kind_env, zoo_target, tmp_path):
     )
     assert again.returncode == 2 and "already holds MTP layers" in again.stderr
     assert not (tmp_path / "x").exists() and not (tmp_path / "x.tmp").exists()
+    # --replace: the modules take the place of those the target holds, each tensor in one
+    # shard only (vLLM reads every tensor of the shards the index names).
+    replaced = subprocess.run(
+        [sys.executable, "-m", "drafttrain.stitch", export, str(out), str(tmp_path / "y")]
+        + ["--replace"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
+    assert replaced.returncode == 0, replaced.stderr[-1000:]
+    names = [k for f in sorted((tmp_path / "y").glob("*.safetensors")) for k in load_file(str(f))]
+    assert len(names) == len(set(names)) and f"model.layers.{8 + 2}.eh_proj.weight" in names
+    c, _ = load_drafter(tmp_path / "y", t.shared_weights())
+    assert all(torch.equal(x, y) for x, y in zip(c.state_dict().values(), b.state_dict().values()))
     # A stitched target missing an MTP layer: one line naming the layer.
     shard = out / "model-mtp.safetensors"
     sd = {k: v for k, v in load_file(str(shard)).items() if not k.startswith("model.layers.9.")}

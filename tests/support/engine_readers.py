@@ -472,20 +472,23 @@ def mtp_stitched(export: Path, rec: RunRecord) -> EngineView:
     import sys
 
     out = Path(tempfile.mkdtemp(prefix="stitched_")) / "target"
-    r = subprocess.run(
-        [sys.executable, "-m", "drafttrain.stitch", str(export), str(rec.target_dir), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    # --replace: a target that ships MTP layers (zoo:deepseek-tiny) gets the modules in their
+    # place; for one that ships none it changes nothing.
+    argv = ["drafttrain.stitch", str(export), str(rec.target_dir), str(out), "--replace"]
+    r = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     cfg = read_json(out / "config.json")
     weights = read_weights(out)
     L = rec.num_layers
+
+    def layer(name: str) -> int:
+        parts = name.split(".")
+        return int(parts[2]) if name.startswith("model.layers.") else -1
+
     for name, t in rec.target_weights.items():
-        assert torch.equal(weights[name], t), name
-    mtp = {k: v for k, v in weights.items() if k not in rec.target_weights}
-    assert all(int(n.split(".")[2]) >= L for n in mtp)
+        if layer(name) < L:  # the target's own layers, unchanged (its MTP layers replaced)
+            assert torch.equal(weights[name], t), name
+    mtp = {k: v for k, v in weights.items() if layer(k) >= L}
     return _mtp_check(cfg, mtp, rec, "vllm-mtp-stitched")
 
 

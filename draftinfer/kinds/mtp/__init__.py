@@ -87,10 +87,10 @@ class MTPSpec(DrafterSpec):
             {**roles, "output_embeddings": module.lm_head.weight}, shared, "MTP drafter"
         )
 
-    def stitch(self, export_dir, arch, target_dir, out_dir):
+    def stitch(self, export_dir, arch, target_dir, out_dir, replace: bool = False):
         from draftinfer.kinds.mtp.stitch import stitch
 
-        return stitch(self, export_dir, arch, target_dir, out_dir)
+        return stitch(self, export_dir, arch, target_dir, out_dir, replace)
 
     # -- checks ------------------------------------------------------------------------------
     def check_fit(self, arch, info) -> None:

@@ -11,6 +11,11 @@ the `mrv2` layout) from its safetensors index. The copy gets:
 - `config.json` with `num_nextn_predict_layers = N` and our `"drafttrain"` section, so
   `draftinfer` also loads the drafter from the stitched directory.
 
+A target that ships MTP layers of its own (DeepSeek-V3, GLM) is refused unless `replace=True`
+(`python -m drafttrain.stitch --replace`): then the copy's shards that hold them are rewritten
+without them, so no loader (vLLM reads every tensor of the shards the index names) sees two
+versions of a layer, and the modules take their place.
+
 The copy is written to `OUT_DIR.tmp` and renamed at the end: nothing half-written.
 """
 
@@ -48,7 +53,9 @@ def target_info(config: dict) -> TargetInfo:
     )
 
 
-def stitch(spec, export_dir: Path, arch, target_dir: Path, out_dir: Path) -> Path:
+def stitch(
+    spec, export_dir: Path, arch, target_dir: Path, out_dir: Path, replace: bool = False
+) -> Path:
     export_dir, target_dir, out = Path(export_dir), Path(target_dir), Path(out_dir)
     tcfg_path = target_dir / "config.json"
     if not tcfg_path.is_file():
@@ -75,14 +82,18 @@ def stitch(spec, export_dir: Path, arch, target_dir: Path, out_dir: Path) -> Pat
                 index = {"metadata": {}, "weight_map": {k: shard for k in f.keys()}}
         weight_map = index["weight_map"]
         stale = [k for k in weight_map if spec.wants_tensor(arch, k)]
-        if stale:
-            raise CheckpointError(f"{target_dir} already holds MTP layers ({stale[0]}, ...)")
+        if stale and not replace:
+            raise CheckpointError(
+                f"{target_dir} already holds MTP layers ({stale[0]}, ...); --replace puts "
+                "these modules in their place"
+            )
+        removed = _drop_tensors(tmp, weight_map, set(stale))
         tensors = load_file(str(export_dir / "model.safetensors"))
         save_file(tensors, str(tmp / MTP_SHARD), metadata={"format": "pt"})
         weight_map.update({k: MTP_SHARD for k in tensors})
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         index.setdefault("metadata", {})["total_size"] = (
-            int(index["metadata"].get("total_size", 0)) + total
+            int(index["metadata"].get("total_size", 0)) + total - removed
         )
         index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         export_cfg = json.loads((export_dir / "config.json").read_text())
@@ -97,3 +108,19 @@ def stitch(spec, export_dir: Path, arch, target_dir: Path, out_dir: Path) -> Pat
         out.rmdir()
     tmp.rename(out)
     return out
+
+
+def _drop_tensors(root: Path, weight_map: dict[str, str], names: set[str]) -> int:
+    """Rewrite the shards under `root` holding any of `names` without them and drop them from
+    `weight_map`; returns the bytes removed."""
+    removed = 0
+    for shard in sorted({weight_map[k] for k in names}):
+        path = root / shard
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {"format": "pt"}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        removed += sum(t.nbytes for k, t in tensors.items() if k in names)
+        save_file({k: t for k, t in tensors.items() if k not in names}, str(path), metadata=meta)
+    for k in names:
+        del weight_map[k]
+    return removed
