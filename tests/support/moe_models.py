@@ -240,6 +240,34 @@ def deepseek_v3_config(first_k_dense_replace: int = 1, **kw):
     return _mla_moe_config(DeepseekV3Config, first_k_dense_replace=first_k_dense_replace, **kw)
 
 
+def _random_mla_dims(rng: random.Random) -> dict:
+    """MLA's widths (with and without a q LoRA), drawn in one order for every MLA family."""
+    return dict(
+        hidden=rng.choice([32, 64]),
+        heads=rng.choice([1, 2, 4]),
+        q_lora_rank=rng.choice([None, 16, 24]),
+        kv_lora_rank=rng.choice([8, 16, 32]),
+        qk_nope_head_dim=rng.choice([4, 8, 16]),
+        qk_rope_head_dim=rng.choice([4, 8]),
+        v_head_dim=rng.choice([4, 8, 12]),
+    )
+
+
+def _random_mla_yarn(rng: random.Random, p: float, originals: list[int]) -> dict | None:
+    """YaRN with probability `p` (factors up to DeepSeek's 40, `mscale` and `mscale_all_dim`
+    equal or not), else None for plain RoPE."""
+    if rng.random() >= p:
+        return None
+    return {
+        "factor": rng.choice([2.0, 4.0, 40.0]),
+        "original_max_position_embeddings": rng.choice(originals),
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": rng.choice([0.707, 1.0]),
+        "mscale_all_dim": rng.choice([0.707, 1.0]),
+    }
+
+
 def random_deepseek_v3_configs(n: int, seed: int = 0) -> list:
     """`n` varied DeepSeek-V3 configs: MLA ranks and head widths (with and without a q
     LoRA), interleaved or NeoX RoPE, plain RoPE or YaRN (factors, `mscale` and
@@ -252,26 +280,11 @@ def random_deepseek_v3_configs(n: int, seed: int = 0) -> list:
         n_group = rng.choice([1, 2, 4])
         experts = n_group * rng.choice([2, 3, 4])
         topk_group = rng.randint(1, n_group)
-        yarn = None
-        if rng.random() < 0.6:
-            yarn = {
-                "factor": rng.choice([2.0, 4.0, 40.0]),
-                "original_max_position_embeddings": rng.choice([16, 64, 4096]),
-                "beta_fast": 32.0,
-                "beta_slow": 1.0,
-                "mscale": rng.choice([0.707, 1.0]),
-                "mscale_all_dim": rng.choice([0.707, 1.0]),
-            }
+        yarn = _random_mla_yarn(rng, 0.6, [16, 64, 4096])
         out.append(
             deepseek_v3_config(
                 layers=layers,
-                hidden=rng.choice([32, 64]),
-                heads=rng.choice([1, 2, 4]),
-                q_lora_rank=rng.choice([None, 16, 24]),
-                kv_lora_rank=rng.choice([8, 16, 32]),
-                qk_nope_head_dim=rng.choice([4, 8, 16]),
-                qk_rope_head_dim=rng.choice([4, 8]),
-                v_head_dim=rng.choice([4, 8, 12]),
+                **_random_mla_dims(rng),
                 experts=experts,
                 n_group=n_group,
                 topk_group=topk_group,
@@ -435,26 +448,11 @@ def random_glm4_moe_lite_configs(n: int, seed: int = 0) -> list:
     out = []
     for _ in range(n):
         layers = rng.choice([2, 3, 4])
-        yarn = None
-        if rng.random() < 0.5:
-            yarn = {
-                "factor": rng.choice([2.0, 4.0, 40.0]),
-                "original_max_position_embeddings": rng.choice([16, 64]),
-                "beta_fast": 32.0,
-                "beta_slow": 1.0,
-                "mscale": rng.choice([0.707, 1.0]),
-                "mscale_all_dim": rng.choice([0.707, 1.0]),
-            }
+        yarn = _random_mla_yarn(rng, 0.5, [16, 64])
         out.append(
             glm4_moe_lite_config(
                 layers=layers,
-                hidden=rng.choice([32, 64]),
-                heads=rng.choice([1, 2, 4]),
-                q_lora_rank=rng.choice([None, 16, 24]),
-                kv_lora_rank=rng.choice([8, 16, 32]),
-                qk_nope_head_dim=rng.choice([4, 8, 16]),
-                qk_rope_head_dim=rng.choice([4, 8]),
-                v_head_dim=rng.choice([4, 8, 12]),
+                **_random_mla_dims(rng),
                 dense_layers=rng.randint(0, layers - 1),
                 rope_interleave=rng.random() < 0.75,
                 yarn=yarn,
