@@ -12,6 +12,13 @@ round: `(attn_len, all_greedy)` for a decoder of fixed `max_batch` and K). Per s
 3. later calls copy the inputs into that graph's static inputs (skipped for a tensor that
    already is one) and replay.
 
+A capture that fails (seen twice at real shapes on an H200, `cudaErrorStreamCaptureInvalidated`
+at a Triton launch inside the capture: one kind's round at one K, a different kind and K in
+another run of the same benchmark) leaves the persistent state as it
+was, since a capture records kernels without running them. That call then runs `fn` eagerly
+(a real call, which loads and tunes whatever the capture met first) with one warning, and
+the next call of the key captures again; a second failure of the same key raises.
+
 The outputs are the graph's own static tensors: valid until the next replay of the same
 graph, so a caller that keeps one across calls (the engine keeps the next first pass) hands
 it back in as an input, which is copied before the replay overwrites it. Everything else
@@ -26,6 +33,7 @@ kernels (test B4, `tests/gpu/test_gpu.py`).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
@@ -47,6 +55,7 @@ class GraphedFunction:
         self.graphs: dict[Hashable, _Captured] = {}
         self.calls: dict[Hashable, int] = {}
         self.replays = 0
+        self.capture_retries: dict[Hashable, str] = {}  # key -> why its first capture failed
         self._pool = None
 
     def __call__(self, tensors: tuple[torch.Tensor, ...], *static: Hashable):
@@ -57,7 +66,9 @@ class GraphedFunction:
             if n < self.warmup:
                 self.calls[key] = n + 1
                 return self.fn(*tensors, *static)
-            entry = self._capture(key, tensors, static)
+            entry = self._capture_or_none(key, tensors, static)
+            if entry is None:  # a failed capture ran nothing: this call runs eagerly
+                return self.fn(*tensors, *static)
         for dst, src in zip(entry.inputs, tensors, strict=True):
             if dst is not src:
                 if dst.shape != src.shape:  # a broadcasting copy would replay wrong rows
@@ -70,6 +81,23 @@ class GraphedFunction:
         entry.graph.replay()
         self.replays += 1
         return entry.outputs
+
+    def _capture_or_none(self, key, tensors, static) -> _Captured | None:
+        """The key's graph, or None after its first failed capture (module docstring)."""
+        try:
+            return self._capture(key, tensors, static)
+        except Exception as e:  # noqa: BLE001 (re-raised on the key's second failure)
+            if key in self.capture_retries:
+                raise
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            self.capture_retries[key] = why
+            torch.cuda.synchronize()  # raises if the failure left the device unusable
+            warnings.warn(
+                f"CUDA-graph capture of {key} failed ({why}); this call runs uncaptured and "
+                "the next one captures again",
+                stacklevel=3,
+            )
+            return None
 
     def _capture(self, key, tensors, static) -> _Captured:
         # Static inputs keep the callers' (dense) strides: a guard of a compiled function

@@ -490,3 +490,38 @@ def test_emitted_features_from_captured_rounds_equal_a_fresh_prefill(zoo_run):
         want = prefill_features(target, seq[:-1], dec.emit_spec)
         assert o.features.shape == want.shape
         torch.testing.assert_close(o.features.to(want.device), want, rtol=1e-3, atol=1e-3)
+
+
+def test_a_failed_capture_runs_the_call_eagerly_and_the_next_call_captures():
+    """A function whose first capture does something a capture forbids (a host sync, as a
+    kernel loaded or tuned inside the capture does): that call still returns the eager
+    result and changes the persistent state once; the next call captures and replays; a
+    second failure of the same key raises."""
+    from draftinfer.decoding.graphs import GraphedFunction
+
+    state = torch.zeros(4, device="cuda")
+    spoil = {"n": 1}
+
+    def fn(x, key):
+        state.add_(x)  # persistent, updated in place: must change once per call
+        if spoil["n"] and torch.cuda.is_current_stream_capturing():
+            spoil["n"] -= 1
+            torch.cuda.synchronize()  # forbidden while capturing
+        return (state * 2,)
+
+    g = GraphedFunction(fn)
+    one = torch.ones(4, device="cuda")
+    assert torch.equal(g((one,), "k")[0], torch.full((4,), 2.0, device="cuda"))  # warm-up
+    with pytest.warns(UserWarning, match="capture of .* failed"):
+        out = g((one,), "k")[0]  # the capture fails: run eagerly
+    assert torch.equal(out, torch.full((4,), 4.0, device="cuda")) and not g.graphs
+    assert list(g.capture_retries) == [("k",)]
+    out = g((one,), "k")[0]  # captured now
+    assert torch.equal(out, torch.full((4,), 6.0, device="cuda")) and ("k",) in g.graphs
+    out = g((one,), "k")[0]  # replayed
+    assert torch.equal(out, torch.full((4,), 8.0, device="cuda")) and g.replays == 2
+    spoil["n"] = 1
+    key2 = "other"
+    g.capture_retries[(key2,)] = "failed before"
+    with pytest.raises(Exception):  # noqa: B017 (the device's own error type)
+        g._capture_or_none((key2,), (one,), (key2,))
