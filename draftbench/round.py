@@ -7,6 +7,23 @@ Shapes: the target is Llama-3.1-8B (32 layers, hidden 4096, 32/8 heads, ffn 1433
 128256, llama3 RoPE); drafters are 8B-sized EAGLE-3 (1 layer) and ptd (2 layers, K <= 8), draft
 vocabulary 32000. Weights are random bf16 (time does not depend on training).
 
+MLA + MoE (`--targets glm-4.7-flash`, `draftbench.shapes.GLM_4_7_FLASH`; ~60 GB in bf16, one
+GPU): no gpt-fast peer (its MoE model has no latent attention); the plain step is measured
+against the copy bandwidth of this process (`floor`: the weights a step reads, i.e. attention,
+the dense first layer, the shared experts, the routed experts its tokens touch, plus the
+latent cache, 576 values per position per layer), printed as achieved bandwidth and fraction
+of the copy bandwidth; `--reference-targets llama3.1-8b` times the dense target's plain step
+first in the same process (no rounds), its fraction printed beside. `--kinds mtp` on it is the
+target's own MTP layer, as `drafter=native` serves it (N = 1, reused at K > 1: `--ks 1,2,3`).
+The target attends through `draftinfer.models.mla.LatentAttention` (the runner's fused
+attention kernel does not take MLA): torch ops (`index_put_` write, gather of the rows,
+SDPA over the 576-wide latent with a boolean mask, `kv_b_proj` absorbed by einsum), no host
+sync; the sync check and the graphed rounds are the GPU run's to confirm.
+
+    python -m draftbench.round --targets glm-4.7-flash --reference-targets llama3.1-8b \
+        --kinds mtp --ks 1,2,3 --batches 1,8 --plain runner \
+        --out docs/results/$(date +%F)_h200_round_glm47flash_mtp.json
+
 - t_plain: one compiled plain decode step (`torch.compile(target_forward, dynamic=False)`),
   the median over a run of steps at advancing positions (CUDA-event timed per step, the host
   queueing the next step without a sync between them, as in generation), in the same
