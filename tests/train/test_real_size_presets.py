@@ -110,4 +110,6 @@ def test_eagle3_deepseek_v3_taps_and_shapes_fit_the_real_config(tmp_path):
     assert arch.hidden_size == 7168 and arch.vocab_size == 129280
     assert arch.draft_vocab_size == 32000 and arch.num_hidden_layers == 1
     assert arch.max_position_embeddings == 163840
+    # Plain attention over the target's heads, each as wide as its RoPE slice (HF's head_dim).
+    assert (arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim) == (128, 128, 64)
     assert arch.rope_scaling["rope_type"] == "yarn" and arch.rope_scaling["factor"] == 40
