@@ -6,12 +6,15 @@ in the same process (DESIGN section 7), for dense and routed (MoE) targets alike
 
 What a step must read:
 - every weight except the embedding table and the routed experts, plus one embedding row per
-  token (the whole table where the head is tied to it);
+  token (the whole table where the head is tied to it): attention, norms, routers, the dense
+  first layers' MLPs and the shared experts of a DeepSeek-V3-style target;
 - of each routed-experts block, the experts the step's tokens route to, each once (their
   union over the batch: what grouped products read; the router's choices are recorded from
   the step itself, so the count is the real one for these weights and tokens);
 - the K/V cache each token attends to: `context + 1` positions per layer, or the layer's
-  sliding window when it is shorter.
+  sliding window when it is shorter; under MLA (`draftinfer.models.mla.LatentAttention`) the
+  latent cache, `kv_lora_rank + qk_rope_head_dim` values per position per layer (576 at
+  DeepSeek-V3's and GLM-4.7-Flash's sizes), read once for every head (the absorbed path).
 """
 
 from __future__ import annotations
@@ -63,7 +66,10 @@ def step_bytes(target, batch: int, context: int, experts_touched: list[int]) -> 
         experts += n * per_expert
     kv = 0
     for m in target.modules():
-        if hasattr(m, "k_cache") and hasattr(m, "window"):
+        latent = getattr(m, "latent_cache", None)
+        if latent is not None:  # MLA: one latent per position, shared by every head
+            kv += batch * (context + 1) * latent[0, 0].nbytes
+        elif hasattr(m, "k_cache") and hasattr(m, "window"):
             keys = context + 1 if m.window is None else min(context + 1, m.window)
             per_pos = m.k_cache[0, 0].nbytes + m.v_cache[0, 0].nbytes
             kv += batch * keys * per_pos

@@ -7,6 +7,23 @@ Shapes: the target is Llama-3.1-8B (32 layers, hidden 4096, 32/8 heads, ffn 1433
 128256, llama3 RoPE); drafters are 8B-sized EAGLE-3 (1 layer) and ptd (2 layers, K <= 8), draft
 vocabulary 32000. Weights are random bf16 (time does not depend on training).
 
+MLA + MoE (`--targets glm-4.7-flash`, `draftbench.shapes.GLM_4_7_FLASH`; ~60 GB in bf16, one
+GPU): no gpt-fast peer (its MoE model has no latent attention); the plain step is measured
+against the copy bandwidth of this process (`floor`: the weights a step reads, i.e. attention,
+the dense first layer, the shared experts, the routed experts its tokens touch, plus the
+latent cache, 576 values per position per layer), printed as achieved bandwidth and fraction
+of the copy bandwidth; `--reference-targets llama3.1-8b` times the dense target's plain step
+first in the same process (no rounds), its fraction printed beside. `--kinds mtp` on it is the
+target's own MTP layer, as `drafter=native` serves it (N = 1, reused at K > 1: `--ks 1,2,3`).
+The target attends through `draftinfer.models.mla.LatentAttention` (the runner's fused
+attention kernel does not take MLA): torch ops (`index_put_` write, gather of the rows,
+SDPA over the 576-wide latent with a boolean mask, `kv_b_proj` absorbed by einsum), no host
+sync; the sync check and the graphed rounds are the GPU run's to confirm.
+
+    python -m draftbench.round --targets glm-4.7-flash --reference-targets llama3.1-8b \
+        --kinds mtp --ks 1,2,3 --batches 1,8 --plain runner \
+        --out docs/results/$(date +%F)_h200_round_glm47flash_mtp.json
+
 - t_plain: one compiled plain decode step (`torch.compile(target_forward, dynamic=False)`),
   the median over a run of steps at advancing positions (CUDA-event timed per step, the host
   queueing the next step without a sync between them, as in generation), in the same
@@ -70,11 +87,13 @@ from draftkernels.runtime import enable_pdl, pdl
 
 from draftbench.shapes import (
     DRAFT_VOCAB,
+    GLM_4_7_FLASH,
     GPT_OSS_20B,
     LLAMA31_8B,
     QWEN3_30B_A3B,
     QWEN3_VL_8B,
     TINY,
+    TINY_GLM_4_7_FLASH,
     TINY_GPT_OSS,
     TINY_QWEN3_MOE,
     TINY_VL,
@@ -102,6 +121,42 @@ def build_drafter(kind: str, target, shape: dict, draft_vocab: int, k_max: int, 
                 p.normal_(0.0, 0.02)
     spec.attach_shared(d, target.shared_weights())
     return d.to(device=device, dtype=dtype).eval()
+
+
+def build_released_drafter(target, shape: dict, device, dtype):
+    """The drafter the target's own checkpoint ships, as `drafter=native` serves it
+    (`draftinfer.files.checkpoint.released_drafter_config`: GLM-4.7-Flash's and DeepSeek-V3's
+    MTP layer `model.layers.{L}`, the family's own layer, N = `num_nextn_predict_layers`,
+    `step % N` for K > N), random weights (vectors as built, the rest N(0, 0.02), seed 1), built
+    on the meta device and materialised on `device` (no fp32 copy on the host)."""
+    from draftinfer.models.rope import RotaryEmbedding
+    from draftinfer.registry import FAMILIES, drafter_spec
+
+    config = hf_config(shape).to_dict()
+    if not config.get("architectures"):
+        config["architectures"] = [type(target).__name__]
+    family = FAMILIES.for_architectures(config["architectures"])
+    spec = drafter_spec("mtp")
+    arch = spec.released_arch(config, family)
+    if arch is None:
+        raise SystemExit(f"bench_round: {config['architectures'][0]} ships no MTP layer")
+    with torch.device("meta"):
+        d = spec.build(arch)
+    d = d.to(dtype=dtype).to_empty(device=device)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in d.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.02)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:  # norms
+                p.fill_(1.0)
+    for m in d.modules():  # the rotary's tables, computed again (`to_empty` left them unset)
+        if isinstance(m, RotaryEmbedding):
+            m.reset_parameters(device)
+    spec.attach_shared(d, target.shared_weights())
+    return d.eval()
 
 
 def plain_step_ms(
@@ -153,8 +208,9 @@ def plain_step_ms(
         step = compiled(target_forward, dynamic=False, **opts)
     else:  # CUDA graphs need static cache addresses
         for layer in target.model.layers:
-            torch._dynamo.mark_static_address(layer.self_attn.k_cache)
-            torch._dynamo.mark_static_address(layer.self_attn.v_cache)
+            for name in ("k_cache", "v_cache", "latent_cache"):  # MLA: the latent alone
+                if getattr(layer.self_attn, name, None) is not None:
+                    torch._dynamo.mark_static_address(getattr(layer.self_attn, name))
         if options:  # torch.compile takes a mode or options, not both
             opts = {"options": {**options, "triton.cudagraphs": True}}
         else:
@@ -427,10 +483,14 @@ TARGETS = {  # name -> (builder, shape); DRAFT_VOCAB[name] is the drafters' voca
     "qwen3-vl-8b": ("vl", QWEN3_VL_8B),
     "gpt-oss-20b": ("moe", GPT_OSS_20B),
     "qwen3-30b-a3b": ("moe", QWEN3_30B_A3B),
+    # MLA + MoE: no gpt-fast peer (section 7: against the copy bandwidth); `--kinds mtp` times
+    # the target's own MTP layer (`build_released_drafter`).
+    "glm-4.7-flash": ("mla", GLM_4_7_FLASH),
     "tiny": ("llama", TINY),
     "tiny-vl": ("vl", TINY_VL),
     "tiny-gpt-oss": ("moe", TINY_GPT_OSS),
     "tiny-qwen3-moe": ("moe", TINY_QWEN3_MOE),
+    "tiny-glm-4.7-flash": ("mla", TINY_GLM_4_7_FLASH),
 }
 
 
@@ -471,7 +531,7 @@ def bench_target(name: str, a, device, dtype, batches, ks, kinds) -> dict:
         hf = Qwen3VLConfig(**shape)
         target = random_native_target(hf, device, dtype, max(batches), max_len)
         dshape = vl_native_shape(shape)
-    elif builder == "moe":
+    elif builder in ("moe", "mla"):
         target = random_native_target(hf_config(shape), device, dtype, max(batches), max_len)
         dshape = native_shape(target.config, shape["drafter_mlp"])
     else:
@@ -483,10 +543,14 @@ def bench_target(name: str, a, device, dtype, batches, ks, kinds) -> dict:
         if "step_bytes" in g:
             g["floor_ms"] = round(g["step_bytes"] / res["floor"][b]["bandwidth"] * 1e3, 4)
     print(json.dumps({"floor": res["floor"]}), flush=True)
-    drafters = {
-        kind: build_drafter(kind, target, dshape, DRAFT_VOCAB[name], max(ks[kind]), device, dtype)
-        for kind in kinds
-    }
+    drafters = {}
+    for kind in kinds:
+        if kind == "mtp" and builder == "mla":  # the released layer (`drafter=native`)
+            drafters[kind] = build_released_drafter(target, shape, device, dtype)
+            res["mtp_drafter"] = f"released (drafter=native), N={drafters[kind].config.n_predict}"
+            continue
+        vocab = DRAFT_VOCAB[name]
+        drafters[kind] = build_drafter(kind, target, dshape, vocab, max(ks[kind]), device, dtype)
     res["build_s"] = round(time.perf_counter() - t0, 1)
     swiglus = {"on": [True], "off": [False], "both": [False, True]}[a.swiglu]
     normss = {"on": [True], "off": [False], "both": [False, True]}[a.norms]
@@ -560,6 +624,11 @@ def bench_batch(
             plain_tokens, margins = graph_tokens, graph_margins
         else:
             res["plain"][tag]["cuda_graph_same_tokens"] = graph_tokens == plain_tokens
+    fl = res.get("floor", {}).get(b)
+    if fl:  # the plain step's achieved bandwidth: the floor's bytes over its time
+        base = plain_base_ms(res["plain"][tag])
+        res["plain"][tag]["achieved_bandwidth"] = round(fl["total"] / base * 1e3)
+        res["plain"][tag]["fraction_of_copy"] = round(fl["floor_ms"] / base, 4)
     gf_ms = res["gpt_fast"].get(b, {}).get("ms", float("nan"))
     for kind, d in drafters.items():
         k4 = 4 if 4 in ks[kind] else max(ks[kind])
@@ -728,7 +797,11 @@ def print_summary(res: dict, batches, kinds) -> None:
             f"batch {tag}: ours plain step {p['ms']:.3f} ms compiled, "
             f"{p.get('cuda_graph_ms', float('nan')):.3f} ms compiled + CUDA graph, "
             f"{p.get('runner_step_ms', float('nan')):.3f} ms the runner's baseline (PlainStep)"
-            + (f"; {fl / base:.0%} of the floor" if fl else "")
+            + (
+                f"; {fl / base:.0%} of the floor ({p['achieved_bandwidth'] / 1e12:.2f} TB/s)"
+                if fl
+                else ""
+            )
             + (f"; {base / gf:.3f}x gpt-fast's step" if gf else "")
         )
     cols = ["kind", "k", "batch", "fused", "swiglu", "norms", "round_graphs", "pipeline"]
@@ -771,6 +844,13 @@ def main() -> int:
         "--targets",
         default="llama3.1-8b",
         help=f"comma-separated, timed one after the other in this process: {', '.join(TARGETS)}",
+    )
+    ap.add_argument(
+        "--reference-targets",
+        default="",
+        help="comma-separated targets timed first with plain steps only (no rounds): their "
+        "fraction of the copy bandwidth is printed beside the targets' (e.g. llama3.1-8b, "
+        "the dense target, beside glm-4.7-flash)",
     )
     ap.add_argument("--batches", default="1,8")
     ap.add_argument(
@@ -874,7 +954,8 @@ def main() -> int:
     device = torch.device(a.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     names = ["tiny"] if a.tiny else a.targets.split(",")
-    unknown = [n for n in names if n not in TARGETS]
+    refs = [n for n in a.reference_targets.split(",") if n]
+    unknown = [n for n in refs + names if n not in TARGETS]
     if unknown:
         ap.error(f"unknown target {unknown[0]!r} (known: {', '.join(TARGETS)})")
     batches = [int(x) for x in a.batches.split(",")]
@@ -896,8 +977,8 @@ def main() -> int:
         ks = {kind: [int(x) for x in a.ks.split(",")] for kind in ks}
     kinds = [k for k in a.kinds.split(",") if k]  # empty: plain steps only
     results = []
-    for name in names:
-        results.append(bench_target(name, a, device, dtype, batches, ks, kinds))
+    for name, its_kinds in [(n, []) for n in refs] + [(n, kinds) for n in names]:
+        results.append(bench_target(name, a, device, dtype, batches, ks, its_kinds))
         if device.type == "cuda":
             torch.cuda.empty_cache()
     from torch._dynamo.utils import counters
@@ -912,6 +993,12 @@ def main() -> int:
             print(f"round costs: {path}")
     for res in results:
         print_summary(res, batches, kinds)
+    if len(results) > 1:
+        print("\nfraction of the copy bandwidth a plain step reaches (floor bytes / step time):")
+        for res in results:
+            for tag, p in res["plain"].items():
+                if "fraction_of_copy" in p:
+                    print(f"  {res['shape']} b={tag}: {p['fraction_of_copy']:.1%}")
     return 0
 
 

@@ -43,6 +43,8 @@ DRAFT_VOCAB = {
     "qwen3-30b-a3b": 32000,
     "tiny-gpt-oss": 256,
     "tiny-qwen3-moe": 256,
+    "glm-4.7-flash": 32000,
+    "tiny-glm-4.7-flash": 256,
 }
 
 # Qwen3-VL-8B-Instruct (text: a Qwen3-8B decoder with interleaved M-RoPE [24, 20, 20], rope
@@ -203,6 +205,63 @@ TINY_QWEN3_MOE = dict(
     max_position_embeddings=4096,
     drafter_mlp=128,
     peer=dict(n_head=4, n_local_heads=2),
+)
+# GLM-4.7-Flash (`glm4_moe_lite`, REFERENCES part D, D; its released config.json): MLA over a
+# latent cache (20 heads, q rank 768, latent 512 + rope 64 = 576 values per token per layer,
+# nope 192, v 256), 47 layers of which the first is a dense SwiGLU of 10240, then 64 routed
+# experts of 1536 top-4 (sigmoid routing, one group, scaling 1.8) plus one shared expert; one
+# MTP layer (`num_nextn_predict_layers`, served as released: `drafter=native`). bf16 ~60 GB:
+# one H200. No gpt-fast peer: its `mixtral-moe/model.py` has no latent attention (DESIGN
+# section 7: MLA targets are measured against the copy bandwidth).
+GLM_4_7_FLASH = dict(
+    config_class="Glm4MoeLiteConfig",
+    vocab_size=154880,
+    hidden_size=2048,
+    intermediate_size=10240,
+    moe_intermediate_size=1536,
+    num_hidden_layers=47,
+    num_attention_heads=20,
+    num_key_value_heads=20,
+    q_lora_rank=768,
+    kv_lora_rank=512,
+    qk_nope_head_dim=192,
+    qk_rope_head_dim=64,
+    v_head_dim=256,
+    rope_interleave=True,
+    n_routed_experts=64,
+    n_shared_experts=1,
+    num_experts_per_tok=4,
+    routed_scaling_factor=1.8,
+    n_group=1,
+    topk_group=1,
+    norm_topk_prob=True,
+    mlp_layer_types=["dense"] + ["sparse"] * 46,
+    max_position_embeddings=202752,
+    rms_norm_eps=1e-5,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    tie_word_embeddings=False,
+    num_nextn_predict_layers=1,
+    drafter_mlp=10240,
+)
+TINY_GLM_4_7_FLASH = dict(
+    GLM_4_7_FLASH,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=32,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    mlp_layer_types=["dense"] + ["sparse"] * 3,
+    max_position_embeddings=4096,
+    drafter_mlp=128,
 )
 BENCH_ONLY = ("config_class", "drafter_mlp", "peer")
 
