@@ -516,10 +516,11 @@ def bench_target(name: str, a, device, dtype, batches, ks, kinds) -> dict:
         "rows": [],
     }
     # gpt-fast first, alone on the device and on a process that has compiled nothing yet:
-    # its dense model for a dense target, its mixtral-moe model for a MoE one.
+    # its dense model for a dense target, its mixtral-moe model for a MoE one; none for a
+    # Qwen3-VL or an MLA target (gpt-fast has neither vision nor latent attention).
     moe = moe_peer_shape(shape) if builder == "moe" else None
     peer_file = a.peer_dir / ("mixtral-moe/model.py" if moe else "model.py")
-    peer = device.type == "cuda" and builder != "vl" and peer_file.is_file()
+    peer = device.type == "cuda" and builder in ("llama", "moe") and peer_file.is_file()
     for b in batches if peer else []:
         res["gpt_fast"][b] = gpt_fast_step(
             shape, b, a.context, a.rounds + 8, device, dtype, max_len, a.peer_dir, moe
