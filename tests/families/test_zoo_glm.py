@@ -149,3 +149,21 @@ def test_released_mtp_layer_is_served_losslessly_and_accepted(zoo):
     al = acceptance_length([a for o in outs for a in o.accepted])
     print(f"glm-tiny, released MTP layer reused at K=3: AL {al:.3f}")
     assert al > 1.5, al  # drafts accepted (a useless layer: ~1.0)
+
+
+def test_mtp_export_config_keeps_the_legacy_rope_keys_of_the_target():
+    """An MTP export's config.json is the target's (what engines read): built from
+    transformers 5's `to_dict` (which keeps the partial rotary only inside `rope_parameters`),
+    it still writes `partial_rotary_factor` and `rope_scaling: null` where GLM-4.5's config.json
+    and the shipped one have them (engines on transformers 4 read the top-level key)."""
+    from transformers import AutoConfig
+
+    from draftinfer.kinds.mtp.config import MTPConfig
+
+    shipped = json.loads((PATH / "config.json").read_text())
+    assert shipped["partial_rotary_factor"] == 0.5 and shipped["rope_scaling"] is None
+    d = AutoConfig.from_pretrained(PATH).to_dict()
+    assert "partial_rotary_factor" not in d  # what the export starts from
+    out = MTPConfig(n_predict=3, target_config=d).to_hf()
+    assert out["partial_rotary_factor"] == 0.5 and out.get("rope_scaling") is None
+    assert out["rope_theta"] == shipped["rope_theta"] and out["num_nextn_predict_layers"] == 3
