@@ -73,7 +73,12 @@ COMPARISONS = {
                     "trainer.warmup_steps=20",
                 ],
             ),
-            "dflash": ("dflash", ["target=zoo_glm4_moe", "drafter.intermediate_size=512"]),
+            # GLM pads with its EOS, so DFlash's mask slots take the reserved `[MASK]` (id 1 in
+            # glm-tiny's tokenizer, never in the chat), as dflash_llama3_8b a reserved token.
+            "dflash": (
+                "dflash",
+                ["target=zoo_glm4_moe", "drafter.intermediate_size=512", "drafter.mask_token_id=1"],
+            ),
         },
         "outputs/mtp_compare_glm4_moe",
     ),

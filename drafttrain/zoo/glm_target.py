@@ -31,11 +31,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-GMASK, SOP = "[gMASK]", "<sop>"
+MASK, GMASK, SOP = "[MASK]", "[gMASK]", "<sop>"
 SYSTEM, USER, ASSISTANT, OBSERVATION = "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"
 EOS = "<|endoftext|>"
 THINK, END_THINK = "<think>", "</think>"
-SPECIALS = (EOS, GMASK, SOP, SYSTEM, USER, ASSISTANT, OBSERVATION, THINK, END_THINK)
+# In GLM-4.5's order (151329...): `[MASK]`, never in the chat, is the reserved id a block
+# drafter's mask slots take (`drafter.mask_token_id`: the pad is the EOS here).
+SPECIALS = (EOS, MASK, GMASK, SOP, SYSTEM, USER, ASSISTANT, OBSERVATION, THINK, END_THINK)
 STOP_TOKENS = (EOS, USER, OBSERVATION)  # GLM-4.5's generation_config.eos_token_id
 
 TEMPLATE = (

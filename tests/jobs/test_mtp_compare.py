@@ -55,3 +55,17 @@ def test_glm_comparison_uses_its_own_target_and_presets():
     assert cfgs["eagle3"].trainer.warmup_steps == 20
     assert {c.trainer.max_steps for c in cfgs.values()} == {9}
     assert len({(c.export.verify_prompts, c.data.path) for c in cfgs.values()}) == 1
+
+
+def test_glm_dflash_masks_with_the_reserved_mask_token():
+    """glm-tiny pads with its EOS: the DFlash drafter's mask id is its `[MASK]`, a token the
+    chat never holds."""
+    from transformers import AutoTokenizer
+
+    from draftinfer.files.paths import resolve_path
+    from drafttrain.zoo.glm_target import MASK
+
+    cfg = config("dflash", 0, parse_args(["--family", "glm4_moe", "--out", "x.json"]))
+    tok = AutoTokenizer.from_pretrained(resolve_path(cfg.target.name_or_path))
+    assert cfg.drafter.mask_token_id == tok.convert_tokens_to_ids(MASK)
+    assert tok.pad_token_id == tok.eos_token_id
