@@ -1,5 +1,5 @@
-"""The comparison users ask for on a target that ships its own MTP layer (issue 48, item 4):
-at K drafts a round, the same held-out prompts, greedy and lossless,
+"""The comparison users ask for on a target that ships its own MTP layer (issue 48, items 4
+and 3): at K drafts a round, the same held-out prompts, greedy and lossless,
 
 - (a) `native`: the target's released MTP layer reused K times (`drafter=native`, no training);
 - (b) `mtp`: N distinct MTP modules trained here (the `mtp` preset, module 0 from the released
@@ -15,6 +15,11 @@ preset run by its own command with `output_dir=<work>/mtp_s0`) is read, not retr
 
     python -m draftbench.mtp_compare --seeds 0 1 --steps 200 \
         --out docs/results/<date>_cpu_mtp_compare_deepseek.json
+    python -m draftbench.mtp_compare --family glm4_moe --seeds 0 1 --steps 200 \
+        --out docs/results/<date>_cpu_mtp_compare_glm.json
+
+`--family` picks the target and each drafter's preset (`COMPARISONS`): `deepseek_v3` on
+`zoo:deepseek-tiny` (the default), `glm4_moe` on `zoo:glm-tiny`.
 
 Writes the JSON (every run's AL, per-position acceptance, lossless flag, job seconds) and prints
 a markdown table: per drafter the AL per seed, the mean and the spread (max - min); whether (b)
@@ -29,27 +34,71 @@ import json
 import platform
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-# Drafter -> (preset, extra overrides). The dflash drafter is `conf=dflash` pointed at the
-# same target, sized as the MoE presets' (dflash_gpt_oss: intermediate 512).
-DRAFTERS = {
-    "mtp": ("mtp_deepseek", []),
-    "eagle3": ("eagle3_deepseek", []),
-    "dflash": ("dflash", ["target=zoo_deepseek", "drafter.intermediate_size=512"]),
+
+@dataclass(frozen=True)
+class Comparison:
+    """One target's comparison: its target config (`conf/drafttrain/target/<target>.yaml`), each
+    drafter's preset and extra overrides, and the default work directory."""
+
+    target: str
+    drafters: dict[str, tuple[str, list[str]]]
+    work: str
+
+
+# The dflash drafter is `conf=dflash` pointed at the target, sized as the MoE presets'
+# (dflash_gpt_oss: intermediate 512). GLM has no EAGLE-3 preset of its own: `conf=eagle3`
+# pointed at it with eagle3_deepseek's settings (intermediate 512, 20 warmup steps).
+COMPARISONS = {
+    "deepseek_v3": Comparison(
+        "zoo_deepseek",
+        {
+            "mtp": ("mtp_deepseek", []),
+            "eagle3": ("eagle3_deepseek", []),
+            "dflash": ("dflash", ["target=zoo_deepseek", "drafter.intermediate_size=512"]),
+        },
+        "outputs/mtp_compare",
+    ),
+    "glm4_moe": Comparison(
+        "zoo_glm4_moe",
+        {
+            "mtp": ("mtp_glm4_moe", []),
+            "eagle3": (
+                "eagle3",
+                [
+                    "target=zoo_glm4_moe",
+                    "drafter.intermediate_size=512",
+                    "trainer.warmup_steps=20",
+                ],
+            ),
+            # GLM pads with its EOS, so DFlash's mask slots take the reserved `[MASK]` (id 1 in
+            # glm-tiny's tokenizer, never in the chat), as dflash_llama3_8b a reserved token.
+            "dflash": (
+                "dflash",
+                ["target=zoo_glm4_moe", "drafter.intermediate_size=512", "drafter.mask_token_id=1"],
+            ),
+        },
+        "outputs/mtp_compare_glm4_moe",
+    ),
 }
+DRAFTERS = COMPARISONS["deepseek_v3"].drafters  # every comparison names the same three
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--target", default="zoo:deepseek-tiny")
+    p.add_argument("--family", default="deepseek_v3", choices=list(COMPARISONS))
+    p.add_argument(
+        "--target", default=None, help="target.name_or_path (default: the family's zoo target)"
+    )
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--steps", type=int, default=200, help="training steps of every drafter")
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--drafters", nargs="+", default=list(DRAFTERS), choices=list(DRAFTERS))
-    p.add_argument("--work", type=Path, default=Path("outputs/mtp_compare"))
+    p.add_argument("--work", type=Path, help="default: the family's (COMPARISONS)")
     p.add_argument("--out", type=Path, help="the JSON report (required unless --train-only)")
     p.add_argument(
         "--train-only",
@@ -57,7 +106,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="train, export and verify the runs missing from --work, nothing else (several of "
         "these side by side fill the work directory; a last call without it writes the table)",
     )
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    a.work = a.work or Path(COMPARISONS[a.family].work)
+    return a
 
 
 def compose(preset: str, overrides: list[str]):
@@ -80,12 +131,13 @@ def config(name: str, seed: int, a: argparse.Namespace):
     """Drafter `name`'s training config at `seed`: its preset with `a.steps` steps, verified by
     the runner at K = `a.k` on the preset's held-out prompts (`export.verify_*`, the same for
     every drafter)."""
-    preset, extra = DRAFTERS[name]
+    preset, extra = COMPARISONS[a.family].drafters[name]
+    target = [f"target.name_or_path={a.target}"] if a.target else []
     return compose(
         preset,
         [
             *extra,
-            f"target.name_or_path={a.target}",
+            *target,
             f"seed={seed}",
             f"trainer.max_steps={a.steps}",
             f"output_dir={run_dir(a, name, seed)}",
@@ -201,7 +253,8 @@ def main(argv=None) -> dict:
     md, verdict = table(runs, a.seeds)
     report = {
         "command": "python -m draftbench.mtp_compare " + " ".join(argv or sys.argv[1:]),
-        "target": a.target,
+        "family": a.family,
+        "target": config("mtp", a.seeds[0], a).target.name_or_path,
         "k": a.k,
         "steps": a.steps,
         "runs": runs,

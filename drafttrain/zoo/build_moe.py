@@ -1,8 +1,8 @@
-"""Build the zoo's MoE targets: `gpt-oss-tiny` and `qwen3-moe-tiny` (`moe_targets` says what
-each is), trained on the zoo's chat like `llama-tiny`.
+"""Build the zoo's MoE targets: `gpt-oss-tiny`, `qwen3-moe-tiny`, `deepseek-tiny` and
+`glm-tiny` (`moe_targets` says what each is), trained on the zoo's chat like `llama-tiny`.
 
-    python -m drafttrain.zoo.build_moe --out draftinfer/zoo                     # both (~40 min)
-    python -m drafttrain.zoo.build_moe --out draftinfer/zoo --family gpt_oss    # one
+    python -m drafttrain.zoo.build_moe --out draftinfer/zoo                     # all (~70 min)
+    python -m drafttrain.zoo.build_moe --out draftinfer/zoo --family glm4_moe   # one
     python -m drafttrain.zoo.build_moe --out /tmp/zoo --family qwen3_moe --steps 20  # smoke run
 
 Reads the zoo's chat (`--chat`, default the shipped `zoo:chat`: its rows are the same for every
@@ -39,7 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--out", type=Path, required=True, help="e.g. draftinfer/zoo (the shipped zoo)")
-    p.add_argument("--family", choices=sorted(TARGETS), action="append", help="default: both")
+    p.add_argument("--family", choices=sorted(TARGETS), action="append", help="default: all")
     p.add_argument("--chat", default="zoo:chat", help="the zoo chat ({train,test}.jsonl)")
     # Default: `train_args()`'s (steps 900, lr 3e-3, 4096 tokens), or the target's own
     # (`ZooMoE.train_defaults`).

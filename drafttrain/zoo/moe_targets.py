@@ -16,6 +16,9 @@ zoo build shares (`target_build`, `text_train`, `target_train`).
 - **`deepseek-tiny`** (`DeepseekV3ForCausalLM`): MLA, grouped sigmoid routing with the
   correction bias, a shared expert, a dense first layer and its own MTP layer trained jointly;
   `deepseek_target` says what it is.
+- **`glm-tiny`** (`Glm4MoeForCausalLM`): GQA with partial rotary and the q/k norm, the same
+  grouped sigmoid routing with the correction bias, a shared expert, a dense first layer and
+  its own MTP layer, trained as `deepseek-tiny` is; `glm_target` says what it is.
 
 gpt-oss and Qwen3-MoE: 8 decoder layers (the default aux taps (2, 4, 5) are distinct), hidden 256, 4 query heads
 of head_dim 64 over 1 KV head, 8 experts of width 32 with top-2 routing, untied embeddings (as
@@ -33,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from drafttrain.families.gpt_oss import harmony
-from drafttrain.zoo import deepseek_target
+from drafttrain.zoo import deepseek_target, glm_target
 
 SLIDING_WINDOW = 32
 # The routers' load-balancing weight the builds train with (Switch Transformer's), written into
@@ -247,7 +250,8 @@ class ZooMoE:
     attn_implementation: str
     aux_loss_coef: float
     rows: Callable[[list[dict]], list[dict]] | None = None  # the zoo chat -> this target's chat
-    shape: Any = field(default_factory=MoEShape)  # MoEShape, or the family's own (DeepSeekShape)
+    # MoEShape, or the family's own (DeepSeekShape, GlmShape)
+    shape: Any = field(default_factory=MoEShape)
     # MTP layers trained with the target and shipped in its files (DeepSeek-V3's joint
     # objective, `deepseek_target.train_with_mtp`); 0: plain next-token training.
     mtp_layers: int = 0
@@ -314,4 +318,23 @@ DEEPSEEK_V3 = ZooMoE(
     # 2-4 s there (the main and the MTP head over a 4,096-id vocabulary, both backward).
     train_defaults={"steps": 200, "tokens_per_batch": 2048, "warmup": 20},
 )
-TARGETS = {t.family: t for t in (GPT_OSS, QWEN3_MOE, DEEPSEEK_V3)}
+GLM4_MOE = ZooMoE(
+    family="glm4_moe",
+    model_dir="glm-tiny",
+    data_dir="chat",
+    chat_template=glm_target.TEMPLATE,
+    specials=glm_target.SPECIALS,
+    bos=None,  # the template writes [gMASK]<sop> itself
+    eos=glm_target.EOS,
+    pad=glm_target.EOS,  # GLM-4.5's tokenizer pads with its EOS
+    stop_tokens=glm_target.STOP_TOKENS,
+    config=glm_target.glm4_moe_config,
+    answer=glm_target.glm_answer,
+    attn_implementation="eager",
+    aux_loss_coef=0.0,  # auxiliary-loss-free, as deepseek-tiny
+    shape=glm_target.GlmShape(),
+    mtp_layers=1,
+    expert_load=deepseek_target.expert_load,  # the same router class (correction bias)
+    train_defaults=DEEPSEEK_V3.train_defaults,  # the same budget as deepseek-tiny
+)
+TARGETS = {t.family: t for t in (GPT_OSS, QWEN3_MOE, DEEPSEEK_V3, GLM4_MOE)}

@@ -36,7 +36,8 @@ def save_tokenizer(tok, out: Path, chat_template: str) -> None:
 def save_model(model, out: Path, generation_config) -> None:
     """bf16 safetensors + config with legacy `rope_scaling`/`rope_theta` keys beside
     transformers-5 `rope_parameters`, so 4.x-era loaders (and engines) read the same RoPE
-    (`rope_scaling: null` for plain RoPE, as the releases write it)."""
+    (`rope_scaling: null` for plain RoPE, as the releases write it; a partial rotary's
+    `partial_rotary_factor` at the top level, where GLM-4.5's config.json has it)."""
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     model.generation_config = generation_config
     model.generation_config.save_pretrained(out)
@@ -44,6 +45,8 @@ def save_model(model, out: Path, generation_config) -> None:
     cfg = json.loads(cfg_path.read_text())
     rope = dict(cfg["rope_parameters"])
     cfg["rope_theta"] = rope.pop("rope_theta")
+    if "partial_rotary_factor" in rope:
+        cfg["partial_rotary_factor"] = rope.pop("partial_rotary_factor")
     cfg["rope_scaling"] = None if rope == {"rope_type": "default"} else rope
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     model.to(torch.float32)

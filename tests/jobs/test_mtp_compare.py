@@ -39,3 +39,33 @@ def test_every_drafter_trains_the_same_steps_on_the_same_target():
         for c in cfgs.values()
     }
     assert len(verify) == 1  # the same held-out prompts for every drafter
+
+
+def test_glm_comparison_uses_its_own_target_and_presets():
+    """`--family glm4_moe`: every drafter on `zoo:glm-tiny`, (b) the `mtp_glm4_moe` preset, the
+    EAGLE-3 sized as eagle3_deepseek; its own work directory."""
+    from draftbench.mtp_compare import COMPARISONS
+
+    a = parse_args(["--family", "glm4_moe", "--out", "x.json", "--steps", "9"])
+    assert str(a.work) == COMPARISONS["glm4_moe"].work != COMPARISONS["deepseek_v3"].work
+    cfgs = {name: config(name, 1, a) for name in COMPARISONS["glm4_moe"].drafters}
+    assert {c.target.name_or_path for c in cfgs.values()} == {"zoo:glm-tiny"}
+    assert cfgs["mtp"].preset == "mtp_glm4_moe" and cfgs["mtp"].drafter.init == "native"
+    assert cfgs["eagle3"].drafter.intermediate_size == 512
+    assert cfgs["eagle3"].trainer.warmup_steps == 20
+    assert {c.trainer.max_steps for c in cfgs.values()} == {9}
+    assert len({(c.export.verify_prompts, c.data.path) for c in cfgs.values()}) == 1
+
+
+def test_glm_dflash_masks_with_the_reserved_mask_token():
+    """glm-tiny pads with its EOS: the DFlash drafter's mask id is its `[MASK]`, a token the
+    chat never holds."""
+    from transformers import AutoTokenizer
+
+    from draftinfer.files.paths import resolve_path
+    from drafttrain.zoo.glm_target import MASK
+
+    cfg = config("dflash", 0, parse_args(["--family", "glm4_moe", "--out", "x.json"]))
+    tok = AutoTokenizer.from_pretrained(resolve_path(cfg.target.name_or_path))
+    assert cfg.drafter.mask_token_id == tok.convert_tokens_to_ids(MASK)
+    assert tok.pad_token_id == tok.eos_token_id

@@ -93,6 +93,7 @@ SHORT_STEPS = {
     "eagle3_qwen3_moe": 60,
     "eagle3_deepseek": 60,
     "mtp_deepseek": 60,
+    "mtp_glm4_moe": 60,
 }
 
 

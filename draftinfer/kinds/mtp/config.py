@@ -204,7 +204,9 @@ class MTPConfig:
         """The target family's config with the module count engines read. RoPE is written in
         both spellings: transformers 5's `to_dict` keeps only `rope_parameters`, while engines
         on transformers 4 (and code reading the dict) read `rope_theta` / `rope_scaling`; a
-        missing `rope_scaling` would silently drop e.g. Llama-3's scaling there."""
+        missing `rope_scaling` would silently drop e.g. Llama-3's scaling there. Likewise a
+        partial rotary's `partial_rotary_factor` (GLM-4.5) at the top level, where 4.x configs
+        and the released config.json keep it."""
         arch = {k: v for k, v in self.target_config.items() if k not in _NOT_SERVED}
         rope = arch.get("rope_parameters")
         if isinstance(rope, dict):
@@ -213,6 +215,8 @@ class MTPConfig:
             scaled = rope.get("rope_type", "default") != "default" or "mrope_section" in rope
             if arch.get("rope_scaling") is None and scaled:
                 arch["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+            if arch.get("partial_rotary_factor") is None and "partial_rotary_factor" in rope:
+                arch["partial_rotary_factor"] = rope["partial_rotary_factor"]
         out = {**arch, "num_nextn_predict_layers": self.n_predict}
         if self.layout == "mrv2":
             # Inkling's block (what vLLM's `inkling_mtp` reads `n_predict` and the chain norm
