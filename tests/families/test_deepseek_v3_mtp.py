@@ -29,7 +29,11 @@ from draftinfer.models.moe import MoEBlock
 from draftinfer.registry import drafter_spec
 from tests.support.deepseek_mtp import mtp_oracle, save_deepseek_with_mtp
 from tests.support.moe_models import MLA_YARN_SHORT, deepseek_v3_config
-from tests.support.mtp_rounds import MTPSequence, assert_kv_equal
+from tests.support.mtp_rounds import (
+    MTPSequence,
+    assert_compiled_round_equals_eager,
+    assert_kv_equal,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -398,42 +402,10 @@ def test_a_jointly_trained_released_layer_is_served_losslessly_and_accepted(tmp_
 
 @pytest.mark.slow  # traces every module under dynamic shapes (3.6 min on 2 shared cores)
 def test_compiled_round_equals_the_eager_one():
-    """The whole round compiled as the engine compiles it (dynamic shapes, fullgraph: no graph
-    break, traced by dynamo with `aot_eager`), the modules' blocks the family's own layers
-    reading the proposer's latent caches: rounds with all, none and some drafts accepted, a
-    draft cap, module reuse (K = 2N) and an idle row give the same draft logits, drafts and
-    latent caches as the eager proposer."""
+    """The whole round compiled as the engine compiles it (`mtp_rounds.
+    assert_compiled_round_equals_eager`), the modules' blocks the family's own layers reading
+    the proposer's latent caches."""
     path = released_target(2)
     main, _ = mtp_oracle(path)
     d, _ = load_released_drafter(path, _shared(main))
-    seq = MTPSequence(d, M=40, seed=3)
-    N, runs = 2, []
-    plan = [(N, N, N), (N, N, 0), (N, 1, 1), (2 * N, 2 * N, 3), (N, N, 1)]
-    torch._dynamo.reset()
-    for compile_it in (False, True):
-        prop = seq.proposer()
-        if compile_it:
-            prop.compile(backend="aot_eager", dynamic=True, fullgraph=True)
-        seen, drafts = [], []
-        P, split, L = 9, 4, prop.max_seq_len
-        prop.admit(seq.rows(0, split, idle=True), L)
-        prop.propose(seq.rows(split - 1, P, idle=True), torch.tensor([0, 0]), N, attn_len=L)
-        a, b = P, P + 1
-        for k, cap, accept in plan:
-            forced = seq.forced(b, accept)
-
-            def choose(logits, step, forced=forced, seen=seen):
-                seen.append(logits.clone())
-                return forced(logits, step)
-
-            fp = seq.rows(a, b, idle=True)
-            drafts.append(prop.propose(fp, torch.tensor([cap, 0]), k, choose, L)[0])
-            a, b = b, b + accept + 1
-        runs.append((seen, drafts, prop.kv_snapshot(0, b)))
-    (seen, drafts, kv), (seen_c, drafts_c, kv_c) = runs
-    assert len(seen) == len(seen_c) == sum(k for k, _, _ in plan)
-    for eager, traced in zip(seen, seen_c):
-        torch.testing.assert_close(traced, eager, atol=1e-5, rtol=0)
-    assert [x.tolist() for x in drafts] == [x.tolist() for x in drafts_c]
-    for x, y in zip(kv, kv_c):
-        torch.testing.assert_close(y, x, atol=1e-5, rtol=0)
+    assert_compiled_round_equals_eager(d, N=2)

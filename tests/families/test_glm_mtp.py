@@ -30,7 +30,11 @@ from draftinfer.models.mla import LatentAttention
 from draftinfer.models.moe import MoEBlock
 from tests.support.glm_mtp import save_glm_with_mtp
 from tests.support.moe_models import glm4_moe_config, glm4_moe_lite_config
-from tests.support.mtp_rounds import MTPSequence, assert_kv_equal
+from tests.support.mtp_rounds import (
+    MTPSequence,
+    assert_compiled_round_equals_eager,
+    assert_kv_equal,
+)
 from tests.support.vllm_mtp_loader import load_mtp
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -237,3 +241,13 @@ def test_glm4_moe_released_layers_equal_transformers_mtp_model():
             diff = (ours.logits(normed) - want).abs().max().item()
             assert diff <= 1e-5 * want.abs().max().item() + 1e-6, (k, diff)
             h_ours, h_theirs = ours.carry(normed, pre_ours), pre
+
+
+@pytest.mark.slow  # traces every module under dynamic shapes
+def test_compiled_round_equals_the_eager_one():
+    """GLM-4.5's block (GQA with partial rotary, the q/k norm, routed experts) in the round the
+    engine compiles: equal to the eager proposer (`mtp_rounds.assert_compiled_round_equals_eager`;
+    GLM-4.7-Flash's MLA block is DeepSeek-V3's layer, compiled in `test_deepseek_v3_mtp`)."""
+    path, _ = released_target("glm4_moe", 2)
+    d, _ = load_released_drafter(path, _shared(_main(path)))
+    assert_compiled_round_equals_eager(d, N=2)

@@ -120,3 +120,41 @@ def hist_rows_run(calls: list, N: int) -> int:
     re-prefilled rows; the rest are padding)."""
     cache_pos = [c for c in calls if c[0] == 0][-1][4]
     return int((cache_pos[0, : N - 1] >= 0).sum())
+
+
+def assert_compiled_round_equals_eager(drafter, N: int, seed: int = 3) -> None:
+    """A drafter of N modules' round compiled as the engine compiles it (dynamic shapes,
+    fullgraph: no graph break, traced by dynamo with `aot_eager`): rounds with all, none and
+    some drafts accepted, a draft cap, module reuse (K = 2N) and an idle row give the same
+    draft logits, drafts and module caches as the eager proposer."""
+    seq = MTPSequence(drafter, M=40, seed=seed)
+    runs = []
+    plan = [(N, N, N), (N, N, 0), (N, 1, 1), (2 * N, 2 * N, 3), (N, N, 1)]
+    torch._dynamo.reset()
+    for compile_it in (False, True):
+        prop = seq.proposer()
+        if compile_it:
+            prop.compile(backend="aot_eager", dynamic=True, fullgraph=True)
+        seen, drafts = [], []
+        P, split, L = 9, 4, prop.max_seq_len
+        prop.admit(seq.rows(0, split, idle=True), L)
+        prop.propose(seq.rows(split - 1, P, idle=True), torch.tensor([0, 0]), N, attn_len=L)
+        a, b = P, P + 1
+        for k, cap, accept in plan:
+            forced = seq.forced(b, accept)
+
+            def choose(logits, step, forced=forced, seen=seen):
+                seen.append(logits.clone())
+                return forced(logits, step)
+
+            fp = seq.rows(a, b, idle=True)
+            drafts.append(prop.propose(fp, torch.tensor([cap, 0]), k, choose, L)[0])
+            a, b = b, b + accept + 1
+        runs.append((seen, drafts, prop.kv_snapshot(0, b)))
+    (seen, drafts, kv), (seen_c, drafts_c, kv_c) = runs
+    assert len(seen) == len(seen_c) == sum(k for k, _, _ in plan)
+    for eager, traced in zip(seen, seen_c):
+        torch.testing.assert_close(traced, eager, atol=1e-5, rtol=0)
+    assert [x.tolist() for x in drafts] == [x.tolist() for x in drafts_c]
+    for x, y in zip(kv, kv_c):
+        torch.testing.assert_close(y, x, atol=1e-5, rtol=0)
