@@ -46,3 +46,9 @@ def join_ranks(tp: int, device: torch.device) -> torch.device:
 def is_writer() -> bool:
     """Whether this process writes what a run writes: rank 0, or the only process."""
     return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def leave_ranks() -> None:
+    """Tear down the process group `join_ranks` joined, if any (the end of a `tp > 1` run)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

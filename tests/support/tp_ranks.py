@@ -23,7 +23,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, fn, world: int, port: int, args: tuple) -> None:
+def _rank_main(rank: int, fn, world: int, port: int, init: bool, args: tuple) -> None:
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -33,17 +33,20 @@ def _rank_main(rank: int, fn, world: int, port: int, args: tuple) -> None:
         OMP_NUM_THREADS="1",
     )
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if init:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
-def spawn_ranks(fn, world: int, *args) -> None:
-    """`fn(rank, world, *args)` in `world` spawned processes with a gloo group (raises if a
-    rank raises)."""
-    mp.spawn(_rank_main, args=(fn, world, free_port(), args), nprocs=world, join=True)
+def spawn_ranks(fn, world: int, *args, init: bool = True) -> None:
+    """`fn(rank, world, *args)` in `world` spawned processes, torchrun's environment set
+    (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), in a gloo group (`init=False`:
+    none; `fn` joins from the environment, as the runner does). Raises if a rank raises."""
+    mp.spawn(_rank_main, args=(fn, world, free_port(), init, args), nprocs=world, join=True)
 
 
 def _write(out_dir: str, rank: int, result: dict) -> None:
@@ -110,7 +113,7 @@ def target_numerics(rank: int, world: int, target_dir: str, out_dir: str, compil
 
 
 # ---- the runner's speculative decoding under tp ------------------------------------------------
-def write_decoded(rank: int, cfg_fields: dict, out_dir: str) -> None:
+def write_decoded(rank: int, world: int, cfg_fields: dict, out_dir: str) -> None:
     """`decode_with_runner` of `cfg_fields` into `out_dir/rank{rank}.json`, plus the
     report `run_eval` returns (as a dict)."""
     from dataclasses import asdict
@@ -130,6 +133,7 @@ def decode_with_runner(cfg) -> dict:
     per request."""
     from draftinfer.decoding.engine import Request
     from draftinfer.decoding.sampling import SamplingParams
+    from draftinfer.evaluation.ranks import join_ranks
     from draftinfer.evaluation.run import (
         load_served_drafter,
         load_target,
@@ -142,7 +146,7 @@ def decode_with_runner(cfg) -> dict:
     )
     from draftinfer.files.paths import resolve_path
 
-    device = pick_device(cfg.device)
+    device = join_ranks(cfg.tp, pick_device(cfg.device))  # tp > 1: the group, from the env
     cfg = resolve_fast_path(cfg, device)
     dtype = pick_dtype(cfg.dtype, device)
     _, _, meta = served_drafter_config(cfg)
