@@ -37,7 +37,9 @@ def join_ranks(tp: int, device: torch.device) -> torch.device:
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     elif dist.get_world_size() != tp:
-        raise ConfigError(f"tp={tp} needs {tp} processes, the process group has {dist.get_world_size()}")
+        raise ConfigError(
+            f"tp={tp} needs {tp} processes, the process group has {dist.get_world_size()}"
+        )
     elif device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     return device

@@ -84,7 +84,10 @@ def test_runner_tp2_matches_one_process(kind_env, tmp_path):
     ranks = read_ranks(tp_dir, TP)
     accepted = sum(a for acc in one["accepted"] for a in acc)
     print(f"one process: {one['tokens']}; accepted {accepted}")
-    print("tp=2 reports:", [(r["report"]["acceptance_length"], r["report"]["lossless"]) for r in ranks])
+    print(
+        "tp=2 reports:",
+        [(r["report"]["acceptance_length"], r["report"]["lossless"]) for r in ranks],
+    )
     for r in ranks:
         assert r["tokens"] == one["tokens"]  # token for token, T=0
         assert r["accepted"] == one["accepted"]
