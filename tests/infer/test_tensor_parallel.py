@@ -6,6 +6,7 @@ ranks on the CPU against one process.
   cache holds half the KV heads; the compiled decode forward traces whole (fullgraph).
 - The runner at `tp=2` with a trained drafter gives the single-process runner's tokens, token
   for token, at T=0, and accepts drafts; rank 0 alone writes the report.
+- `torchrun --nproc-per-node 2 -m draftinfer tp=2`: one report, printed once, lossless.
 - Refusals, one line each: a family without a plan, heads that do not split, `tp=2` outside
   torchrun, suites and fused projections under tp.
 
@@ -115,3 +116,30 @@ def test_tp_refusals_one_line(zoo_target):
         check_infer_config(dataclasses.replace(base, fuse_projections=True))
     with pytest.raises(ConfigError, match="tp must be >= 1"):
         check_infer_config(dataclasses.replace(base, tp=0))
+
+
+def test_cli_under_torchrun(kind_env, tmp_path):
+    """`torchrun --nproc-per-node 2 -m draftinfer tp=2 ...`: the entry point as a user runs it;
+    one report (rank 0's), printed once, lossless, with drafts accepted."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.support.tp_ranks import free_port
+
+    export = kind_env("eagle3")["export"]
+    report = tmp_path / "tp2.json"
+    cmd = [
+        *(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(TP)),
+        *("--master-port", str(free_port()), "-m", "draftinfer"),
+        *(f"drafter={export}", "target=zoo:llama-tiny", f"tp={TP}", "num_prompts=2"),
+        *("max_new_tokens=16", "batch_size=2", f"report={report}", "progress=false"),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("acceptance length") == 1  # rank 0 prints
+    r = json.loads(report.read_text())
+    assert r["lossless"] and r["extra"]["tp"] == TP and r["acceptance_length"] > 1.0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tp2.json", "tp2.png"]
