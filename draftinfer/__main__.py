@@ -50,7 +50,11 @@ def _hydra_main(cfg: DictConfig) -> None:
             "the held-out run takes temperature=",
         )
     report = run_or_exit(run_eval, icfg)
-    print(format_report(report))
+    from draftinfer.evaluation.ranks import is_writer, leave_ranks
+
+    if is_writer():  # tp > 1: rank 0 prints, as it writes the report
+        print(format_report(report))
+    leave_ranks()
     if not report.lossless:
         sys.exit(3)
 

@@ -131,6 +131,10 @@ class FamilySpec:
     # the drafter fields that serve them as released (`layout`, `mtp_feature_tap`, `mtp_chain`,
     # `mtp_carry`, `mask_pos0_embedding`); None: its checkpoints ship none.
     released_mtp: ClassVar[dict[str, Any] | None] = None
+    # How a loaded native target of this family is sharded over a process group in place
+    # (`plan(model, group)`, `draftinfer.models.tensor_parallel`; the runner's `tp=N`); None:
+    # the family has no tensor-parallel plan and `tp > 1` is refused.
+    tensor_parallel: ClassVar[Callable[[Any, Any], None] | None] = None
 
     def decoder_config(self, config: dict[str, Any]) -> dict[str, Any]:
         """The language decoder's fields of a target `config.json` (vocabulary, hidden size,

@@ -108,6 +108,13 @@ class InferConfig:
     # serves it: plain RoPE at the T row, vLLM's `positions[0]`), to measure the AL that costs
     # before deploying there (`draftinfer.models.rope.serve_positions_1d`; an error for a 1-D drafter).
     drafter_positions: str = "native"
+    # Tensor parallel: the target's attention heads and dense MLP split over `tp` processes
+    # (`draftinfer.models.tensor_parallel`; the family's plan, `causal_lm` for now), one process
+    # per rank started by torchrun (`torchrun --nproc-per-node 2 -m draftinfer tp=2 ...`:
+    # RANK / WORLD_SIZE / MASTER_ADDR in the environment). Every rank runs the same rounds
+    # with the drafter replicated; rank 0 writes the report. gloo on the CPU, NCCL on CUDA
+    # (untested here). 1 = one process, no torch.distributed.
+    tp: int = 1
     # "fast" (KV-cached loop) or "reference" (recompute everything each round).
     mode: str = "fast"
     # Also run the reference loop and require token equality with the fast path.

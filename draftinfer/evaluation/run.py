@@ -39,6 +39,7 @@ from draftinfer.decoding.engine import Request, SpecDecoder
 from draftinfer.decoding.sampling import SamplingParams
 from draftinfer.evaluation.config import InferConfig
 from draftinfer.evaluation.prompts import load_prompts
+from draftinfer.evaluation.ranks import is_writer, join_ranks
 from draftinfer.evaluation.report import RunReport
 from draftinfer.files.checkpoint import (
     NATIVE_DRAFTER,
@@ -146,6 +147,19 @@ def check_infer_config(cfg: InferConfig) -> None:
             raise ConfigError(
                 f"compile_options: {bad[0]!r} is not an inductor setting (torch._inductor.config)"
             )
+    if cfg.tp < 1:
+        raise ConfigError(f"tp must be >= 1, got {cfg.tp}")
+    if cfg.tp > 1:
+        if cfg.eval.suites:
+            raise ConfigError(
+                f"tp={cfg.tp} runs the held-out prompts (eval=greedy|sampling); acceptance "
+                "suites are not served tensor-parallel yet"
+            )
+        if cfg.fuse_projections or cfg.skinny_gemm:
+            raise ConfigError(
+                f"tp={cfg.tp}: fuse_projections and skinny_gemm are not built for a sharded "
+                "target yet (set them false)"
+            )
     if not cfg.temperature >= 0.0 or not 0.0 < cfg.top_p <= 1.0 or cfg.top_k < -1:
         raise ConfigError(
             f"sampling needs temperature >= 0, 0 < top_p <= 1, top_k >= -1; got "
@@ -220,8 +234,9 @@ def serving_transforms(cfg: InferConfig, target, drafter, device: torch.device) 
     cuda = device.type == "cuda"
     if cfg.pdl is not None or (cuda and cfg.compile):
         enable_pdl(True if cfg.pdl is None else cfg.pdl)
-    fuse = cuda if cfg.fuse_projections is None else bool(cfg.fuse_projections)
-    skinny = cuda if cfg.skinny_gemm is None else bool(cfg.skinny_gemm)
+    default = cuda and cfg.tp == 1  # not yet for a sharded target (`check_infer_config`)
+    fuse = default if cfg.fuse_projections is None else bool(cfg.fuse_projections)
+    skinny = default if cfg.skinny_gemm is None else bool(cfg.skinny_gemm)
     want = {"fuse_projections": fuse, "skinny_gemm": skinny}
     models = [drafter]
     if target is not None:
@@ -290,16 +305,30 @@ def plain_step(cfg: InferConfig, target) -> PlainStep | None:
     )
 
 
+def load_target(cfg: InferConfig, target_path, device: torch.device, dtype: torch.dtype):
+    """The native target with a cache of `batch_size` rows x `max_model_len`; under `tp > 1`
+    this rank's shard of it (its family's plan, `draftinfer.models.tensor_parallel`)."""
+    from draftinfer.files.loading import load_native_target
+    from draftinfer.models.tensor_parallel import apply_tensor_parallel
+
+    target = load_native_target(
+        target_path, device, dtype, max_batch=cfg.batch_size, max_seq_len=cfg.max_model_len
+    )
+    if cfg.tp > 1:
+        apply_tensor_parallel(target)
+    return target
+
+
 def run_eval(cfg: InferConfig) -> RunReport:
     from tqdm.auto import tqdm
 
     from draftinfer.decoding.baseline import greedy_generate
     from draftinfer.decoding.reference import reference_generate
-    from draftinfer.files.loading import load_native_target
 
     device = pick_device(cfg.device)
     cfg = resolve_fast_path(cfg, device)
     check_infer_config(cfg)
+    device = join_ranks(cfg.tp, device)  # tp > 1: this rank's device, the process group joined
     round_costs = read_round_costs(cfg.round_costs) if cfg.round_costs else None
     dtype = pick_dtype(cfg.dtype, device)
     spec, arch, meta = served_drafter_config(cfg)
@@ -307,9 +336,7 @@ def run_eval(cfg: InferConfig) -> RunReport:
     if not target_name:
         raise ConfigError("target=... is required: the drafter does not record its target")
     target_path = resolve_path(target_name)
-    target = load_native_target(
-        target_path, device, dtype, max_batch=cfg.batch_size, max_seq_len=cfg.max_model_len
-    )
+    target = load_target(cfg, target_path, device, dtype)
     spec.check_fit(arch, target.info)
     spec.check_k(arch, cfg.k)
     drafter = load_served_drafter(cfg, target, device, dtype)
@@ -330,7 +357,7 @@ def run_eval(cfg: InferConfig) -> RunReport:
     ]
     bar = tqdm(
         total=2 * len(prompts),
-        disable=not cfg.progress,
+        disable=not cfg.progress or not is_writer(),
         desc="draftinfer",
         unit="req",
         dynamic_ncols=True,
@@ -443,6 +470,7 @@ def run_eval(cfg: InferConfig) -> RunReport:
         else ("compiled" if cfg.compile else "eager"),
         extra={
             **({} if cfg.drafter_positions == "native" else {"drafter_positions": "1d"}),
+            **({"tp": cfg.tp} if cfg.tp > 1 else {}),
             **({"near_ties": near_ties} if near_ties else {}),
             **({"compile": compile_stats()} if cfg.compile else {}),
             "warmup_plain_s": warmup_plain_s,
@@ -453,6 +481,8 @@ def run_eval(cfg: InferConfig) -> RunReport:
             ),
         },
     )
+    if not is_writer():  # tp > 1: rank 0 writes
+        return report
     if cfg.report:
         report.write(cfg.report)
     plot = plot_path(cfg)

@@ -10,6 +10,7 @@ from draftinfer.families.causal_lm.models import (
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
 )
+from draftinfer.models.tensor_parallel import parallelize_dense
 from draftinfer.registry import FamilySpec, register_family
 
 
@@ -20,6 +21,8 @@ class CausalLMFamily(FamilySpec):
         "Qwen2ForCausalLM": Qwen2ForCausalLM,
         "Qwen3ForCausalLM": Qwen3ForCausalLM,
     }
+    # Heads and the dense MLP split over the group; embedding and head replicated.
+    tensor_parallel = staticmethod(parallelize_dense)
 
 
 register_family(CausalLMFamily())
