@@ -65,10 +65,11 @@ POWERED = ("joint", "pos1", "pos2", "pos3")  # the tests whose power is asserted
 
 def harness_ks(kind: str) -> tuple[int, int]:
     """K values per kind: chain kinds 1 and 3, parallel kinds 2 and 4."""
+    kind = kind.split("+")[0]
     return (2, 4) if drafter_spec(kind).mode == "parallel drafting" else (1, 3)
 
 
-CASES = [(kind, k) for kind in KINDS for k in harness_ks(kind)]
+CASES = [(kind, k) for kind in [*KINDS, "dflash+dspark"] for k in harness_ks(kind)]
 
 
 def case_seed(kind: str, k: int, verify: str) -> int:
@@ -91,8 +92,19 @@ def oracles():
     return {name: enumerate_oracle(d, HARNESS_PROMPT, p) for name, p in SETTINGS.items()}
 
 
+# Options of a kind that change how drafts are chosen, run through the harness as their own
+# cases: DSpark's Markov head makes draft j's q depend on draft j - 1 (randomized past its
+# zero init, so the dependence is real).
+OPTIONS = {"dflash+dspark": ("dflash", {"dspark": True, "markov_rank": 8})}
+
+
 def harness_drafter(kind: str, k: int):
     # A kind whose train config has `n_predict` (modules) gets K of them, so K = N.
+    if kind in OPTIONS:
+        from tests.support.dflash import randomize_heads
+
+        base, overrides = OPTIONS[kind]
+        return randomize_heads(drafter_for(base, harness_target_dir(), seed=k, **overrides))
     return drafter_for(kind, harness_target_dir(), seed=k, n_predict=k)
 
 
