@@ -594,7 +594,9 @@ def vllm_sglang_dflash(export: Path, rec: RunRecord) -> EngineView:
     assert from_anchor == rec.arch["sample_from_anchor"]
     assert rec.state["objective"]["serving_k"] <= (B if from_anchor else B - 1)
     if cfg.get("markov_rank"):
-        assert cfg["markov_head_type"] == "vanilla" and cfg["markov_rank"] == rec.arch["markov_rank"]
+        assert (
+            cfg["markov_head_type"] == "vanilla" and cfg["markov_rank"] == rec.arch["markov_rank"]
+        )
     mask = dc["mask_token_id"]
     assert mask == rec.arch["mask_token_id"] and 0 <= mask < cfg["vocab_size"]
     assert bool(dc.get("causal", False)) == rec.arch["causal_block"]
