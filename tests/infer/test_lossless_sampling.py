@@ -228,6 +228,28 @@ def test_trained_zoo_drafter_joint_distribution(kind_env, kind):
     assert not check(f"zoo {kind} K={k} full top_k=6", run.tokens, oracle)
 
 
+@pytest.mark.slow
+def test_trained_dspark_drafter_joint_distribution(preset_run):
+    """The `dspark` preset's export (shortened recipe), loaded from disk: its Markov-chained q
+    under full-distribution verification at K = 4 (a block of 4 slots, the anchor's drafting),
+    top-k 6, matches the zoo target's joint distribution, and its drafts are accepted."""
+    from draftinfer.files.checkpoint import load_drafter
+
+    zoo_dir = str(resolve_path("zoo:llama-tiny"))
+    prompt, k = zoo_prompt(), 4
+    summary = preset_run("dspark")
+    target = load_native_target(zoo_dir, max_batch=N, max_seq_len=len(prompt) + k + 4)
+    drafter, _ = load_drafter(summary["export_dir"], target.shared_weights())
+    assert drafter.markov_head is not None and drafter.config.sample_from_anchor
+    oracle = enumerate_oracle(zoo_dir, prompt, ZOO_SETTING)
+    params = [replace(ZOO_SETTING, seed=6 * 10**6 + i) for i in range(N)]
+    run = speculative_samples(target, drafter, k, "full", params, prompt)
+    acc = run.accepted_first_round
+    print(f"zoo dspark K={k}: first-round AL {float(acc.float().mean()) + 1:.2f}")
+    assert float(acc.float().mean()) > 0.3
+    assert not check(f"zoo dspark K={k} full top_k=6", run.tokens, oracle)
+
+
 # ---- the same seed gives the same tokens in any batch (T4), steered drafts included --------
 @pytest.mark.parametrize("kind,k", [(kind, harness_ks(kind)[1]) for kind in KINDS])
 def test_same_tokens_solo_and_inside_other_batches(oracles, kind, k):
