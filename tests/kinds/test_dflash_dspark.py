@@ -238,3 +238,15 @@ def test_untrained_markov_head_is_plain_dflash():
     h = torch.randn(3, d.config.hidden_size, generator=g)
     with torch.no_grad():
         assert torch.equal(draft_logits(d, h, torch.tensor([1, 2, 3])), d.logits(h))
+
+
+def test_on_policy_stage_refuses_the_markov_head():
+    """OPD trains on the head's logits alone; a Markov head's drafts are not those."""
+    from drafttrain.jobs.errors import ConfigError
+
+    d = variant_drafter("dspark")
+    spec = train_spec("dflash")
+    obj = spec.objective(d, spec.config_class(dspark=True, markov_rank=5), "eager")
+    ids, feats, pos = _inputs(d)
+    with pytest.raises(ConfigError, match="Markov head"):
+        obj.anchors_hidden(ids, feats, pos, [3], 2)

@@ -198,11 +198,17 @@ class DFlashObjective:
     def anchors_hidden(self, ids, features, rope_pos, anchors: list[int], k: int, mm=None):
         """The head's inputs of `anchors_logits` `[A, k, H]` (differentiable; on-policy
         training, `drafttrain.objectives.opd`). DFlash2's selector re-ranks the head's top-K
-        after the head, so its drafts are not the head's: a one-line error."""
+        after the head, and DSpark's Markov head biases it by the previous draft, so their
+        drafts are not the head's: a one-line error."""
         if self.drafter.candidate_selector is not None:
             raise ConfigError(
                 "trainer.stage=opd does not train DFlash2's candidate selector yet: its drafts "
                 "are the selector's choice, not the head's (drafter.dflash2=false)"
+            )
+        if self.drafter.markov_head is not None:
+            raise ConfigError(
+                "trainer.stage=opd does not train DSpark's Markov head yet: its drafts carry "
+                "the previous draft's bias, not the head's alone (drafter.dspark=false)"
             )
         return self._anchors_hidden(ids, features, rope_pos, anchors, k)
 
