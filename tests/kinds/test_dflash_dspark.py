@@ -204,7 +204,7 @@ def test_runner_carries_the_confidence_of_its_drafts():
     )
     prop.propose(prop.admit(fp), torch.tensor([k]), k)
     with torch.no_grad():
-        h = obj.anchors_hidden(ids, feats, pos, [anchor], k)[0]  # [k, H]
+        h = obj._anchors_hidden(ids, feats, pos, [anchor], k)[0]  # [k, H]
         want = torch.sigmoid(d.confidence_head(h))
     assert prop.confidence is not None and prop.confidence.shape == (1, k)
     torch.testing.assert_close(prop.confidence[0], want, rtol=1e-4, atol=1e-5)
