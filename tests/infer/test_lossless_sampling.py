@@ -65,10 +65,11 @@ POWERED = ("joint", "pos1", "pos2", "pos3")  # the tests whose power is asserted
 
 def harness_ks(kind: str) -> tuple[int, int]:
     """K values per kind: chain kinds 1 and 3, parallel kinds 2 and 4."""
+    kind = kind.split("+")[0]
     return (2, 4) if drafter_spec(kind).mode == "parallel drafting" else (1, 3)
 
 
-CASES = [(kind, k) for kind in KINDS for k in harness_ks(kind)]
+CASES = [(kind, k) for kind in [*KINDS, "dflash+dspark"] for k in harness_ks(kind)]
 
 
 def case_seed(kind: str, k: int, verify: str) -> int:
@@ -91,8 +92,19 @@ def oracles():
     return {name: enumerate_oracle(d, HARNESS_PROMPT, p) for name, p in SETTINGS.items()}
 
 
+# Options of a kind that change how drafts are chosen, run through the harness as their own
+# cases: DSpark's Markov head makes draft j's q depend on draft j - 1 (randomized past its
+# zero init, so the dependence is real).
+OPTIONS = {"dflash+dspark": ("dflash", {"dspark": True, "markov_rank": 8})}
+
+
 def harness_drafter(kind: str, k: int):
     # A kind whose train config has `n_predict` (modules) gets K of them, so K = N.
+    if kind in OPTIONS:
+        from tests.support.dflash import randomize_heads
+
+        base, overrides = OPTIONS[kind]
+        return randomize_heads(drafter_for(base, harness_target_dir(), seed=k, **overrides))
     return drafter_for(kind, harness_target_dir(), seed=k, n_predict=k)
 
 
@@ -214,6 +226,28 @@ def test_trained_zoo_drafter_joint_distribution(kind_env, kind):
     print(f"zoo {kind} K={k}: first-round AL {float(acc.float().mean()) + 1:.2f}")
     assert float(acc.float().mean()) > 0.3  # a trained drafter: drafts are accepted
     assert not check(f"zoo {kind} K={k} full top_k=6", run.tokens, oracle)
+
+
+@pytest.mark.slow
+def test_trained_dspark_drafter_joint_distribution(preset_run):
+    """The `dspark` preset's export (shortened recipe), loaded from disk: its Markov-chained q
+    under full-distribution verification at K = 4 (a block of 4 slots, the anchor's drafting),
+    top-k 6, matches the zoo target's joint distribution, and its drafts are accepted."""
+    from draftinfer.files.checkpoint import load_drafter
+
+    zoo_dir = str(resolve_path("zoo:llama-tiny"))
+    prompt, k = zoo_prompt(), 4
+    summary = preset_run("dspark")
+    target = load_native_target(zoo_dir, max_batch=N, max_seq_len=len(prompt) + k + 4)
+    drafter, _ = load_drafter(summary["export_dir"], target.shared_weights())
+    assert drafter.markov_head is not None and drafter.config.sample_from_anchor
+    oracle = enumerate_oracle(zoo_dir, prompt, ZOO_SETTING)
+    params = [replace(ZOO_SETTING, seed=6 * 10**6 + i) for i in range(N)]
+    run = speculative_samples(target, drafter, k, "full", params, prompt)
+    acc = run.accepted_first_round
+    print(f"zoo dspark K={k}: first-round AL {float(acc.float().mean()) + 1:.2f}")
+    assert float(acc.float().mean()) > 0.3
+    assert not check(f"zoo dspark K={k} full top_k=6", run.tokens, oracle)
 
 
 # ---- the same seed gives the same tokens in any batch (T4), steered drafts included --------

@@ -25,9 +25,9 @@ import pytest
 from draftinfer.files.checkpoint import SPECULATORS_DIR
 from draftinfer.registry import registered_kinds
 from tests.support.engine_readers import (
-    LAYOUTS,
     files_naming,
     machine_paths,
+    readers_for,
     run_record,
     shipped,
 )
@@ -99,7 +99,7 @@ def test_preset_export_read_from_outside(preset_run, preset, tmp_path_factory):
     summary = preset_run(preset)
     export, kind = Path(summary["export_dir"]), cpu_presets()[preset].drafter.kind
     rec = run_record(summary["run_dir"])
-    views = [read(export, rec) for read in LAYOUTS[kind]]
+    views = [read(export, rec) for read in readers_for(kind, rec)]
     if rec.draft_vocab is not None:
         assert all(
             v.draft_vocab is not None and v.draft_vocab.equal(rec.draft_vocab) for v in views

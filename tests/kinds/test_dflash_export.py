@@ -109,8 +109,18 @@ def test_z_lab_layout_fields_and_tensors(variant, tmp_path):
         assert shapes["candidate_selector.hidden_projection.weight"] == (r, H)
         assert shapes["layers.0.attention_conv.base_kernel"] == (2, k, H)
         assert shapes["layers.0.mlp_conv.kernel_projection.weight"] == (2 * k * g, H)
+    elif variant == "dspark":  # the references' names and shapes (REFERENCES A1 "DSpark")
+        assert dc["sample_from_anchor"] is True
+        assert cfg["markov_rank"] == 5 and cfg["markov_head_type"] == "vanilla"
+        assert shapes["markov_head.markov_w1.weight"] == (V, 5)
+        assert shapes["markov_head.markov_w2.weight"] == (V, 5)
+        assert shapes["confidence_head.proj.weight"] == (1, H)
+        assert shapes["confidence_head.proj.bias"] == (1,)
+        assert extra == {n for n in names if n.startswith(("markov_head.", "confidence_head."))}
+        assert len(extra) == 4
     else:
         assert extra == set()
+        assert "sample_from_anchor" not in dc and "markov_rank" not in cfg
     assert shapes["fc.weight"] == (H, len(c.tap_layer_ids) * H)
     assert shapes["hidden_norm.weight"] == shapes["norm.weight"] == (H,)
     D = c.head_dim
@@ -144,7 +154,8 @@ def test_speculators_layout(variant, tmp_path):
         torch.float32,
         lambda: emb["output_embeddings"],
     )
-    if variant == "causal":  # speculators has no causal full-attention block
+    # speculators has no causal full-attention block; its `dspark` layout is not written yet.
+    if variant in ("causal", "dspark"):
         assert sub is None and not (tmp_path / SPECULATORS_DIR).exists()
         return
     cfg = json.loads((sub / "config.json").read_text())
@@ -192,7 +203,7 @@ def _edited(tmp_path, edit):
         (lambda c: c.update(eagle_aux_hidden_state_layer_ids=[9]), "target_layer_ids + 1"),
         (lambda c: c["dflash_config"].update(block_size=4), "block_size"),
         (lambda c: c["dflash_config"].update(output_multiplier=0.2), "output_multiplier"),
-        (lambda c: c["dflash_config"].update(sample_from_anchor=True), "sample_from_anchor"),
+        (lambda c: c.update(markov_rank=4, markov_head_type="gated"), "markov_head_type"),
         (lambda c: c.update(is_neox_style=False), "is_neox_style"),
         (lambda c: c["dflash_config"].pop("target_layer_ids"), "target_layer_ids"),
         (

@@ -20,6 +20,9 @@ VARIANTS = {
     "dflash": {},
     "dflash2": {"dflash2": True, "conv_group_size": 8, "selector_top_k": 6, "selector_rank": 5},
     "causal": {"causal_block": True},
+    # DSpark: anchor slot drafts, Markov head (randomized below its zero init by the tests that
+    # need a non-trivial bias: `randomize_heads`), confidence head.
+    "dspark": {"dspark": True, "markov_rank": 5},
     "sliding": {
         "num_layers": 2,
         "layer_types": ["sliding_attention", "full_attention"],
@@ -29,8 +32,20 @@ VARIANTS = {
 
 
 def variant_drafter(name: str, rope: str = "1d", seed: int = 0, **extra):
-    """A randomized small drafter of option `name` (`VARIANTS`)."""
-    return small_drafter("dflash", rope, seed, **{**VARIANTS[name], **extra})
+    """A randomized small drafter of option `name` (`VARIANTS`); a Markov head is randomized
+    past its zero init, so its bias changes the drafts."""
+    return randomize_heads(small_drafter("dflash", rope, seed, **{**VARIANTS[name], **extra}))
+
+
+@torch.no_grad()
+def randomize_heads(d, seed: int = 7):
+    """`markov_w2` (zero at init: the head starts as plain DFlash) drawn at a scale that moves
+    the drafts, so tests of the Markov bias are not tests of a zero."""
+    if getattr(d, "markov_head", None) is not None:
+        g = torch.Generator().manual_seed(seed)
+        w = d.markov_head.markov_w2.weight
+        w.copy_(torch.randn(w.shape, generator=g) * 20.0)
+    return d
 
 
 def runner_logits(d, ids, feats, pos, anchor: int, k: int, choose_ids=None) -> torch.Tensor:

@@ -532,6 +532,15 @@ def _dflash_tensor_names(cfg: dict[str, Any], n_taps: int, dflash2: bool) -> dic
     if dflash2:
         for t in ("predecessor_codebook", "successor_codebook", "hidden_projection.weight"):
             names["candidate_selector." + t] = None
+    # DSpark (vLLM `dspark`, REFERENCES A1/A3): top-level `markov_rank` r > 0 names the
+    # Markov head's two `[V, r]` matrices; the confidence head is `Linear(H -> 1)` with a bias.
+    r, V = int(cfg.get("markov_rank") or 0), cfg["vocab_size"]
+    if r:
+        names["markov_head.markov_w1.weight"] = (V, r)
+        names["markov_head.markov_w2.weight"] = (V, r)
+    if cfg.get("confidence_head"):
+        names["confidence_head.proj.weight"] = (1, H)
+        names["confidence_head.proj.bias"] = (1,)
     return names
 
 
@@ -579,7 +588,15 @@ def vllm_sglang_dflash(export: Path, rec: RunRecord) -> EngineView:
     assert vllm == sglang, (vllm, sglang)
     B = dc.get("block_size", cfg.get("block_size"))
     assert B == cfg.get("block_size", B) == rec.arch["block_size"]
-    assert rec.state["objective"]["serving_k"] <= B - 1
+    # vLLM's `dspark` reading: with `dflash_config.sample_from_anchor` the anchor slot drafts
+    # too, so a block of B slots gives B drafts (B - 1 otherwise); only the `vanilla` head.
+    from_anchor = bool(dc.get("sample_from_anchor", False))
+    assert from_anchor == rec.arch["sample_from_anchor"]
+    assert rec.state["objective"]["serving_k"] <= (B if from_anchor else B - 1)
+    if cfg.get("markov_rank"):
+        assert (
+            cfg["markov_head_type"] == "vanilla" and cfg["markov_rank"] == rec.arch["markov_rank"]
+        )
     mask = dc["mask_token_id"]
     assert mask == rec.arch["mask_token_id"] and 0 <= mask < cfg["vocab_size"]
     assert bool(dc.get("causal", False)) == rec.arch["causal_block"]
@@ -688,6 +705,21 @@ LAYOUTS: dict[str, tuple[Reader, ...]] = {
     "mtp": (mtp_standalone, mtp_stitched),
     "dflash": (vllm_sglang_dflash, speculators_dflash),
 }
+
+
+def _speculators_dflash_applies(rec: RunRecord) -> bool:
+    """speculators has no field for a causal block, and its `dspark` layout is not written yet:
+    such a block drafter's export has no speculators folder (the spec returns no layout)."""
+    a = rec.arch
+    return not (a.get("causal_block") or a.get("sample_from_anchor") or a.get("markov_rank"))
+
+
+speculators_dflash.applies = _speculators_dflash_applies
+
+
+def readers_for(kind: str, rec: RunRecord) -> list[Reader]:
+    """`LAYOUTS[kind]` less the readers of layouts this drafter's options do not have."""
+    return [read for read in LAYOUTS[kind] if getattr(read, "applies", lambda r: True)(rec)]
 
 
 def speculators_kinds() -> list[str]:

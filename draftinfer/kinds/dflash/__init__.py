@@ -1,5 +1,5 @@
-"""Block drafters (`dflash`: DFlash, with DFlash2's conv and candidate selector and JetSpec's
-causal block as options): config, module, proposer and the serving adapters, registered as
+"""Block drafters (`dflash`: DFlash, with DFlash2's conv and candidate selector, JetSpec's
+causal block and DSpark's anchor-slot layout, Markov head and confidence head as options): config, module, proposer and the serving adapters, registered as
 the drafter kind `dflash`."""
 
 from __future__ import annotations
@@ -55,15 +55,17 @@ class DFlashSpec(DrafterSpec):
         super().check_fit(arch, info)
 
     def check_k(self, arch, k: int) -> None:
-        if k > arch.block_size - 1:
+        if k > arch.max_drafts:
             raise CheckpointError(
-                f"k={k} exceeds the {arch.block_size - 1} drafts of this drafter's block "
-                f"(block_size {arch.block_size})"
+                f"k={k} exceeds the {arch.max_drafts} drafts of this drafter's block "
+                f"(block_size {arch.block_size}, sample_from_anchor {arch.sample_from_anchor})"
             )
 
     def speculators_layout(
         self, module, verifier, verifier_architectures, k, input_embeddings, output_embeddings=None
     ):
+        if module.config.dspark:  # speculators' `dspark` layout is not written yet
+            return None
         config = speculators_config(module.config, verifier, verifier_architectures, k)
         if config is None or output_embeddings is None:
             return None
@@ -71,9 +73,10 @@ class DFlashSpec(DrafterSpec):
 
     def serving_hint(self, arch, k: int, target: str, drafter: str) -> str:
         B = arch.block_size
-        spec_cfg = f'{{"method": "dflash", "model": "{drafter}", "num_speculative_tokens": {k}}}'
+        method = "dspark" if arch.dspark else "dflash"
+        spec_cfg = f'{{"method": "{method}", "model": "{drafter}", "num_speculative_tokens": {k}}}'
         notes = [
-            f"Block size {B} (K = {B - 1} drafts per round at most), mask token "
+            f"Block size {B} (K = {arch.max_drafts} drafts per round at most), mask token "
             f"{arch.mask_token_id}; `dflash_config.target_layer_ids` {arch.target_layer_ids} "
             f"name the *outputs* of those target layers (HF `hidden_states[t + 1]`), and "
             f"`eagle_aux_hidden_state_layer_ids` {list(arch.tap_layer_ids)} the same layers as "
@@ -83,6 +86,13 @@ class DFlashSpec(DrafterSpec):
             notes.append(
                 "DFlash2 (`DFlash2DraftModel`): vLLM needs an unquantized target `lm_head` (the "
                 "selector takes a top-k over the full vocabulary)."
+            )
+        if arch.dspark:
+            notes.append(
+                f"DSpark options: sample_from_anchor {arch.sample_from_anchor}, Markov head "
+                f"{arch.markov_head_type} rank {arch.markov_rank}, confidence head "
+                f"{arch.confidence_head}. vLLM serves it as `method: dspark`; this export "
+                "writes the z-lab layout plus those fields (the `dspark` layout check is open)."
             )
         if arch.causal_block:
             notes.append("Causal block (JetSpec, `dflash_config.causal: true`): vLLM only.")

@@ -13,7 +13,13 @@ Options of the one kind (K2 pins that each default reproduces plain DFlash):
 - `layer_types` / `sliding_window`: sliding-window layers, causal inside the block (the rule
   vLLM, SpecForge and speculators apply to `sliding_attention` layers);
 - `conv_kernel_size > 0` (DFlash2): a grouped dynamic causal conv around each sublayer;
-- `selector_top_k > 0` (DFlash2): the low-rank candidate selector over the top-k.
+- `selector_top_k > 0` (DFlash2): the low-rank candidate selector over the top-k;
+- DSpark (`sample_from_anchor`, `markov_rank > 0`, `confidence_head`): the anchor slot drafts
+  too (a block of B slots gives B drafts, `first_draft_slot`), a low-rank first-order Markov
+  bias on each draft's logits from the token before it (`markov_head_type` `vanilla`:
+  `markov_w2(markov_w1[prev])`), and a per-slot acceptance predictor. Written as vLLM's
+  `dspark` method reads them: top-level `markov_rank`, `markov_head_type`,
+  `dflash_config.sample_from_anchor` (REFERENCES A1/A3).
 """
 
 from __future__ import annotations
@@ -32,13 +38,13 @@ from draftinfer.models.rope import parse_rope
 from draftinfer.models.target import FeatureSpec
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
+MARKOV_HEAD_TYPES = ("vanilla",)  # gated / rnn: training-only in the references, not here
 # dflash_config fields of other DFlash-family variants this code does not implement: a
 # checkpoint that sets them to anything but the identity is refused, never half-served.
 _IDENTITY_FIELDS = {
     "output_multiplier": 1.0,
     "input_embedding_scale": 1.0,
     "final_logit_softcapping": None,
-    "sample_from_anchor": False,
     "projector_type": "dflash",
     "attention_sink_bias": None,
 }
@@ -75,6 +81,11 @@ class DFlashConfig:
     conv_group_size: int = 16
     selector_top_k: int = 0  # 0: no candidate selector (DFlash2: 16)
     selector_rank: int = 256
+    # DSpark: the anchor slot drafts too (slot s drafts token anchor + s + 1).
+    sample_from_anchor: bool = False
+    markov_rank: int = 0  # 0: no Markov head (DSpark: 256)
+    markov_head_type: str = "vanilla"
+    confidence_head: bool = False  # DSpark's per-slot accept-rate predictor
 
     def __post_init__(self) -> None:
         self.rope_theta, self.rope_scaling = parse_rope(
@@ -124,6 +135,14 @@ class DFlashConfig:
                 f"selector_top_k {self.selector_top_k} must be in 0..{self.vocab_size}"
             )
 
+        if self.markov_rank < 0 or self.markov_head_type not in MARKOV_HEAD_TYPES:
+            raise ConfigError(
+                f"markov_rank {self.markov_rank} must be >= 0 and markov_head_type "
+                f"{self.markov_head_type!r} one of {MARKOV_HEAD_TYPES}"
+            )
+        if self.markov_rank and self.selector_top_k:
+            raise ConfigError("a Markov head and DFlash2's candidate selector do not combine")
+
     # -- what every drafter config provides -----------------------------------------------
     @property
     def target_hidden_size(self) -> int:
@@ -137,6 +156,27 @@ class DFlashConfig:
     @property
     def dflash2(self) -> bool:
         return bool(self.conv_kernel_size or self.selector_top_k)
+
+    @property
+    def dspark(self) -> bool:
+        return bool(self.sample_from_anchor or self.markov_rank or self.confidence_head)
+
+    @property
+    def first_draft_slot(self) -> int:
+        """The block slot of draft 1: 1 (the anchor slot only feeds the block), 0 with
+        `sample_from_anchor`. Draft j (1..K) sits at slot `j - 1 + first_draft_slot` and
+        predicts `x[anchor + j]` whatever the layout: training's labels and the runner's
+        drafts both read this (and `block_slots`)."""
+        return 0 if self.sample_from_anchor else 1
+
+    def block_slots(self, k: int) -> int:
+        """Slots of a block that drafts k tokens: `k + 1`, or `k` with `sample_from_anchor`."""
+        return k + self.first_draft_slot
+
+    @property
+    def max_drafts(self) -> int:
+        """Drafts one block of `block_size` slots gives."""
+        return self.block_size - self.first_draft_slot
 
     @property
     def architecture(self) -> str:
@@ -174,6 +214,8 @@ class DFlashConfig:
             )
         if self.selector_top_k:
             dflash.update(selector_top_k=self.selector_top_k, selector_rank=self.selector_rank)
+        if self.sample_from_anchor:
+            dflash["sample_from_anchor"] = True
         d = {
             "architectures": [self.architecture],
             "model_type": "qwen3",
@@ -201,6 +243,10 @@ class DFlashConfig:
             # vLLM reads this first and uses it as capture slots: t + 1 (convention 13).
             "eagle_aux_hidden_state_layer_ids": [tap_of_dflash_id(x) for x in t],
         }
+        if self.markov_rank:
+            d.update(markov_rank=self.markov_rank, markov_head_type=self.markov_head_type)
+        if self.confidence_head:
+            d["confidence_head"] = True
         if self.rope_scaling and "mrope_section" in self.rope_scaling:
             d["rope_parameters"] = {"rope_theta": self.rope_theta, **self.rope_scaling}
         return d
@@ -277,4 +323,8 @@ class DFlashConfig:
             "conv_group_size": int(dc.get("conv_group_size", 16)),
             "selector_top_k": int(dc.get("selector_top_k", 0)),
             "selector_rank": int(dc.get("selector_rank", 256)),
+            "sample_from_anchor": bool(dc.get("sample_from_anchor", False)),
+            "markov_rank": int(d.get("markov_rank", 0) or 0),
+            "markov_head_type": str(d.get("markov_head_type", "vanilla")),
+            "confidence_head": bool(d.get("confidence_head", False)),
         }

@@ -20,6 +20,16 @@ DFlash2 options (identity-initialised, so the defaults are plain DFlash):
   codebooks `[V, r]`, `P` the hidden projection `[r, H]`); drafting walks the block from the
   anchor (`selector_logits`).
 
+DSpark options (REFERENCES A1, "DSpark"):
+- `MarkovHead` (`vanilla`): a first-order low-rank bias on the logits of draft j from the token
+  before it (the anchor for draft 1): `markov_w2(markov_w1[prev])` `[V]`, `markov_w1` an
+  embedding `[V, r]`, `markov_w2` a `Linear(r -> V)` (weight `[V, r]`); `markov_w2` starts at
+  zero, so an untrained head is plain DFlash;
+- `ConfidenceHead`: `proj = Linear(H -> 1)` on a drafting slot's normed hidden, the logit of
+  the probability that the draft is accepted (trained by BCE on `sum min(p, q)`).
+`draft_logits` is the one function training (teacher-forced predecessors) and the runner
+(the previous draft) score a drafting slot with.
+
 Shapes: block rows `[B, S]` with `S = (blocks per row) * n`, blocks contiguous, `n` the block
 length (`block`); RoPE positions `[B, S]` or `[3, B, S]`.
 """
@@ -172,6 +182,49 @@ def selector_logits(
     return out.scatter(-1, cand, s)
 
 
+class MarkovHead(nn.Module):
+    """DSpark's `vanilla` Markov head: `bias(prev) = markov_w2(markov_w1[prev])` `[..., V]`."""
+
+    def __init__(self, vocab: int, rank: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab, rank)  # [V, r]
+        nn.init.normal_(self.markov_w1.weight, std=0.02)
+        self.markov_w2 = nn.Linear(rank, vocab, bias=False)  # weight [V, r]
+        nn.init.zeros_(self.markov_w2.weight)
+
+    def forward(self, prev: torch.Tensor) -> torch.Tensor:
+        """prev `[...]` token ids -> logit bias `[..., V]`."""
+        return self.markov_w2(self.markov_w1(prev))
+
+
+class ConfidenceHead(nn.Module):
+    """DSpark's per-slot accept-rate predictor: normed hidden `[..., H]` -> logit `[...]`."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.proj = nn.Linear(hidden, 1)
+
+    def forward(self, normed: torch.Tensor) -> torch.Tensor:
+        return self.proj(normed.to(self.proj.weight.dtype))[..., 0]
+
+
+def draft_logits(
+    drafter,
+    normed: torch.Tensor,  # [..., H] a drafting slot's normed hidden
+    prev: torch.Tensor,  # [...] the token before the one drafted (anchor for draft 1)
+) -> torch.Tensor:
+    """The draft logits of one drafting slot `[..., V]`: the head's, plus DSpark's Markov bias
+    of `prev`, or DFlash2's selector scores over the top-k given `prev`. Training passes the
+    ground-truth predecessors, the runner the previous draft."""
+    logits = drafter.logits(normed)
+    if drafter.markov_head is not None:
+        logits = logits + drafter.markov_head(prev).to(logits.dtype)
+    sel = drafter.candidate_selector
+    if sel is not None:
+        logits = selector_logits(sel, sel.hidden_projection(normed), prev, logits)
+    return logits
+
+
 class DFlashDrafter(nn.Module):
     """`fc` + `hidden_norm` (context) + decoder layers + `norm`; the target's embedding and
     head (frozen, `requires_grad=False`, not in `trainable_state_dict`)."""
@@ -192,6 +245,13 @@ class DFlashDrafter(nn.Module):
         self.candidate_selector = (
             CandidateSelector(H, V, c.selector_rank, c.selector_top_k) if c.selector_top_k else None
         )
+        self.markov_head = MarkovHead(V, c.markov_rank) if c.markov_rank else None
+        self.confidence_head = ConfidenceHead(H) if c.confidence_head else None
+
+    @property
+    def chained(self) -> bool:
+        """Whether a draft's logits depend on the previous draft (Markov head, selector)."""
+        return self.markov_head is not None or self.candidate_selector is not None
 
     # -- the context --------------------------------------------------------------------------
     def project_context(self, features: torch.Tensor) -> torch.Tensor:

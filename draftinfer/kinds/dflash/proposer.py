@@ -1,4 +1,5 @@
-"""Block drafting (`dflash`): ONE drafter forward per round drafts up to B - 1 tokens.
+"""Block drafting (`dflash`): ONE drafter forward per round drafts up to B - 1 tokens (B with
+DSpark's `sample_from_anchor`).
 
 State: the drafter's KV cache holds, per layer and cache row, the *context* keys/values of
 committed tokens: cache index `i` = `k_norm(k_proj(ctx_i))` RoPE'd at `pos_i` and
@@ -17,13 +18,17 @@ A round (`propose`), for a padded batch with no host sync:
    past a request's draft cap (`num_drafts`: `max_model_len`, `max_tokens`) are padding, so
    a block near `max_model_len` is capped, never wrapped;
 3. one forward of the block over the cache (context strictly before the anchor, the block's
-   own slots bidirectionally or causally); slot `s >= 1` gives draft `s`;
-4. drafts are chosen slot by slot (`choose_block`): from the head's logits, or with DFlash2's
-   selector from its scores over the top-k candidates given the previous draft (q over the
-   candidates, so verification stays exact).
+   own slots bidirectionally or causally); draft j comes from slot `j - 1 + first_draft_slot`
+   (slot j; slot j - 1 with `sample_from_anchor`, the anchor slot drafting too);
+4. drafts are chosen slot by slot (`choose_block`, `module.draft_logits`): from the head's
+   logits, plus DSpark's Markov bias of the previous draft (the anchor for draft 1), or with
+   DFlash2's selector from its scores over the top-k candidates given the previous draft (q
+   over the candidates, so verification stays exact). DSpark's confidence head's accept
+   probabilities of the k drafts are kept as `confidence` `[B, k]` (not yet used to verify).
 
-K = `k` drafts use a block of `k + 1` slots (vLLM's `1 + num_speculative_tokens`); the training
-block is `block_size` slots, so K = B - 1 serves the trained block exactly.
+K = `k` drafts use a block of `config.block_slots(k)` slots (`k + 1`, vLLM's `1 +
+num_speculative_tokens`; `k` with `sample_from_anchor`); the training block is `block_size`
+slots, so K = `max_drafts` serves the trained block exactly.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from draftinfer.decoding.proposer import (
     last_valid,
 )
 from draftinfer.kinds.dflash.attention import CONTEXT, STALE, nonempty, visible
-from draftinfer.kinds.dflash.module import selector_logits
+from draftinfer.kinds.dflash.module import draft_logits
 from draftinfer.models.kv_cache import (
     KVCache,
     default_attention,
@@ -77,25 +82,30 @@ def dflash_block_inputs(
     num_drafts: torch.Tensor,  # [B] each request's draft cap
     k: int,
     mask_token_id: int,
+    first: int = 1,
 ) -> tuple[torch.Tensor, ...]:
-    """The block `[anchor, MASK x k]` of every request from the round's first pass (steps 2
-    of the module docstring): (anchor ids `[B]`, the anchor's cache index `[B]`, the slots'
-    cache indices `[B, k + 1]` (-1 = padding), their RoPE positions `[B, k + 1]` / `[3, B, k +
-    1]`, the block's ids `[B, k + 1]`, the last live slot's cache index `[B]`, which of the k
-    drafts are live `[B, k]`). One compiled piece (a dozen small kernels eagerly)."""
+    """The block `[anchor, MASK x (n - 1)]`, `n = k + first` slots (`first` = the config's
+    `first_draft_slot`), of every request from the round's first pass (step 2 of the module
+    docstring): (anchor ids `[B]`, the anchor's cache index `[B]`, the slots' cache indices
+    `[B, n]` (-1 = padding), their RoPE positions `[B, n]` / `[3, B, n]`, the block's ids
+    `[B, n]`, the last live slot's cache index `[B]`, which of the k drafts are live `[B, k]`).
+    A slot is live up to the one of the last allowed draft (the anchor always: its row is
+    committed). One compiled piece (a dozen small kernels eagerly)."""
     B, dev = ids.shape[0], ids.device
     ar = torch.arange(B, device=dev)
     last = last_valid(cache_pos)  # [B] each request's last committed row
     live_row = (cache_pos >= 0).any(1)  # rows with no request draft nothing
     anchor_ids = ids[ar, last]  # [B] t_{L-1}
     anchor = cache_pos[ar, last] + 1  # [B] cache index L - 1
-    s = torch.arange(k + 1, device=dev)
-    live = live_row[:, None] & (s[None] <= num_drafts[:, None])  # [B, k + 1]
+    s = torch.arange(k + first, device=dev)
+    last_slot = (num_drafts - 1 + first).clamp(min=0)  # [B] the slot of the last draft
+    live = live_row[:, None] & (s[None] <= last_slot[:, None])  # [B, n]
     cache = torch.where(live, anchor[:, None] + s[None], -1)
-    rope = block_positions(rope_pos[..., ar, last], k + 1)  # [B, k+1] / [3, B, k+1]
-    block = torch.where(s[None] == 0, anchor_ids[:, None], mask_token_id)  # [B, k + 1]
-    block_end = anchor + torch.where(live_row, num_drafts, -1)
-    live_slots = s[None, 1:] <= num_drafts[:, None]  # [B, k]
+    rope = block_positions(rope_pos[..., ar, last], k + first)  # [B, n] / [3, B, n]
+    block = torch.where(s[None] == 0, anchor_ids[:, None], mask_token_id)  # [B, n]
+    block_end = anchor + torch.where(live_row, last_slot, -1)
+    j = torch.arange(1, k + 1, device=dev)
+    live_slots = j[None] <= num_drafts[:, None]  # [B, k]
     return anchor_ids, anchor, cache, rope, block, block_end, live_slots
 
 
@@ -150,23 +160,17 @@ def dflash_block_forward(
 
 def choose_block(
     drafter,
-    normed: torch.Tensor,  # [B, k, H] slots 1..k
+    normed: torch.Tensor,  # [B, k, H] the drafting slots
     anchor_ids: torch.Tensor,  # [B]
     pick: Callable[[int, torch.Tensor], torch.Tensor],
 ) -> None:
-    """Draft the k slots in order: `pick(step, logits [B, V]) -> chosen ids [B]`. Plain DFlash
-    picks from the head's logits; DFlash2's selector scores the top-k candidates of slot s
-    given the token chosen at slot s - 1 (the anchor for slot 1), -inf elsewhere."""
-    logits = drafter.logits(normed)  # [B, k, V]
-    sel = drafter.candidate_selector
-    if sel is None:
-        for step in range(normed.shape[1]):
-            pick(step, logits[:, step])
-        return
-    proj = sel.hidden_projection(normed)  # [B, k, r]
+    """Draft the k slots in order: `pick(step, logits [B, V]) -> chosen ids [B]`, the logits
+    of `module.draft_logits` given the token chosen for the previous draft (the anchor for the
+    first): the head's alone for plain DFlash, plus DSpark's Markov bias, or DFlash2's
+    selector scores over the top-k (-inf elsewhere)."""
     pred = anchor_ids
     for step in range(normed.shape[1]):
-        pred = pick(step, selector_logits(sel, proj[:, step], pred, logits[:, step]))
+        pred = pick(step, draft_logits(drafter, normed[:, step], pred))
 
 
 class DFlashProposer(Proposer):
@@ -186,6 +190,9 @@ class DFlashProposer(Proposer):
         )
         self._write, self._block = dflash_write_context, dflash_block_forward
         self._inputs = dflash_block_inputs
+        # DSpark: the confidence head's accept probability of each draft of the last round
+        # `[B, k]` (None without the head); carried for confidence-driven verification.
+        self.confidence: torch.Tensor | None = None
 
     def compile(self, **kwargs) -> None:
         super().compile(**kwargs)
@@ -221,30 +228,34 @@ class DFlashProposer(Proposer):
         d, fp = self.drafter, first_pass
         B, dev = fp.ids.shape[0], fp.ids.device
         self._write_rows(fp)
+        first = d.config.first_draft_slot
         anchor_ids, anchor, cache, rope, ids, block_end, live_slots = self._inputs(
-            fp.ids, fp.cache_pos, fp.rope_pos, num_drafts, k, d.config.mask_token_id
+            fp.ids, fp.cache_pos, fp.rope_pos, num_drafts, k, d.config.mask_token_id, first
         )
         if attn_len is None:  # tests: one host sync to size the read
             attn_len = resolve_attn_len(Slots(fp.rows, cache), self.max_seq_len)
         c = self.cache
         normed = self._block(d, c.k, c.v, ids, rope, fp.rows, cache, anchor, block_end, attn_len)
+        normed = normed[:, first:]  # [B, k, H] the drafting slots
+        if d.confidence_head is not None:
+            self.confidence = torch.sigmoid(d.confidence_head(normed).float())
         drafts = torch.zeros(B, k, dtype=torch.long, device=dev)
-        if d.candidate_selector is None:  # the slots' drafts are independent: all at once
-            return drafts, self._record_all(drafts, d.logits(normed[:, 1:]), live_slots, choose)
+        if not d.chained:  # the slots' drafts are independent: all at once
+            return drafts, self._record_all(drafts, d.logits(normed), live_slots, choose)
         qs: list[torch.Tensor | None] = [None]
 
         def pick(step: int, logits: torch.Tensor) -> torch.Tensor:
             qs[0] = self._record(drafts, qs[0], step, logits, num_drafts > step, choose)
             return drafts[:, step]
 
-        choose_block(d, normed[:, 1:], anchor_ids, pick)
+        choose_block(d, normed, anchor_ids, pick)
         return drafts, qs[0]
 
     @staticmethod
     @torch.no_grad()
     def reference_drafts(drafter, ids, features, rope_pos, n, choose, mm=None):
         """No-cache reference for one request: context = every row's feature (rows `[R]`),
-        the block `[t_R, MASK x n]` at `pos_{R-1} + 1 + s`, one forward over the context keys
+        the block `[t_R, MASK x ...]` of `block_slots(n)` slots at `pos_{R-1} + 1 + s`, one forward over the context keys
         and the block with the dense mask of `attention.visible` in token indices. `mm` (the
         multimodal rows' input embeddings) is not read: the context is target features only,
         and the anchor, the last committed token, is text."""
@@ -254,11 +265,12 @@ class DFlashProposer(Proposer):
         R = ids.shape[0]
         dev = ids.device
         ctx_kv = d.context_kv(d.project_context(features)[None], rope_pos[..., None, :])
-        s = torch.arange(n + 1, device=dev)
+        c = d.config
+        slots = c.block_slots(n)
+        s = torch.arange(slots, device=dev)
         q_index = R + s  # the anchor t_R is token index R
         k_index = torch.cat([torch.arange(R, device=dev), q_index])
         k_anchor = torch.cat([torch.full((R,), CONTEXT, device=dev), torch.full_like(s, R)])
-        c = d.config
         masks = [
             visible(q_index[:, None], R, k_index[None], k_anchor[None], *key)[None, None]
             for key in ((c.layer_causal(i), c.layer_window(i)) for i in range(c.num_hidden_layers))
@@ -270,10 +282,10 @@ class DFlashProposer(Proposer):
                 q, torch.cat([kc, k], 1), torch.cat([vc, v], 1), mask=masks[layer]
             )
 
-        block = torch.full((1, n + 1), c.mask_token_id, dtype=torch.long, device=dev)
+        block = torch.full((1, slots), c.mask_token_id, dtype=torch.long, device=dev)
         block[0, 0] = ids[-1]
-        pos = block_positions(rope_pos[..., -1], n + 1)[..., None, :]  # [1, n+1] / [3, 1, n+1]
-        normed = d(block, pos, attn_fn, n + 1)
+        pos = block_positions(rope_pos[..., -1], slots)[..., None, :]  # [1, n'] / [3, 1, n']
+        normed = d(block, pos, attn_fn, slots)
         ids_t = d.draft_vocab_ids()
         drafts, qs = [], []
 
@@ -283,5 +295,5 @@ class DFlashProposer(Proposer):
             qs.append(q)
             return ids_t[choice]
 
-        choose_block(d, normed[:, 1:], block[:, 0], pick)
+        choose_block(d, normed[:, c.first_draft_slot :], block[:, 0], pick)
         return drafts, qs

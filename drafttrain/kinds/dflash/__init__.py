@@ -79,6 +79,10 @@ class DFlashTrainSpec(TrainSpec):
             conv_group_size=cfg.conv_group_size,
             selector_top_k=cfg.selector_top_k if cfg.dflash2 else 0,
             selector_rank=cfg.selector_rank,
+            sample_from_anchor=cfg.dspark,
+            markov_rank=cfg.markov_rank if cfg.dspark else 0,
+            markov_head_type=cfg.markov_head_type,
+            confidence_head=cfg.dspark,
         )
 
     def features(self, cfg: DFlashTrainConfig, ctx: InitContext):

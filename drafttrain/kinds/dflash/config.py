@@ -50,6 +50,17 @@ class DFlashTrainConfig(DrafterTrainConfig):
     selector_top_k: int = 16
     selector_rank: int = 256
     selector_loss_weight: float = 1.0
+    # DSpark (REFERENCES A1/A2): the anchor slot drafts too (`sample_from_anchor`), a low-rank
+    # Markov head (`markov_rank`, `markov_head_type`) and the confidence head; the loss per
+    # drafting slot is `dspark_ce_weight * CE + dspark_tv_weight * TV + confidence_loss_weight
+    # * BCE(confidence, sum min(p_draft, p_target))` under the per-slot weights (exp_decay:
+    # exp(-(j-1)/gamma) for draft j, DSpark's exp(-k/gamma) of anchor-slot index k).
+    dspark: bool = False
+    markov_rank: int = 256
+    markov_head_type: str = "vanilla"
+    dspark_ce_weight: float = 0.1
+    dspark_tv_weight: float = 0.9
+    confidence_loss_weight: float = 1.0
 
     def check(self) -> None:
         super().check()
@@ -58,5 +69,16 @@ class DFlashTrainConfig(DrafterTrainConfig):
         at_least("drafter", self, 1, "selector_top_k", "selector_rank", "sliding_window")
         above("drafter", self, 0, "kd_temperature", "gamma")
         at_least("drafter", self, 0, "selector_loss_weight", "dpace_alpha")
+        at_least("drafter", self, 1, "markov_rank")
+        at_least("drafter", self, 0, "dspark_ce_weight", "dspark_tv_weight")
+        at_least("drafter", self, 0, "confidence_loss_weight")
+        one_of("drafter", self, "markov_head_type", ("vanilla",))
+        if self.dspark and (self.dflash2 or self.loss != "ce"):
+            from drafttrain.jobs.errors import ConfigError
+
+            raise ConfigError(
+                "drafter.dspark: its own loss (CE + TV + BCE) with the anchor-slot layout; "
+                "keep drafter.dflash2=false and drafter.loss=ce"
+            )
         one_of("drafter", self, "loss", LOSSES)
         one_of("drafter", self, "loss_weights", WEIGHTS)

@@ -10,17 +10,23 @@ Per sequence of tokens `x_0..x_{T-1}` with target features `f_j` and target posi
 - **context**: `hidden_norm(fc(f_j))` of every token, keys/values of every layer, visible to a
   slot of anchor `a` iff `j < a` (`draftinfer.kinds.dflash.attention.visible`: bidirectional
   in the block, or causal with `causal_block` / in sliding layers);
-- **labels**: slot `k >= 1` predicts `x_{a+k}`: it is scored against the target's
-  distribution at row `a + k - 1` (the one that predicts `x_{a+k}`, soft labels as every kind
-  here), counted when `x_{a+k}` is an assistant token inside the sequence; slot 0 is never
-  scored;
+- **labels**: draft `j = 1..K` predicts `x_{a+j}` from slot `j - 1 + first_draft_slot` (slot
+  `j`, K = n - 1; with DSpark's `sample_from_anchor` slot `j - 1`, K = n, the anchor slot
+  drafting too: `DFlashConfig.first_draft_slot`, the runner's rule): it is scored against the
+  target's distribution at row `a + j - 1` (the one that predicts `x_{a+j}`, soft labels as
+  every kind here), counted when `x_{a+j}` is an assistant token inside the sequence;
 - **loss** per row: soft cross-entropy (`loss: ce`) or forward KL at `kd_temperature`, T^2-
   scaled (`loss: kl`, JetSpec), or `trainer.loss` (`drafttrain.objectives.loss_fns`: kl, tv, lk at T=1;
   `dpace` is soft cross-entropy with D-PACE weights); per-slot weights `exp(-(k-1)/gamma)`, D-PACE from the draft's
   probability of the target's top-1 (`drafttrain.objectives.loss_weights`), or uniform. With DFlash2's
   selector, `selector_loss_weight x` its K-way cross-entropy over the draft's top-K candidates
   (the target's top-1 inserted when missing), scored with the ground-truth predecessor
-  `x_{a+k-1}`, under the same weights.
+  `x_{a+k-1}`, under the same weights. DSpark (`drafter.dspark`): the draft logits carry the
+  Markov bias of the ground-truth predecessor `x_{a+j-1}` (`module.draft_logits`, the
+  runner's function), and the row loss is `dspark_ce_weight * CE + dspark_tv_weight * TV +
+  confidence_loss_weight * BCE(confidence logit, alpha)`, TV = `1/2 |q - p|_1`, `alpha = sum
+  min(q, p)` (detached: the probability the draft is accepted), q the draft's distribution and
+  p the target's at row `a + j - 1`; computed on full `[N, V]` logits (not the fused chunks).
 
 Metrics (`DraftLoss`): `loss_k` (plain CE / KL of slot k), `acc_k` (the draft, i.e. the head's
 argmax or the selector's choice, equals the target's top-1), `sim_al`; plus `block_al` =
@@ -39,13 +45,13 @@ from draftinfer.conventions.positions import block_positions
 from draftinfer.conventions.window import TokenEmbeds, shift_left
 from draftinfer.kinds.dflash import DFlashDrafter
 from draftinfer.kinds.dflash.attention import CONTEXT, PAD
-from draftinfer.kinds.dflash.module import selector_logits
+from draftinfer.kinds.dflash.module import draft_logits
 from draftinfer.models.target import TargetOutput
 from drafttrain.frozen.head import target_distribution
 from drafttrain.jobs.errors import ConfigError
 from drafttrain.kinds.dflash.blocks import make_block_attention
 from drafttrain.kinds.dflash.config import PAPER_GAMMA, DFlashTrainConfig
-from drafttrain.objectives.fused_ce import linear_soft_ce_rows
+from drafttrain.objectives.fused_ce import RowCE, linear_soft_ce_rows
 from drafttrain.objectives.loss_fns import SOFT_CE
 from drafttrain.objectives.loss_weights import dpace_weights, exp_decay_weights
 from drafttrain.objectives.losses import DraftLoss
@@ -110,6 +116,11 @@ class DFlashObjective:
 
     def __init__(self, drafter: DFlashDrafter, cfg: DFlashTrainConfig, backend: str, loss=SOFT_CE):
         self.drafter, self.cfg, self.backend, self.loss = drafter, cfg, backend, loss
+        if cfg.dspark and not loss.is_soft_ce:
+            raise ConfigError(
+                f"drafter.dspark has its own row loss (CE + TV + BCE); trainer.loss={loss.name} "
+                "would replace it: use trainer.loss=soft_ce (exp-decay weights) or dpace"
+            )
         if cfg.loss != "ce" and not loss.is_soft_ce:
             raise ConfigError(
                 f"drafter.loss={cfg.loss} and trainer.loss={loss.name} both choose the row "
@@ -173,28 +184,31 @@ class DFlashObjective:
         k + 1 slots per anchor, as training lays them out) `[A, k, V]`."""
         d = self.drafter
         h = self._anchors_hidden(ids, features, rope_pos, anchors, k)  # [A, k, H]
-        logits = d.logits(h)
-        sel = d.candidate_selector
-        if sel is None:
-            return logits
-        pred = torch.stack([ids[0, x + 1 : x + 1 + k] for x in anchors])  # x_{a+s-1}, slot s
-        proj = sel.hidden_projection(h)
-        return torch.stack(
-            [selector_logits(sel, proj[i], pred[i], logits[i]) for i in range(len(anchors))]
-        )
+        if not d.chained:
+            return d.logits(h)
+        pred = torch.stack([ids[0, x + 1 : x + 1 + k] for x in anchors])  # x_{a+j-1}, draft j
+        return draft_logits(d, h, pred)
 
     def _anchors_hidden(self, ids, features, rope_pos, anchors: list[int], k: int):
+        c = self.drafter.config
         a = torch.as_tensor(anchors, device=ids.device)[None] + 1
-        return self.forward_blocks(ids, features, rope_pos, a, k + 1)[0, :, 1:]
+        blocks = self.forward_blocks(ids, features, rope_pos, a, c.block_slots(k))
+        return blocks[0, :, c.first_draft_slot :]
 
     def anchors_hidden(self, ids, features, rope_pos, anchors: list[int], k: int, mm=None):
         """The head's inputs of `anchors_logits` `[A, k, H]` (differentiable; on-policy
         training, `drafttrain.objectives.opd`). DFlash2's selector re-ranks the head's top-K
-        after the head, so its drafts are not the head's: a one-line error."""
+        after the head, and DSpark's Markov head biases it by the previous draft, so their
+        drafts are not the head's: a one-line error."""
         if self.drafter.candidate_selector is not None:
             raise ConfigError(
                 "trainer.stage=opd does not train DFlash2's candidate selector yet: its drafts "
                 "are the selector's choice, not the head's (drafter.dflash2=false)"
+            )
+        if self.drafter.markov_head is not None:
+            raise ConfigError(
+                "trainer.stage=opd does not train DSpark's Markov head yet: its drafts carry "
+                "the previous draft's bias, not the head's alone (drafter.dspark=false)"
             )
         return self._anchors_hidden(ids, features, rope_pos, anchors, k)
 
@@ -204,7 +218,8 @@ class DFlashObjective:
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         c, d = self.cfg, self.drafter
         n = d.config.block_size
-        K = n - 1
+        first = d.config.first_draft_slot
+        K = n - first
         input_ids = batch["input_ids"]
         B, T = input_ids.shape
         temp = c.kd_temperature if c.loss == "kl" else 1.0
@@ -215,36 +230,70 @@ class DFlashObjective:
         anchors = sample_anchors(cand, c.num_anchors)  # [B, A]
         A = anchors.shape[1]
         normed = self.forward_blocks(input_ids, tgt.features, tgt.rope_pos, anchors, n)
-        h = normed[:, :, 1:]  # [B, A, K, H]: slots 1..K
-        lab = anchors.clamp(min=1)[..., None] + torch.arange(1, n, device=h.device)  # x_{a+k}
+        h = normed[:, :, first:]  # [B, A, K, H]: the drafting slots
+        lab = anchors.clamp(min=1)[..., None] + torch.arange(1, K + 1, device=h.device)  # x_{a+j}
         labc = lab.clamp(max=T - 1)
         bidx = torch.arange(B, device=h.device)[:, None, None]
         valid = (anchors >= 0)[..., None] & (lab < T) & loss_mask[bidx, labc]  # [B, A, K]
         rows = (bidx * T + labc - 1).reshape(-1)  # the target row that predicts x_{a+k}
         hf = h.reshape(-1, h.shape[-1])
         sel = d.candidate_selector
-        r = linear_soft_ce_rows(
-            hf / temp,
-            d.lm_head.weight,
-            dist.probs,
-            rows,
-            dist.top1,
-            sel.top_k if sel else 0,
-            loss=self.loss,
-        )
+        metrics: dict[str, torch.Tensor | float] = {}
+        if c.dspark:
+            pred = input_ids.gather(1, (labc - 1).reshape(B, -1)).reshape(-1)  # x_{a+j-1}
+            r, parts = self._dspark_rows(hf, pred, rows, dist)
+            for name, v in parts.items():
+                metrics[name] = (v.view(B, A, K) * valid).sum() / valid.sum().clamp(min=1)
+        else:
+            r = self._soft_ce_rows(hf, rows, dist, temp, sel)
         per_row = r.ce
         if c.loss == "kl":  # KL = CE - H(p), T^2-scaled (same gradient as CE, times T)
             p = dist.probs[rows].float()
             per_row = (r.ce - torch.special.entr(p).sum(-1)) * temp**2
         per_row = per_row.view(B, A, K)
         hit = r.hit.view(B, A, K)
-        metrics: dict[str, torch.Tensor | float] = {}
         extra = torch.zeros_like(per_row)
         if sel is not None:
             sce, shit = self._selector_loss(hf, input_ids, labc, rows, dist.top1, r.cand)
             extra = c.selector_loss_weight * sce.view(B, A, K)
             hit = shit.view(B, A, K)
             metrics["sel_loss"] = (sce.view(B, A, K) * valid).sum() / valid.sum().clamp(min=1)
+        return self._weighted(per_row, extra, hit, valid, anchors, r, metrics, loss_mask)
+
+    def _soft_ce_rows(self, hf, rows, dist, temp, sel):
+        return linear_soft_ce_rows(
+            hf / temp,
+            self.drafter.lm_head.weight,
+            dist.probs,
+            rows,
+            dist.top1,
+            sel.top_k if sel else 0,
+            loss=self.loss,
+        )
+
+    def _dspark_rows(self, hf, pred, rows, dist):
+        """DSpark's row loss (module docstring) on full logits -> (a `RowCE` whose `ce` is the
+        weighted row loss, its parts `{dspark_ce, dspark_tv, conf_bce}` `[N]`)."""
+        c, d = self.cfg, self.drafter
+        logits = draft_logits(d, hf, pred).float()  # [N, V]
+        logp = F.log_softmax(logits, -1)
+        q, p = logp.exp(), dist.probs[rows].float()
+        ce = -(p * logp).sum(-1)
+        tv = 0.5 * (q - p).abs().sum(-1)
+        alpha = torch.minimum(q, p).sum(-1).detach()  # P(the draft is accepted), sum min(p, q)
+        row = c.dspark_ce_weight * ce + c.dspark_tv_weight * tv
+        bce = torch.zeros_like(ce)
+        if d.confidence_head is not None:
+            conf = d.confidence_head(hf).float()
+            bce = F.binary_cross_entropy_with_logits(conf, alpha, reduction="none")
+            row = row + c.confidence_loss_weight * bce
+        top1 = dist.top1[rows]
+        r = RowCE(row, logits.argmax(-1) == top1, logp.gather(-1, top1[:, None])[:, 0], None)
+        return r, {"dspark_ce": ce.detach(), "dspark_tv": tv.detach(), "conf_bce": bce.detach()}
+
+    def _weighted(self, per_row, extra, hit, valid, anchors, r, metrics, loss_mask):
+        c = self.cfg
+        B, A, K = per_row.shape
         if self.dpace:
             row_w = dpace_weights(r.logp_top1.exp().view(B, A, K), valid, c.dpace_alpha)
             slot_w = [1.0] * K
@@ -253,7 +302,7 @@ class DFlashObjective:
             decay = exp_decay_weights(K, self.gamma).tolist() if self.gamma else [1.0] * K
             slot_w = decay
         total = (per_row + extra) * row_w
-        out = DraftLoss(h.device)
+        out = DraftLoss(per_row.device)
         real = (anchors >= 0).sum(1).clamp(min=1).float()
         out.metrics["anchors"] = real.mean()
         lead = torch.cumprod((hit & valid).float(), -1).sum(-1)  # [B, A] leading correct slots
@@ -292,7 +341,7 @@ class DFlashObjective:
     def checkpoint_meta(self) -> dict:
         c = self.cfg
         return {
-            "serving_k": c.block_size - 1,
+            "serving_k": self.drafter.config.max_drafts,
             "num_anchors": c.num_anchors,
             "loss": c.loss,
             "loss_weights": "dpace" if self.dpace else c.loss_weights,

@@ -1,0 +1,252 @@
+"""DSpark as options of the block drafter (`drafter.dspark`): the sample-from-anchor layout, the
+vanilla Markov head and the confidence head, each pinned directly (REFERENCES A1/A2 "DSpark"):
+
+- layout: draft j comes from slot j - 1 (the anchor slot drafts) and is scored against x[a + j]
+  in training, and the runner's block of k slots gives k drafts, capped without wrapping;
+- Markov bias: `markov_w2(markov_w1[prev])`, prev = the ground truth in training, the previous
+  draft in the runner (the anchor for draft 1), computed here by hand;
+- loss: `0.1 CE + 0.9 TV + 1.0 BCE(confidence, sum min(p, q))` per drafting slot, by hand; the
+  acceptance target is detached (a zero gradient on the Markov head from the BCE alone);
+- the runner carries the confidence head's accept probabilities of its drafts;
+- export: the fields vLLM's `dspark` reads and the tensor names and shapes of the references.
+S9 parity and the rounds-against-a-reference test run the option with every other one
+(`tests/support/dflash.py::VARIANTS`, `tests/kinds/test_dflash_options.py`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from draftinfer.files.errors import CheckpointError
+from draftinfer.kinds.dflash import DFlashConfig
+from draftinfer.kinds.dflash.module import draft_logits
+from draftinfer.kinds.dflash.proposer import dflash_block_inputs
+from draftinfer.models.target import TargetOutput
+from draftinfer.registry import drafter_spec
+from drafttrain.kinds.dflash import objective as dflash_objective
+from drafttrain.registry import train_spec
+from tests.support.dflash import runner_logits, variant_drafter
+
+
+def _markov_by_hand(d, prev: torch.Tensor) -> torch.Tensor:
+    """`W2 @ W1[prev]` with the stored `[V, r]` matrices, written out."""
+    w1 = d.markov_head.markov_w1.weight  # [V, r]
+    w2 = d.markov_head.markov_w2.weight  # [V, r]
+    return w1[prev] @ w2.T
+
+
+def _inputs(d, T=15, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, d.config.vocab_size, (1, T), generator=g)
+    feats = torch.randn(1, T, d.config.features.width(d.config.hidden_size), generator=g)
+    return ids, feats, torch.arange(T)[None]
+
+
+def test_layout_is_one_definition_and_check_k_follows_it():
+    d = variant_drafter("dspark")
+    c = d.config
+    assert c.sample_from_anchor and c.first_draft_slot == 0
+    assert c.block_slots(5) == 5 and c.max_drafts == c.block_size
+    plain = dataclasses.replace(c, sample_from_anchor=False, markov_rank=0, confidence_head=False)
+    assert plain.first_draft_slot == 1 and plain.block_slots(5) == 6
+    assert plain.max_drafts == c.block_size - 1
+    spec = drafter_spec("dflash")
+    spec.check_k(c, c.block_size)  # the anchor slot drafts: B drafts per block
+    with pytest.raises(CheckpointError, match="exceeds"):
+        spec.check_k(c, c.block_size + 1)
+    with pytest.raises(CheckpointError, match="exceeds"):
+        spec.check_k(plain, plain.block_size)
+
+
+def test_runner_block_of_k_slots_capped_without_wrapping():
+    """`first = 0`: k slots for k drafts; a request allowed n drafts has live slots 0..n-1
+    (the anchor slot always: its row is committed), the others padding."""
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10], [11, 12, 13]])
+    cache_pos = torch.tensor([[0, 1, 2], [3, 4, -1], [7, 8, 9]])
+    rope_pos = cache_pos.clamp(min=0)
+    num_drafts = torch.tensor([4, 2, 0])
+    anchor_ids, anchor, cache, rope, block, block_end, live = dflash_block_inputs(
+        ids, cache_pos, rope_pos, num_drafts, 4, 99, first=0
+    )
+    assert anchor_ids.tolist() == [7, 9, 13] and anchor.tolist() == [3, 5, 10]
+    assert cache.tolist() == [[3, 4, 5, 6], [5, 6, -1, -1], [10, -1, -1, -1]]
+    assert rope.tolist() == [[3, 4, 5, 6], [5, 6, 7, 8], [10, 11, 12, 13]]
+    assert block.tolist() == [[7, 99, 99, 99], [9, 99, 99, 99], [13, 99, 99, 99]]
+    assert block_end.tolist() == [6, 6, 10]
+    assert live.tolist() == [[True] * 4, [True, True, False, False], [False] * 4]
+    # plain DFlash: k + 1 slots, slot s >= 1 drafts s.
+    *_, cache1, _, _, end1, live1 = dflash_block_inputs(
+        ids, cache_pos, rope_pos, num_drafts, 4, 99, first=1
+    )
+    assert cache1.tolist()[1] == [5, 6, 7, -1, -1] and end1.tolist() == [7, 7, 10]
+    assert torch.equal(live1, live)
+
+
+def test_markov_bias_is_w2_of_w1_of_the_previous_token():
+    d = variant_drafter("dspark")
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(6, d.config.hidden_size, generator=g)
+    prev = torch.randint(0, d.config.vocab_size, (6,), generator=g)
+    with torch.no_grad():
+        got = draft_logits(d, h, prev) - d.logits(h)
+        want = _markov_by_hand(d, prev)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert float(want.abs().max()) > 1.0  # the randomized head moves the logits
+
+
+def test_runner_biases_each_draft_by_the_previous_draft():
+    """Draft 2's logits after choosing token a vs b for draft 1 differ by exactly the Markov
+    bias of a minus that of b; draft 1's by nothing (its predecessor is the anchor)."""
+    d = variant_drafter("dspark")
+    ids, feats, pos = _inputs(d)
+    a, b = torch.tensor([3, 4, 5]), torch.tensor([40, 4, 5])
+    with torch.no_grad():
+        la = runner_logits(d, ids, feats, pos, 6, 3, choose_ids=a)
+        lb = runner_logits(d, ids, feats, pos, 6, 3, choose_ids=b)
+        want = _markov_by_hand(d, torch.tensor(3)) - _markov_by_hand(d, torch.tensor(40))
+    torch.testing.assert_close(la[0], lb[0])
+    torch.testing.assert_close(la[1] - lb[1], want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(la[2], lb[2])  # both chose 4 for draft 2
+
+
+def _batch_and_target(d, T=14, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    V = d.config.vocab_size
+    ids = torch.randint(0, V, (1, T), generator=g)
+    loss_mask = torch.zeros(1, T, dtype=torch.long)
+    loss_mask[0, 5:] = 1
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones(1, T, dtype=torch.long),
+        "loss_mask": loss_mask,
+    }
+    F_ = d.config.features.width(d.config.hidden_size)
+    logits = 3 * torch.randn(1, T, V, generator=g)
+    tgt = TargetOutput(logits, torch.randn(1, T, F_, generator=g), torch.arange(T)[None], None)
+    return batch, tgt
+
+
+def test_training_scores_slot_j_minus_1_against_x_a_plus_j_with_the_dspark_loss(monkeypatch):
+    """Anchor a = 6 of 14 tokens, block 16: draft j (slot j - 1, the anchor slot first) has label
+    x[6 + j] scored against target row 5 + j, predecessor x[5 + j]; j = 1..7 are inside the
+    sequence. Each slot's logged loss equals 0.1 CE + 0.9 TV + BCE(conf, sum min(p, q)), all
+    computed here from the block's hidden states and the weights by hand."""
+    d = variant_drafter("dspark")
+    spec = train_spec("dflash")
+    cfg = spec.config_class(dspark=True, markov_rank=5)
+    obj = spec.objective(d, cfg, "eager")
+    batch, tgt = _batch_and_target(d)
+    a, T = 6, 14
+    ids = batch["input_ids"]
+    monkeypatch.setattr(dflash_objective, "sample_anchors", lambda c, n: torch.tensor([[a]]))
+    with torch.no_grad():
+        _, m = obj(batch, tgt)
+        h = obj.forward_blocks(ids, tgt.features, tgt.rope_pos, torch.tensor([[a]]), 16)[0, 0]
+    p_t = torch.softmax(tgt.logits[0], -1)
+    w_conf, b_conf = d.confidence_head.proj.weight[0], d.confidence_head.proj.bias[0]
+    assert int(m["acc_16"] != m["acc_16"]) == 0  # 16 drafts are logged (B, not B - 1)
+    for j in range(1, 17):
+        if a + j >= T:
+            assert m[f"loss_{j}"] == 0.0
+            continue
+        slot, row, prev = j - 1, a + j - 1, ids[0, a + j - 1]
+        logits = h[slot] @ d.lm_head.weight.T + _markov_by_hand(d, prev)
+        q = torch.softmax(logits, -1)
+        ce = -(p_t[row] * torch.log_softmax(logits, -1)).sum()
+        tv = 0.5 * (q - p_t[row]).abs().sum()
+        alpha = torch.minimum(q, p_t[row]).sum()
+        z = h[slot] @ w_conf + b_conf
+        bce = -(alpha * F.logsigmoid(z) + (1 - alpha) * F.logsigmoid(-z))
+        want = 0.1 * ce + 0.9 * tv + bce
+        torch.testing.assert_close(m[f"loss_{j}"].float(), want, rtol=1e-4, atol=1e-4)
+        assert float(m[f"acc_{j}"]) == float(logits.argmax() == p_t[row].argmax())
+
+
+def test_confidence_target_is_detached_and_each_term_trains_its_own_part():
+    """With CE and TV weighted 0, the loss is the BCE alone: the Markov head's gradient is
+    exactly zero (alpha = sum min(p, q) is a detached target), the confidence head's is not.
+    With the BCE weighted 0 the confidence head gets exactly zero gradient."""
+    d = variant_drafter("dspark")
+    spec = train_spec("dflash")
+    batch, tgt = _batch_and_target(d)
+    for weights, zero, nonzero in (
+        ({"dspark_ce_weight": 0.0, "dspark_tv_weight": 0.0}, "markov_head", "confidence_head"),
+        ({"confidence_loss_weight": 0.0}, "confidence_head", "markov_head"),
+    ):
+        cfg = spec.config_class(dspark=True, markov_rank=5, **weights)
+        obj = spec.objective(d, cfg, "eager")
+        d.zero_grad(set_to_none=False)
+        torch.manual_seed(0)
+        loss, _ = obj(batch, tgt)
+        loss.backward()
+        grads = {n: p.grad for n, p in d.named_parameters() if p.requires_grad}
+        assert all(float(g.abs().max()) == 0.0 for n, g in grads.items() if n.startswith(zero))
+        assert any(float(g.abs().max()) > 0.0 for n, g in grads.items() if n.startswith(nonzero))
+
+
+def test_runner_carries_the_confidence_of_its_drafts():
+    """The proposer's `confidence` `[B, k]` is sigmoid(proj(h)) of the drafting slots, h the
+    hidden states training gives the same block."""
+    d = variant_drafter("dspark")
+    ids, feats, pos = _inputs(d)
+    spec = train_spec("dflash")
+    obj = spec.objective(d, spec.config_class(dspark=True, markov_rank=5), "eager")
+    prop = drafter_spec("dflash").proposer_class(d, 2, 64, torch.device("cpu"), torch.float32)
+    from draftinfer.decoding.proposer import FirstPass
+
+    anchor, k = 6, 4
+    n = anchor + 1
+    fp = FirstPass(
+        torch.tensor([1]), ids[:, 1 : n + 1], feats[:, :n], torch.arange(n)[None], pos[..., :n]
+    )
+    prop.propose(prop.admit(fp), torch.tensor([k]), k)
+    with torch.no_grad():
+        h = obj._anchors_hidden(ids, feats, pos, [anchor], k)[0]  # [k, H]
+        want = torch.sigmoid(d.confidence_head(h))
+    assert prop.confidence is not None and prop.confidence.shape == (1, k)
+    torch.testing.assert_close(prop.confidence[0], want, rtol=1e-4, atol=1e-5)
+
+
+def test_export_fields_and_tensor_names_round_trip():
+    d = variant_drafter("dspark")
+    c = d.config
+    hf = c.to_hf()
+    assert hf["dflash_config"]["sample_from_anchor"] is True
+    assert hf["markov_rank"] == 5 and hf["markov_head_type"] == "vanilla"
+    assert DFlashConfig.from_hf(hf) == c
+    sd = d.trainable_state_dict()
+    V, H, r = c.vocab_size, c.hidden_size, 5
+    assert sd["markov_head.markov_w1.weight"].shape == (V, r)
+    assert sd["markov_head.markov_w2.weight"].shape == (V, r)
+    assert sd["confidence_head.proj.weight"].shape == (1, H)
+    assert sd["confidence_head.proj.bias"].shape == (1,)
+    plain = dataclasses.replace(c, sample_from_anchor=False, markov_rank=0, confidence_head=False)
+    ph = plain.to_hf()
+    assert "sample_from_anchor" not in ph["dflash_config"] and "markov_rank" not in ph
+
+
+def test_untrained_markov_head_is_plain_dflash():
+    """`markov_w2` starts at zero: a freshly built DSpark drafter's draft logits are the
+    head's (the test drafters above are randomized past that on purpose)."""
+    d = drafter_spec("dflash").build(variant_drafter("dspark").config)
+    assert float(d.markov_head.markov_w2.weight.detach().abs().max()) == 0.0
+    assert float(d.markov_head.markov_w1.weight.detach().abs().max()) > 0.0
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(3, d.config.hidden_size, generator=g)
+    with torch.no_grad():
+        assert torch.equal(draft_logits(d, h, torch.tensor([1, 2, 3])), d.logits(h))
+
+
+def test_on_policy_stage_refuses_the_markov_head():
+    """OPD trains on the head's logits alone; a Markov head's drafts are not those."""
+    from drafttrain.jobs.errors import ConfigError
+
+    d = variant_drafter("dspark")
+    spec = train_spec("dflash")
+    obj = spec.objective(d, spec.config_class(dspark=True, markov_rank=5), "eager")
+    ids, feats, pos = _inputs(d)
+    with pytest.raises(ConfigError, match="Markov head"):
+        obj.anchors_hidden(ids, feats, pos, [3], 2)
