@@ -17,8 +17,9 @@ import torch
 
 from draftinfer.files.paths import ZOO_DIR, resolve_path
 from drafttrain.data import tokenize_conversation
-from drafttrain.zoo import deepseek_target, text_data, text_train
+from drafttrain.zoo import deepseek_target, text_train
 from drafttrain.zoo.moe_targets import DEEPSEEK_V3
+from tests.support.moe_targets import load_zoo_with_mtp
 
 SPEC = DEEPSEEK_V3
 L = 8  # decoder layers: the MTP layer is model.layers.8.*
@@ -26,19 +27,8 @@ L = 8  # decoder layers: the MTP layer is model.layers.8.*
 
 @pytest.fixture(scope="module")
 def zoo():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = resolve_path(f"zoo:{SPEC.model_dir}")
-    model, info = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, output_loading_info=True
-    )
-    assert not info["missing_keys"] and not info["mismatched_keys"], info
     # transformers' DeepSeek-V3 class ignores the MTP layer; nothing else is left unread.
-    assert info["unexpected_keys"] and all(
-        k.startswith(f"model.layers.{L}.") for k in info["unexpected_keys"]
-    )
-    rows = text_data.read_jsonl(ZOO_DIR / SPEC.data_dir / "test.jsonl")
-    return model.eval(), AutoTokenizer.from_pretrained(path), rows
+    return load_zoo_with_mtp(SPEC, L)
 
 
 def test_config_is_deepseek_v3_at_toy_scale(zoo):

@@ -194,3 +194,24 @@ def train_a_few_steps(family: str, env: dict[str, str], kind: str, tmp: Path, st
         opt.step()
         losses.append(float(loss))
     return losses, drafter.config
+
+
+def load_zoo_with_mtp(spec, n_layers: int):
+    """(model, tokenizer, held-out rows) of a shipped zoo target whose MTP layer sits at
+    `model.layers.{n_layers}.*`: transformers' own class loads every tensor but that layer's,
+    which it ignores (asserted: nothing missing, nothing else left unread)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from draftinfer.files.paths import ZOO_DIR, resolve_path
+    from drafttrain.zoo import text_data
+
+    path = resolve_path(f"zoo:{spec.model_dir}")
+    model, info = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["mismatched_keys"], info
+    assert info["unexpected_keys"] and all(
+        k.startswith(f"model.layers.{n_layers}.") for k in info["unexpected_keys"]
+    )
+    rows = text_data.read_jsonl(ZOO_DIR / spec.data_dir / "test.jsonl")
+    return model.eval(), AutoTokenizer.from_pretrained(path), rows
