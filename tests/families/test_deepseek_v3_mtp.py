@@ -27,7 +27,11 @@ from draftinfer.files.loading import load_native_target
 from draftinfer.models.mla import LatentAttention
 from draftinfer.models.moe import MoEBlock
 from draftinfer.registry import drafter_spec
-from tests.support.deepseek_mtp import mtp_oracle, save_deepseek_with_mtp
+from tests.support.deepseek_mtp import (
+    assert_chained_modules_equal,
+    mtp_oracle,
+    save_deepseek_with_mtp,
+)
 from tests.support.moe_models import MLA_YARN_SHORT, deepseek_v3_config
 from tests.support.mtp_rounds import (
     MTPSequence,
@@ -72,27 +76,9 @@ def test_released_layers_equal_transformers_mtp_model(n_mtp):
     torch.manual_seed(1)
     B, T = 2, 12
     ids = torch.randint(3, 500, (B, T + n_mtp))
+    h = assert_chained_modules_equal(main, theirs, ours, ids, T, n_mtp)
     pos = torch.arange(T)[None].expand(B, -1)
     embed = main.get_input_embeddings()
-    with torch.no_grad():
-        h = main(ids[:, :T], output_hidden_states=True).hidden_states[-1]  # post final norm
-        h_ours = h_theirs = h
-        for k in range(n_mtp):
-            tok = ids[:, 1 + k : 1 + k + T]
-            k_pos = pos + k  # the deepseek layout: module k's rows at pos_i + k
-            emb = torch.where((k_pos == 0)[..., None], 0.0, embed(tok))
-            layer = theirs.layers[k]
-            pre = layer.mtp_block(
-                layer.eh_proj(torch.cat([layer.enorm(emb), layer.hnorm(h_theirs)], -1)),
-                attention_mask=torch.full((T, T), float("-inf")).triu(1)[None, None],
-                position_embeddings=theirs.rotary_emb(emb, k_pos),
-                position_ids=k_pos,
-            )
-            want = theirs._project_to_logits(layer.post_norm(pre))
-            normed, pre_ours = ours(k, tok, h_ours, k_pos, causal_attn)
-            diff = (ours.logits(normed) - want).abs().max().item()
-            assert diff <= 1e-5 * want.abs().max().item() + 1e-6, (k, diff)
-            h_ours, h_theirs = ours.carry(normed, pre_ours), pre
     # transformers' own chained forward (post-norm carry) agrees on module 0 as well.
     with torch.no_grad():
         emb0 = torch.where((pos == 0)[..., None], 0.0, embed(ids[:, 1 : 1 + T]))

@@ -212,7 +212,7 @@ def test_glm4_moe_released_layers_equal_transformers_mtp_model():
     `MtpModel.from_pretrained` reading the target's files by its own conversion, experts per
     expert): module k's logits equal ours, chained with the pre-norm carry as vLLM serves it.
     (GLM-4.7-Flash has no such model in transformers: the oracle above only.)"""
-    from tests.support.deepseek_mtp import mtp_oracle
+    from tests.support.deepseek_mtp import assert_chained_modules_equal, mtp_oracle
 
     path, _ = released_target("glm4_moe", 2)
     main, theirs = mtp_oracle(path)
@@ -220,27 +220,7 @@ def test_glm4_moe_released_layers_equal_transformers_mtp_model():
     torch.manual_seed(3)
     B, T = 2, 10
     ids = torch.randint(3, 500, (B, T + 2))
-    pos = torch.arange(T)[None].expand(B, -1)
-    embed = main.get_input_embeddings()
-    with torch.no_grad():
-        h = main(ids[:, :T], output_hidden_states=True).hidden_states[-1]
-        h_ours = h_theirs = h
-        for k in range(2):
-            tok = ids[:, 1 + k : 1 + k + T]
-            k_pos = pos + k
-            emb = torch.where((k_pos == 0)[..., None], 0.0, embed(tok))
-            layer = theirs.layers[k]
-            pre = layer.mtp_block(
-                layer.eh_proj(torch.cat([layer.enorm(emb), layer.hnorm(h_theirs)], -1)),
-                attention_mask=torch.full((T, T), float("-inf")).triu(1)[None, None],
-                position_embeddings=theirs.rotary_emb(emb, k_pos),
-                position_ids=k_pos,
-            )
-            want = theirs._project_to_logits(layer.post_norm(pre))
-            normed, pre_ours = ours(k, tok, h_ours, k_pos, causal_attn)
-            diff = (ours.logits(normed) - want).abs().max().item()
-            assert diff <= 1e-5 * want.abs().max().item() + 1e-6, (k, diff)
-            h_ours, h_theirs = ours.carry(normed, pre_ours), pre
+    assert_chained_modules_equal(main, theirs, ours, ids, T, 2)
 
 
 @pytest.mark.slow  # traces every module under dynamic shapes

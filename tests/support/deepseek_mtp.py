@@ -73,3 +73,34 @@ def mtp_oracle(path: Path):
     L = main.config.num_hidden_layers
     main._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{L + k}.*" for k in range(4)]
     return main, MtpModel.from_pretrained(main).eval()
+
+
+@torch.no_grad()
+def assert_chained_modules_equal(main, theirs, ours, ids: torch.Tensor, T: int, n: int):
+    """Module k's logits of our released drafter `ours` equal transformers' `MtpModel`
+    `theirs`, chained as vLLM serves DeepSeek-style MTP: module k's rows at pos_i + k, the
+    embedding at position 0 zeroed, module k+1 fed module k's pre-norm output. -> the target's
+    post-final-norm hidden states `[B, T, H]` module 0 read."""
+    from draftinfer.decoding.proposer import causal_attn
+
+    pos = torch.arange(T)[None].expand(ids.shape[0], -1)
+    embed = main.get_input_embeddings()
+    h = main(ids[:, :T], output_hidden_states=True).hidden_states[-1]  # post final norm
+    h_ours = h_theirs = h
+    for k in range(n):
+        tok = ids[:, 1 + k : 1 + k + T]
+        k_pos = pos + k
+        emb = torch.where((k_pos == 0)[..., None], 0.0, embed(tok))
+        layer = theirs.layers[k]
+        pre = layer.mtp_block(
+            layer.eh_proj(torch.cat([layer.enorm(emb), layer.hnorm(h_theirs)], -1)),
+            attention_mask=torch.full((T, T), float("-inf")).triu(1)[None, None],
+            position_embeddings=theirs.rotary_emb(emb, k_pos),
+            position_ids=k_pos,
+        )
+        want = theirs._project_to_logits(layer.post_norm(pre))
+        normed, pre_ours = ours(k, tok, h_ours, k_pos, causal_attn)
+        diff = (ours.logits(normed) - want).abs().max().item()
+        assert diff <= 1e-5 * want.abs().max().item() + 1e-6, (k, diff)
+        h_ours, h_theirs = ours.carry(normed, pre_ours), pre
+    return h
