@@ -24,11 +24,10 @@ from draftinfer.files.errors import CheckpointError
 from draftinfer.kinds.dflash import DFlashConfig
 from draftinfer.kinds.dflash.module import draft_logits
 from draftinfer.kinds.dflash.proposer import dflash_block_inputs
-from draftinfer.models.target import TargetOutput
 from draftinfer.registry import drafter_spec
 from drafttrain.kinds.dflash import objective as dflash_objective
 from drafttrain.registry import train_spec
-from tests.support.dflash import runner_logits, variant_drafter
+from tests.support.dflash import batch_and_target, runner_logits, variant_drafter
 
 
 def _markov_by_hand(d, prev: torch.Tensor) -> torch.Tensor:
@@ -112,23 +111,6 @@ def test_runner_biases_each_draft_by_the_previous_draft():
     torch.testing.assert_close(la[2], lb[2])  # both chose 4 for draft 2
 
 
-def _batch_and_target(d, T=14, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    V = d.config.vocab_size
-    ids = torch.randint(0, V, (1, T), generator=g)
-    loss_mask = torch.zeros(1, T, dtype=torch.long)
-    loss_mask[0, 5:] = 1
-    batch = {
-        "input_ids": ids,
-        "attention_mask": torch.ones(1, T, dtype=torch.long),
-        "loss_mask": loss_mask,
-    }
-    F_ = d.config.features.width(d.config.hidden_size)
-    logits = 3 * torch.randn(1, T, V, generator=g)
-    tgt = TargetOutput(logits, torch.randn(1, T, F_, generator=g), torch.arange(T)[None], None)
-    return batch, tgt
-
-
 def test_training_scores_slot_j_minus_1_against_x_a_plus_j_with_the_dspark_loss(monkeypatch):
     """Anchor a = 6 of 14 tokens, block 16: draft j (slot j - 1, the anchor slot first) has label
     x[6 + j] scored against target row 5 + j, predecessor x[5 + j]; j = 1..7 are inside the
@@ -138,7 +120,7 @@ def test_training_scores_slot_j_minus_1_against_x_a_plus_j_with_the_dspark_loss(
     spec = train_spec("dflash")
     cfg = spec.config_class(dspark=True, markov_rank=5)
     obj = spec.objective(d, cfg, "eager")
-    batch, tgt = _batch_and_target(d)
+    batch, tgt = batch_and_target(d)
     a, T = 6, 14
     ids = batch["input_ids"]
     monkeypatch.setattr(dflash_objective, "sample_anchors", lambda c, n: torch.tensor([[a]]))
@@ -171,7 +153,7 @@ def test_confidence_target_is_detached_and_each_term_trains_its_own_part():
     With the BCE weighted 0 the confidence head gets exactly zero gradient."""
     d = variant_drafter("dspark")
     spec = train_spec("dflash")
-    batch, tgt = _batch_and_target(d)
+    batch, tgt = batch_and_target(d)
     for weights, zero, nonzero in (
         ({"dspark_ce_weight": 0.0, "dspark_tv_weight": 0.0}, "markov_head", "confidence_head"),
         ({"confidence_loss_weight": 0.0}, "confidence_head", "markov_head"),

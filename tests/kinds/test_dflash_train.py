@@ -11,13 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from draftinfer.models.target import TargetOutput
 from drafttrain.kinds.dflash import objective as dflash_objective
 from drafttrain.kinds.dflash.objective import sample_anchors
 from drafttrain.objectives.fused_ce import linear_soft_ce_rows, linear_soft_ce_rows_ref
 from drafttrain.objectives.loss_weights import dpace_weights, exp_decay_weights
 from drafttrain.registry import train_spec
-from tests.support.dflash import VARIANTS, variant_drafter
+from tests.support.dflash import VARIANTS, batch_and_target, variant_drafter
 
 
 def test_exp_decay_weights():
@@ -62,23 +61,6 @@ def test_anchors_come_from_assistant_tokens_capped_and_sorted():
     assert bool((a[2] == -1).all())
 
 
-def _batch_and_target(d, T=14, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    V = d.config.vocab_size
-    ids = torch.randint(0, V, (1, T), generator=g)
-    loss_mask = torch.zeros(1, T, dtype=torch.long)
-    loss_mask[0, 5:] = 1
-    batch = {
-        "input_ids": ids,
-        "attention_mask": torch.ones(1, T, dtype=torch.long),
-        "loss_mask": loss_mask,
-    }
-    F_ = d.config.features.width(d.config.hidden_size)
-    logits = 3 * torch.randn(1, T, V, generator=g)
-    tgt = TargetOutput(logits, torch.randn(1, T, F_, generator=g), torch.arange(T)[None], None)
-    return batch, tgt
-
-
 @pytest.mark.parametrize("loss", ["ce", "kl"])
 def test_slot_k_is_scored_against_the_target_row_that_predicts_x_a_plus_k(loss, monkeypatch):
     """Anchor a = 6 of a 14-token sequence, block 16: slots 1..7 have labels x_7..x_13 inside
@@ -89,7 +71,7 @@ def test_slot_k_is_scored_against_the_target_row_that_predicts_x_a_plus_k(loss, 
     spec = train_spec("dflash")
     cfg = spec.config_class(loss=loss, kd_temperature=1.0)
     obj = spec.objective(d, cfg, "eager")
-    batch, tgt = _batch_and_target(d)
+    batch, tgt = batch_and_target(d)
     a = 6
     monkeypatch.setattr(dflash_objective, "sample_anchors", lambda c, n: torch.tensor([[a]]))
     with torch.no_grad():
@@ -187,7 +169,7 @@ def test_activation_checkpointing_keeps_loss_and_grads(weights):
         if ckpt:
             apply_activation_checkpointing(spec.blocks(d))
         obj = spec.objective(d, cfg, "eager")
-        batch, tgt = _batch_and_target(d, T=24)
+        batch, tgt = batch_and_target(d, T=24)
         torch.manual_seed(5)
         loss, m = obj(batch, tgt)
         loss.backward()

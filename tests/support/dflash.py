@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 from draftinfer.decoding.proposer import FirstPass
+from draftinfer.models.target import TargetOutput
 from draftinfer.registry import drafter_spec
 from tests.support.kind_factories import small_drafter
 
@@ -104,3 +105,22 @@ def sglang_capture_slots(config: dict) -> list[int]:
 def vllm_before_40727_slots(config: dict) -> list[int]:
     """vLLM before #40727: `target_layer_ids` used as capture slots (one layer early)."""
     return list((config.get("dflash_config") or {})["target_layer_ids"])
+
+
+def batch_and_target(d, T=14, seed=0):
+    """A random one-row training batch (loss on rows 5..T-1) and target output (logits,
+    features of the drafter's tap width, positions) for drafter `d`."""
+    g = torch.Generator().manual_seed(seed)
+    V = d.config.vocab_size
+    ids = torch.randint(0, V, (1, T), generator=g)
+    loss_mask = torch.zeros(1, T, dtype=torch.long)
+    loss_mask[0, 5:] = 1
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones(1, T, dtype=torch.long),
+        "loss_mask": loss_mask,
+    }
+    F_ = d.config.features.width(d.config.hidden_size)
+    logits = 3 * torch.randn(1, T, V, generator=g)
+    tgt = TargetOutput(logits, torch.randn(1, T, F_, generator=g), torch.arange(T)[None], None)
+    return batch, tgt
