@@ -209,14 +209,21 @@ class LatentAttention(nn.Module):
     ) -> torch.Tensor:
         """`W_uk` absorbed into the query, attention over the latent as one shared KV head of
         width `R + dr` (values: `c`), `W_uv` applied to the `[nh, R]` output -> `[B, T, nh,
-        dv]`. Heads are folded into the query axis (`[B, 1, T * nh, R + dr]`, row `t * nh + h`),
-        as `cached_attention` folds a GQA group."""
+        dv]`. Written as two batched products and a softmax, not SDPA: no flash kernel takes a
+        576-wide head, and PyTorch's memory-efficient kernel tiles the `T * nh` query rows, so
+        at batch 1 one program walked every key: 110 us a layer against 25 us for this, compiled,
+        on an H200 at GLM-4.7-Flash's sizes (`python -m draftbench.mla_attention`;
+        `docs/results.md`). Scores and softmax in fp32, the probabilities cast to the latent's
+        dtype for the second product (as flash attention does).
+        """
         B, T, nh, _ = q_nope.shape
-        L, R = lat.shape[1], self.kv_lora_rank
+        R = self.kv_lora_rank
         w_uk, w_uv = self._kv_b()
         q_lat = torch.einsum("bthd,hdr->bthr", q_nope, w_uk)  # [B, T, nh, R]
-        q = torch.cat([q_lat, q_rot], dim=-1).reshape(B, 1, T * nh, R + self.dr)
-        m = mask[:, :, :, None, :].expand(B, 1, T, nh, L).reshape(B, 1, T * nh, L)
-        kv = lat[:, None]  # [B, 1, L, R + dr]
-        o_lat = F.scaled_dot_product_attention(q, kv, kv[..., :R], attn_mask=m, scale=self.scale)
+        q = torch.cat([q_lat, q_rot], dim=-1).reshape(B, T * nh, R + self.dr)
+        # Scores in fp32 from fp32 operands (a bf16 product would round them before the softmax).
+        s = torch.bmm(q.float(), lat.float().transpose(1, 2)).view(B, T, nh, -1) * self.scale
+        s = s.masked_fill(~mask[:, 0, :, None, :], float("-inf"))  # [B, T, nh, L]
+        p = torch.softmax(s, dim=-1).to(lat.dtype).view(B, T * nh, -1)
+        o_lat = torch.bmm(p, lat[..., :R])  # [B, T * nh, R]
         return torch.einsum("bthr,hvr->bthv", o_lat.view(B, T, nh, R), w_uv)
