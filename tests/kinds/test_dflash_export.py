@@ -229,3 +229,51 @@ def test_engine_written_is_causal_is_read(tmp_path):
 
     _, arch, _ = read_drafter_config(tmp_path)
     assert arch.causal_block is True and d.config.causal_block is False
+
+
+@pytest.mark.parametrize("variant", ["dflash", "causal", "sliding", "dspark"])
+def test_vllm_reader_rebuilds_the_runners_logits(variant, tmp_path):
+    """vLLM's `dflash` / `dspark` drafter rebuilt from the exported files alone
+    (`engine_readers.BlockDrafterFiles`: plain torch over the stored tensors, the per-layer
+    attention vLLM resolves from the config, the Markov bias applied sequentially from the
+    anchor, the confidence head) gives our runner's draft logits and confidences, draft by
+    draft, with the same tokens chosen. The chosen tokens are not the argmax, so a Markov bias
+    keyed on the wrong predecessor would show."""
+    from tests.support.dflash import runner_logits
+    from tests.support.engine_readers import BlockDrafterFiles
+
+    d = variant_drafter(variant)
+    c = d.config
+    write_drafter(tmp_path, d, {"target": "t"}, dtype=torch.float32)
+    files = BlockDrafterFiles.read(tmp_path)
+    g = torch.Generator().manual_seed(3)
+    T, anchor, k = 16, 9, c.max_drafts
+    ids = torch.randint(0, c.vocab_size, (1, T), generator=g)
+    feats = 2 * torch.randn(1, T, c.features.width(c.hidden_size), generator=g)
+    chosen = torch.randint(0, c.vocab_size, (k,), generator=g)
+    props: list = []
+    with torch.no_grad():
+        ours = runner_logits(d, ids, feats, torch.arange(T)[None], anchor, k, chosen, props)
+        theirs = files.draft(
+            d.embed_tokens.weight,
+            d.lm_head.weight,
+            feats[0, : anchor + 1],
+            int(ids[0, anchor + 1]),
+            k,
+            lambda j, _logits: int(chosen[j]),
+        )
+    assert ours.shape == theirs["logits"].shape == (k, c.vocab_size)
+    torch.testing.assert_close(ours, theirs["logits"], rtol=1e-4, atol=1e-4)
+    assert torch.equal(ours.argmax(-1), theirs["logits"].argmax(-1))
+    if variant == "dspark":
+        assert files.cfg["markov_rank"] == 5 and k == c.block_size  # the anchor slot drafts
+        torch.testing.assert_close(props[0].confidence[0], theirs["confidence"], rtol=1e-4, atol=1e-5)
+        # Keying draft 2's bias on another predecessor (the argmax instead of the chosen
+        # token) would move its logits by more than the tolerance.
+        w1 = files.tensors["markov_head.markov_w1.weight"]
+        w2 = files.tensors["markov_head.markov_w2.weight"]
+        other = int(ours[0].argmax())
+        assert other != int(chosen[0])
+        assert float((w2 @ w1[chosen[0]] - w2 @ w1[other]).abs().max()) > 1.0
+    else:
+        assert theirs["confidence"] is None and props[0].confidence is None
