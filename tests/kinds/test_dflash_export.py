@@ -267,7 +267,9 @@ def test_vllm_reader_rebuilds_the_runners_logits(variant, tmp_path):
     assert torch.equal(ours.argmax(-1), theirs["logits"].argmax(-1))
     if variant == "dspark":
         assert files.cfg["markov_rank"] == 5 and k == c.block_size  # the anchor slot drafts
-        torch.testing.assert_close(props[0].confidence[0], theirs["confidence"], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            props[0].confidence[0], theirs["confidence"], rtol=1e-4, atol=1e-5
+        )
         # Keying draft 2's bias on another predecessor (the argmax instead of the chosen
         # token) would move its logits by more than the tolerance.
         w1 = files.tensors["markov_head.markov_w1.weight"]

@@ -840,7 +840,9 @@ class BlockDrafterFiles:
     @classmethod
     def read(cls, folder: Path) -> BlockDrafterFiles:
         cfg = read_json(Path(folder) / "config.json")
-        tensors = {k: v.float() for k, v in read_tensors(Path(folder) / "model.safetensors").items()}
+        tensors = {
+            k: v.float() for k, v in read_tensors(Path(folder) / "model.safetensors").items()
+        }
         assert cfg["architectures"] == ["DFlashDraftModel"], "reader: plain DFlash / DSpark only"
         assert "mask_hidden" not in tensors and not any(k.startswith("model.") for k in tensors)
         if cfg.get("markov_rank"):  # vLLM's `dspark` serves the vanilla head only
@@ -856,7 +858,9 @@ class BlockDrafterFiles:
 
     def context(self, features: torch.Tensor) -> torch.Tensor:
         """Target taps `[T, n*H]` -> `hidden_norm(fc(.))` `[T, H]`."""
-        return _rms(features.float() @ self.w("fc.weight").T, self.w("hidden_norm.weight"), self.eps)
+        return _rms(
+            features.float() @ self.w("fc.weight").T, self.w("hidden_norm.weight"), self.eps
+        )
 
     def layer(
         self,
@@ -929,10 +933,17 @@ class BlockDrafterFiles:
         for j in range(k):
             lj = h[j] @ head.float().T
             if r:
-                w1, w2 = self.w("markov_head.markov_w1.weight"), self.w("markov_head.markov_w2.weight")
+                w1, w2 = (
+                    self.w("markov_head.markov_w1.weight"),
+                    self.w("markov_head.markov_w2.weight"),
+                )
                 lj = lj + w2 @ w1[prev]
             if conf_w is not None:
-                f = torch.cat([h[j], self.w("markov_head.markov_w1.weight")[prev]]) if with_markov else h[j]
+                f = (
+                    torch.cat([h[j], self.w("markov_head.markov_w1.weight")[prev]])
+                    if with_markov
+                    else h[j]
+                )
                 conf.append(torch.sigmoid(f @ conf_w[0] + self.w("confidence_head.proj.bias")[0]))
             logits.append(lj)
             prev = int(choose(j, lj)) if choose is not None else int(lj.argmax())
