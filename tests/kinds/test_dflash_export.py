@@ -154,15 +154,16 @@ def test_speculators_layout(variant, tmp_path):
         torch.float32,
         lambda: emb["output_embeddings"],
     )
-    # speculators has no causal full-attention block; its `dspark` layout is not written yet.
-    if variant in ("causal", "dspark"):
+    # speculators has no causal full-attention block.
+    if variant == "causal":
         assert sub is None and not (tmp_path / SPECULATORS_DIR).exists()
         return
     cfg = json.loads((sub / "config.json").read_text())
-    dflash2 = variant == "dflash2"
-    algo = "dflash2" if dflash2 else "dflash"
+    dflash2, dspark = variant == "dflash2", variant == "dspark"
+    algo = "dflash2" if dflash2 else "dspark" if dspark else "dflash"
     assert cfg["speculators_model_type"] == algo
-    assert cfg["architectures"] == ["DFlash2DraftModel" if dflash2 else "DFlashSpeculator"]
+    archs = {"dflash2": "DFlash2DraftModel", "dspark": "DSparkSpeculator"}
+    assert cfg["architectures"] == [archs.get(algo, "DFlashSpeculator")]
     layer = cfg["transformer_layer_config"]
     assert layer["model_type"] == "qwen3" and layer["num_hidden_layers"] == c.num_hidden_layers
     assert layer["vocab_size"] == cfg["draft_vocab_size"] == c.vocab_size  # full vocabulary
@@ -170,7 +171,13 @@ def test_speculators_layout(variant, tmp_path):
     # Slot numbering (vLLM capture before layer k) = DFlash t + 1 = our taps.
     assert cfg["aux_hidden_state_layer_ids"] == c.tap_layer_ids
     assert cfg["mask_token_id"] == c.mask_token_id
-    assert cfg["sliding_window_non_causal"] is False and cfg["sample_from_anchor"] is False
+    assert cfg["sliding_window_non_causal"] is False and cfg["sample_from_anchor"] is dspark
+    if dspark:  # every DSpark flag explicit: speculators' defaults are all "on"
+        assert cfg["markov_rank"] == 5 and cfg["markov_head_type"] == "vanilla"
+        assert cfg["enable_confidence_head"] is True
+        assert cfg["confidence_head_with_markov"] is False
+    else:
+        assert not {"markov_rank", "enable_confidence_head"} & set(cfg)
     sc = cfg["speculators_config"]
     assert sc["algorithm"] == algo and sc["default_proposal_method"] == "greedy"
     assert sc["proposal_methods"] == [

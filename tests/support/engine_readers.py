@@ -534,12 +534,18 @@ def _dflash_tensor_names(cfg: dict[str, Any], n_taps: int, dflash2: bool) -> dic
             names["candidate_selector." + t] = None
     # DSpark (vLLM `dspark`, REFERENCES A1/A3): top-level `markov_rank` r > 0 names the
     # Markov head's two `[V, r]` matrices; the confidence head is `Linear(H -> 1)` with a bias.
+    # speculators' `dspark` adds the gated head's `gate_proj` (Linear(H + r -> r)) and
+    # `confidence_head_with_markov` (the confidence head over `[h, markov_w1[prev]]`, H + r).
     r, V = int(cfg.get("markov_rank") or 0), cfg["vocab_size"]
     if r:
         names["markov_head.markov_w1.weight"] = (V, r)
         names["markov_head.markov_w2.weight"] = (V, r)
+        if cfg.get("markov_head_type", "vanilla") == "gated":
+            names["markov_head.gate_proj.weight"] = (r, H + r)
+            names["markov_head.gate_proj.bias"] = (r,)
     if cfg.get("confidence_head"):
-        names["confidence_head.proj.weight"] = (1, H)
+        width = H + (r if cfg.get("confidence_head_with_markov") else 0)
+        names["confidence_head.proj.weight"] = (1, width)
         names["confidence_head.proj.bias"] = (1,)
     return names
 
@@ -620,14 +626,30 @@ def speculators_dflash(export: Path, rec: RunRecord) -> EngineView:
     cfg = read_json(folder / "config.json")
     tensors = read_tensors(folder / "model.safetensors")
     stype = cfg["speculators_model_type"]
-    assert stype in ("dflash", "dflash2") and cfg["speculators_config"]["algorithm"] == stype
+    assert stype in ("dflash", "dflash2", "dspark")
+    assert cfg["speculators_config"]["algorithm"] == stype
     layer = cfg["transformer_layer_config"]
     assert layer["model_type"] == "qwen3"
     assert cfg["draft_vocab_size"] == layer["vocab_size"]  # not pruned
     assert cfg["target_hidden_size"] == text_config(rec.target_config)["hidden_size"]
     assert cfg["block_size"] == rec.arch["block_size"]
     assert cfg["mask_token_id"] == rec.arch["mask_token_id"]
-    assert cfg["sample_from_anchor"] is False  # proposals are the B - 1 mask slots
+    # proposals: the B - 1 mask slots, or all B slots with DSpark's `sample_from_anchor`
+    assert cfg["sample_from_anchor"] is bool(rec.arch["sample_from_anchor"])
+    assert (stype == "dspark") == bool(rec.arch["sample_from_anchor"] or rec.arch["markov_rank"])
+    names = dict(layer)
+    if stype == "dspark":  # `DSparkSpeculatorConfig`: each flag read, its defaults all "on"
+        assert cfg["markov_rank"] == rec.arch["markov_rank"]
+        assert cfg["markov_head_type"] == rec.arch["markov_head_type"]
+        assert cfg["enable_confidence_head"] is bool(rec.arch["confidence_head"])
+        want_with = bool(rec.arch.get("confidence_head_with_markov"))
+        assert cfg["confidence_head_with_markov"] is want_with
+        names.update(
+            markov_rank=cfg["markov_rank"],
+            markov_head_type=cfg["markov_head_type"],
+            confidence_head=cfg["enable_confidence_head"],
+            confidence_head_with_markov=cfg["confidence_head_with_markov"],
+        )
     proposal = cfg["speculators_config"]["proposal_methods"][0]
     assert proposal["speculative_tokens"] == rec.state["objective"]["serving_k"]
     _check_verifier(folder, cfg, rec)
@@ -636,7 +658,7 @@ def speculators_dflash(export: Path, rec: RunRecord) -> EngineView:
         ref = rec.target_tensor(want) if want else rec.target_head()
         assert torch.equal(tensors.pop(name), ref.to(tensors["fc.weight"].dtype)), name
     assert "d2t" not in tensors and "t2d" not in tensors
-    view = _dflash_common(layer, tensors, rec, slots, stype == "dflash2", f"speculators-{stype}")
+    view = _dflash_common(names, tensors, rec, slots, stype == "dflash2", f"speculators-{stype}")
     view.mask_token_id = cfg["mask_token_id"]
     return view
 
@@ -708,10 +730,9 @@ LAYOUTS: dict[str, tuple[Reader, ...]] = {
 
 
 def _speculators_dflash_applies(rec: RunRecord) -> bool:
-    """speculators has no field for a causal block, and its `dspark` layout is not written yet:
-    such a block drafter's export has no speculators folder (the spec returns no layout)."""
-    a = rec.arch
-    return not (a.get("causal_block") or a.get("sample_from_anchor") or a.get("markov_rank"))
+    """speculators has no field for a causal block: such a block drafter's export has no
+    speculators folder (the spec returns no layout)."""
+    return not rec.arch.get("causal_block")
 
 
 speculators_dflash.applies = _speculators_dflash_applies
@@ -928,7 +949,9 @@ class BlockDrafterFiles:
         h = _rms(x, self.w("norm.weight"), self.eps)[first:]  # [k, H] drafting slots
         r = int(c.get("markov_rank") or 0)
         conf_w = self.tensors.get("confidence_head.proj.weight")
-        with_markov = conf_w is not None and conf_w.shape[1] == h.shape[1] + r and r > 0
+        with_markov = bool(c.get("confidence_head_with_markov"))  # input [h, markov_w1[prev]]
+        if conf_w is not None:
+            assert conf_w.shape == (1, h.shape[1] + (r if with_markov else 0)), conf_w.shape
         prev, logits, drafts, conf = anchor_id, [], [], []
         for j in range(k):
             lj = h[j] @ head.float().T

@@ -14,6 +14,14 @@ loads a plain DFlash folder as written and its blocks give our runner's logits
   as ours), `sample_from_anchor` (false: the anchor slot does not draft), `speculators_config`
   (greedy proposals of `block_size - 1` tokens, the verifier's name and architectures);
   DFlash2 adds `conv_kernel_size`, `conv_group_size`, `selector_rank`, `selector_top_k`.
+- DSpark (`speculators_model_type` `dspark`, `architectures` `DSparkSpeculator`, speculators
+  0.9.0 `models/dspark/`): `sample_from_anchor`, `markov_rank` (0: no Markov head),
+  `markov_head_type` (`vanilla` / `gated`), `enable_confidence_head`,
+  `confidence_head_with_markov`, all written explicitly (its defaults are all "on"); tensors
+  `markov_head.markov_w1.weight [V, r]`, `markov_head.markov_w2.weight [V, r]`,
+  `markov_head.gate_proj.{weight,bias}` (gated), `confidence_head.proj.{weight,bias}`: our
+  module's names. speculators 0.9.0's `DSparkDraftModel.from_pretrained` loads it and its
+  forward gives our logits and confidences (`tests/kinds/test_dflash_speculators_dspark.py`).
 - tensors: the z-lab names (`fc`, `hidden_norm`, `layers.{i}.*`, `norm`), plus
   `embed_tokens.weight` and `lm_head.weight` (the target's; speculators reloads them from the
   verifier, storing them makes the load exact whatever its meta-device handling does). The
@@ -82,6 +90,20 @@ def speculators_config(
             },
         },
     }
+    if arch.dspark:
+        # speculators' `dspark` (`DSparkSpeculatorConfig`, `DSparkDraftModel`): the DFlash
+        # fields plus the Markov and confidence heads, each flag written (its defaults are
+        # DSpark's: anchor slot drafting, rank 256, both heads on, confidence with Markov).
+        d.update(
+            architectures=["DSparkSpeculator"],
+            speculators_model_type="dspark",
+            sample_from_anchor=arch.sample_from_anchor,
+            markov_rank=arch.markov_rank,
+            markov_head_type=arch.markov_head_type,
+            enable_confidence_head=arch.confidence_head,
+            confidence_head_with_markov=arch.confidence_head_with_markov,
+        )
+        d["speculators_config"]["algorithm"] = "dspark"
     if arch.dflash2:
         d.update(
             conv_kernel_size=arch.conv_kernel_size,
