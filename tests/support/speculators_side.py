@@ -35,7 +35,16 @@ def _load(kind: str, folder: str):
         from speculators.models.dspark import DSparkDraftModel as cls
     else:
         raise SystemExit(f"unknown speculators kind {kind!r}")
-    return cls.from_pretrained(folder, dtype=torch.float32).eval()
+    model = cls.from_pretrained(folder, dtype=torch.float32).eval()
+    if kind in ("dflash", "dspark"):
+        # speculators builds the block mask with `torch.compile(create_block_mask)`; on a CPU
+        # (torch 2.13) inductor's C++ for its anchor-block mask_mod fails to compile
+        # ("operands to ?: have different types VecMask<int> and VecMask<float>"), so the same
+        # `create_block_mask` of the same mask_mod runs uncompiled: the same mask.
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        model._create_mask_fn = create_block_mask
+    return model
 
 
 def _capture_lm_head(model) -> list[torch.Tensor]:
@@ -131,12 +140,6 @@ def _forward_dspark(model, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
         return torch.zeros(()), {}
 
     core.compute_metrics = capture
-    # speculators builds its block mask with `torch.compile(create_block_mask)`; on this CPU
-    # inductor's C++ code for DSpark's mask failed to compile (VecMask<int> vs VecMask<float>
-    # in a `?:`), so the same `create_block_mask` of the same mask_mod runs uncompiled.
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    model._create_mask_fn = create_block_mask
     T = x["input_ids"].shape[1]
     n = T - model.block_size
     with torch.no_grad():
