@@ -154,8 +154,9 @@ def test_speculators_layout(variant, tmp_path):
         torch.float32,
         lambda: emb["output_embeddings"],
     )
-    # speculators has no causal full-attention block.
-    if variant == "causal":
+    # speculators has no causal full-attention block, and reads a sliding window otherwise
+    # than we train and vLLM serves it (`draftinfer.kinds.dflash.speculators`).
+    if variant in ("causal", "sliding"):
         assert sub is None and not (tmp_path / SPECULATORS_DIR).exists()
         return
     cfg = json.loads((sub / "config.json").read_text())

@@ -730,9 +730,10 @@ LAYOUTS: dict[str, tuple[Reader, ...]] = {
 
 
 def _speculators_dflash_applies(rec: RunRecord) -> bool:
-    """speculators has no field for a causal block: such a block drafter's export has no
-    speculators folder (the spec returns no layout)."""
-    return not rec.arch.get("causal_block")
+    """speculators has no field for a causal block and reads sliding windows otherwise: such a
+    block drafter's export has no speculators folder (the spec returns no layout)."""
+    a = rec.arch
+    return not (a.get("causal_block") or "sliding_attention" in (a.get("layer_types") or []))
 
 
 speculators_dflash.applies = _speculators_dflash_applies

@@ -29,7 +29,15 @@ loads a plain DFlash folder as written and its blocks give our runner's logits
   holds its codebooks as `nn.Embedding`s: `candidate_selector.{predecessor,successor}_codebook.weight`.
 
 A causal block (the JetSpec option) has no speculators field (its full-attention layers are
-always bidirectional), so such a drafter has no speculators layout.
+always bidirectional), so such a drafter has no speculators layout. Neither has a drafter with
+sliding-window layers: speculators 0.9.0 reads a window otherwise than we train and vLLM serves
+it (`models/dflash/attention.py`: a context key is in the window iff `k >= anchor - W`, and the
+block's own keys are never windowed; ours and vLLM's: `q - k < W` from the query's own
+position, REFERENCES A1), so its logits differ wherever the window bites (measured: up to 0.33
+on the small sliding drafter with W = 6 < B = 16; equal with W = 40); and vLLM's conversion
+of this layout (#47745, fix #56692 open) turns `sliding_window_non_causal: false` into a global
+`dflash_config.causal: true` that makes the full-attention layers causal too. The z-lab layout
+at the export's root carries such drafters per layer.
 """
 
 from __future__ import annotations
@@ -64,8 +72,9 @@ _LAYER_KEYS = (
 def speculators_config(
     arch, verifier: str, verifier_architectures: list[str], k: int
 ) -> dict[str, Any] | None:
-    """The speculators `config.json` of architecture `arch` (None for a causal block)."""
-    if arch.causal_block:
+    """The speculators `config.json` of architecture `arch` (None for a causal block or
+    sliding-window layers: module docstring)."""
+    if arch.causal_block or "sliding_attention" in arch.layer_types:
         return None
     hf = arch.to_hf()
     algorithm = "dflash2" if arch.dflash2 else arch.speculators_type
