@@ -21,8 +21,9 @@ runner (`draftinfer/kinds/dflash/proposer.py` over its KV cache):
    with the window dropped differs from what our layer did, wherever that mask differs.
 
 Option combinations (parametrized):
-- layer layout: `[sliding, full, sliding]` and `[full, sliding, full]`, window 3 (it bites in
-  the context and inside the block);
+- layer layout: `[sliding, full, sliding]`, `[full, sliding, full]` and all sliding (the one
+  layout written with vLLM's `use_swa` / `swa_window_size` too), window 3 (it bites in the
+  context and inside the block);
 - `causal_block` (JetSpec) off / on;
 - DSpark's sample-from-anchor layout (`dspark`: the anchor slot drafts, so the runner's block
   is k slots instead of k + 1; Markov and confidence heads on) off / on.
@@ -50,6 +51,7 @@ W = 3  # sliding window
 LAYOUTS = {
     "SFS": ["sliding_attention", "full_attention", "sliding_attention"],
     "FSF": ["full_attention", "sliding_attention", "full_attention"],
+    "SSS": ["sliding_attention"] * 3,
 }
 CASES = list(itertools.product(LAYOUTS, (False, True), (False, True)))
 
@@ -127,9 +129,14 @@ def test_export_writes_each_layers_attention_as_vllm_reads_it(layout, causal, ds
     assert cfg["layer_types"] == types
     assert cfg["use_sliding_window"] is True and cfg["sliding_window"] == W
     dc = cfg["dflash_config"]
-    # `use_swa` would make every layer a window layer in vLLM; `is_causal` / `causal: false`
-    # would override the sliding layers' causality. Only `causal: true` (JetSpec) is written.
-    assert "use_swa" not in dc and "swa_window_size" not in dc and "is_causal" not in cfg
+    # `use_swa` makes every layer a window layer in vLLM: written only when every layer is
+    # one. `is_causal` / `causal: false` would override the sliding layers' causality: only
+    # `causal: true` (JetSpec) is written.
+    if layout == "SSS":
+        assert dc["use_swa"] is True and dc["swa_window_size"] == W
+    else:
+        assert "use_swa" not in dc and "swa_window_size" not in dc
+    assert "is_causal" not in cfg
     assert dc.get("causal") is (True if causal else None)
     assert bool(dc.get("sample_from_anchor")) is dspark
     want = [
@@ -138,8 +145,13 @@ def test_export_writes_each_layers_attention_as_vllm_reads_it(layout, causal, ds
     assert vllm_dflash_layer_attention(files.cfg) == want
     assert [(d.config.layer_causal(i), d.config.layer_window(i)) for i in range(3)] == want
     # The trap this guards: a full layer read as causal while the block is not.
-    if not causal:
+    if not causal and layout != "SSS":
         assert any(not c for c, w in want if w is None)
+    # Our loader reads the same per-layer attention back.
+    from draftinfer.files.checkpoint import read_drafter_config
+
+    _, arch, _ = read_drafter_config(tmp_path)
+    assert [(arch.layer_causal(i), arch.layer_window(i)) for i in range(3)] == want
 
 
 @pytest.mark.parametrize("layout, causal, dspark", CASES)

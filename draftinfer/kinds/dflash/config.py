@@ -222,6 +222,10 @@ class DFlashConfig:
             dflash.update(selector_top_k=self.selector_top_k, selector_rank=self.selector_rank)
         if self.sample_from_anchor:
             dflash["sample_from_anchor"] = True
+        if self.layer_types and all(t == "sliding_attention" for t in self.layer_types):
+            # vLLM's `use_swa` / `swa_window_size` make *every* layer a window layer: written
+            # only when that is true per layer (a mixed drafter says it by `layer_types`).
+            dflash.update(use_swa=True, swa_window_size=self.sliding_window)
         d = {
             "architectures": [self.architecture],
             "model_type": "qwen3",
