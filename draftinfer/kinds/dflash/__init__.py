@@ -100,7 +100,7 @@ class DFlashSpec(DrafterSpec):
                 f"{arch.markov_head_type} rank {arch.markov_rank}, confidence head "
                 f"{arch.confidence_head}. vLLM serves it as `method: dspark`; this export "
                 "writes the z-lab layout plus those fields, and speculators' `dspark` layout "
-                '(docs/inference.md, "DSpark").'
+                "in `speculators/` (vLLM serves `vanilla` heads only)."
             )
         if arch.causal_block:
             notes.append("Causal block (JetSpec, `dflash_config.causal: true`): vLLM only.")
@@ -114,7 +114,9 @@ class DFlashSpec(DrafterSpec):
         if "sliding_attention" in arch.layer_types and "full_attention" in arch.layer_types:
             notes.append(
                 "Sliding and full layers mixed: vLLM needs its model runner V2 "
-                "(`VLLM_USE_V2_MODEL_RUNNER=1`)."
+                "(`VLLM_USE_V2_MODEL_RUNNER=1`). No `speculators/` folder is written for window "
+                "layers: speculators windows them otherwise, and vLLM's reading of that layout "
+                "(#47745) would make the full layers causal."
             )
         return (
             "vLLM:\n\n```bash\n"
