@@ -1,7 +1,9 @@
 """The `dflash` export against the facts engines load by (REFERENCES A3): the z-lab layout that
-vLLM (`method: dflash`) and SGLang (`DFLASH`) read as-is, and the speculators `dflash` /
-`dflash2` layout, field by field and tensor by tensor; the load back; one-line refusals of
-configs this code cannot serve exactly."""
+vLLM (`method: dflash` / `dspark`) and SGLang (`DFLASH`) read as-is, and the speculators
+`dflash` / `dflash2` / `dspark` layout, field by field and tensor by tensor; the load back;
+one-line refusals of configs this code cannot serve exactly; and vLLM's drafter rebuilt from
+the exported files alone by an independent reader (`engine_readers.BlockDrafterFiles`),
+whose logits (DSpark: Markov bias and confidence too) equal our runner's."""
 
 from __future__ import annotations
 

@@ -10,6 +10,12 @@ A reader returns the `EngineView` it read: the values the engine acts on in our 
 (draft vocabulary as target ids, layer-tap slots, mask token, ...), which the tests compare
 across the layouts of one export and with an HF oracle (`tests/contracts/test_engine_readers.py`).
 
+`BlockDrafterFiles` goes one step further for block drafters: it rebuilds vLLM's `dflash` /
+`dspark` drafter from the exported files with plain torch (the layers, the per-layer attention
+vLLM resolves, the Markov bias and confidence head), so tests compare its logits with our
+runner's and each layer's output with what our layers computed
+(`tests/kinds/test_dflash_export.py`, `tests/kinds/test_dflash_layer_attention.py`).
+
 `LAYOUTS` lists the layouts of every registered kind; a new kind adds its readers there (the
 test fails for a registered kind without an entry). `speculators_kinds()` is the kinds whose
 spec writes a speculators folder (`DrafterSpec.speculators_layout`).
