@@ -8,7 +8,11 @@ vanilla Markov head and the confidence head, each pinned directly (REFERENCES A1
 - loss: `0.1 CE + 0.9 TV + 1.0 BCE(confidence, sum min(p, q))` per drafting slot, by hand; the
   acceptance target is detached (a zero gradient on the Markov head from the BCE alone);
 - the runner carries the confidence head's accept probabilities of its drafts;
-- export: the fields vLLM's `dspark` reads and the tensor names and shapes of the references.
+- export: the fields vLLM's `dspark` reads and the tensor names and shapes of the references;
+- the `gated` head (speculators 0.9.0's definition: `markov_w2(sigmoid(gate_proj([h,
+  markov_w1[prev]])) * markov_w1[prev])`) and `confidence_head_with_markov` (the confidence
+  head over `[h, markov_w1[prev]]`), by hand in training and the runner; the z-lab / vLLM
+  export refuses `gated` in one line, the speculators `dspark` layout holds it.
 S9 parity and the rounds-against-a-reference test run the option with every other one
 (`tests/support/dflash.py::VARIANTS`, `tests/kinds/test_dflash_options.py`)."""
 
@@ -30,11 +34,32 @@ from drafttrain.registry import train_spec
 from tests.support.dflash import batch_and_target, runner_logits, variant_drafter
 
 
-def _markov_by_hand(d, prev: torch.Tensor) -> torch.Tensor:
-    """`W2 @ W1[prev]` with the stored `[V, r]` matrices, written out."""
+def _markov_by_hand(d, prev: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
+    """`W2 @ W1[prev]` with the stored `[V, r]` matrices, written out; gated: `W1[prev]` first
+    scaled by `sigmoid(Wg @ [h, W1[prev]] + bg)` (`Wg [r, H + r]`)."""
     w1 = d.markov_head.markov_w1.weight  # [V, r]
     w2 = d.markov_head.markov_w2.weight  # [V, r]
-    return w1[prev] @ w2.T
+    e = w1[prev]
+    if d.config.markov_head_type == "gated":
+        g = d.markov_head.gate_proj
+        e = torch.sigmoid(torch.cat([h, e], -1) @ g.weight.T + g.bias) * e
+    return e @ w2.T
+
+
+def _conf_by_hand(d, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+    """The confidence logit: `w . h + b`, or `w . [h, W1[prev]] + b` with the Markov input."""
+    w, b = d.confidence_head.proj.weight[0], d.confidence_head.proj.bias[0]
+    if d.config.confidence_head_with_markov:
+        h = torch.cat([h, d.markov_head.markov_w1.weight[prev]], -1)
+    return h @ w + b
+
+
+# (markov_head_type, confidence_head_with_markov) of the DSpark heads tested by hand.
+HEADS = [("vanilla", False), ("gated", True), ("vanilla", True), ("gated", False)]
+
+
+def _dspark(head: str = "vanilla", with_markov: bool = False):
+    return variant_drafter("dspark", markov_head_type=head, confidence_head_with_markov=with_markov)
 
 
 def _inputs(d, T=15, seed=2):
@@ -111,14 +136,20 @@ def test_runner_biases_each_draft_by_the_previous_draft():
     torch.testing.assert_close(la[2], lb[2])  # both chose 4 for draft 2
 
 
-def test_training_scores_slot_j_minus_1_against_x_a_plus_j_with_the_dspark_loss(monkeypatch):
+@pytest.mark.parametrize("head, with_markov", HEADS)
+def test_training_scores_slot_j_minus_1_against_x_a_plus_j_with_the_dspark_loss(
+    monkeypatch, head, with_markov
+):
     """Anchor a = 6 of 14 tokens, block 16: draft j (slot j - 1, the anchor slot first) has label
     x[6 + j] scored against target row 5 + j, predecessor x[5 + j]; j = 1..7 are inside the
     sequence. Each slot's logged loss equals 0.1 CE + 0.9 TV + BCE(conf, sum min(p, q)), all
-    computed here from the block's hidden states and the weights by hand."""
-    d = variant_drafter("dspark")
+    computed here from the block's hidden states and the weights by hand, for each Markov head
+    type and confidence input."""
+    d = _dspark(head, with_markov)
     spec = train_spec("dflash")
-    cfg = spec.config_class(dspark=True, markov_rank=5)
+    cfg = spec.config_class(
+        dspark=True, markov_rank=5, markov_head_type=head, confidence_head_with_markov=with_markov
+    )
     obj = spec.objective(d, cfg, "eager")
     batch, tgt = batch_and_target(d)
     a, T = 6, 14
@@ -128,19 +159,18 @@ def test_training_scores_slot_j_minus_1_against_x_a_plus_j_with_the_dspark_loss(
         _, m = obj(batch, tgt)
         h = obj.forward_blocks(ids, tgt.features, tgt.rope_pos, torch.tensor([[a]]), 16)[0, 0]
     p_t = torch.softmax(tgt.logits[0], -1)
-    w_conf, b_conf = d.confidence_head.proj.weight[0], d.confidence_head.proj.bias[0]
     assert int(m["acc_16"] != m["acc_16"]) == 0  # 16 drafts are logged (B, not B - 1)
     for j in range(1, 17):
         if a + j >= T:
             assert m[f"loss_{j}"] == 0.0
             continue
         slot, row, prev = j - 1, a + j - 1, ids[0, a + j - 1]
-        logits = h[slot] @ d.lm_head.weight.T + _markov_by_hand(d, prev)
+        logits = h[slot] @ d.lm_head.weight.T + _markov_by_hand(d, prev, h[slot])
         q = torch.softmax(logits, -1)
         ce = -(p_t[row] * torch.log_softmax(logits, -1)).sum()
         tv = 0.5 * (q - p_t[row]).abs().sum()
         alpha = torch.minimum(q, p_t[row]).sum()
-        z = h[slot] @ w_conf + b_conf
+        z = _conf_by_hand(d, h[slot], prev)
         bce = -(alpha * F.logsigmoid(z) + (1 - alpha) * F.logsigmoid(-z))
         want = 0.1 * ce + 0.9 * tv + bce
         torch.testing.assert_close(m[f"loss_{j}"].float(), want, rtol=1e-4, atol=1e-4)
@@ -169,10 +199,13 @@ def test_confidence_target_is_detached_and_each_term_trains_its_own_part():
         assert any(float(g.abs().max()) > 0.0 for n, g in grads.items() if n.startswith(nonzero))
 
 
-def test_runner_carries_the_confidence_of_its_drafts():
-    """The proposer's `confidence` `[B, k]` is sigmoid(proj(h)) of the drafting slots, h the
-    hidden states training gives the same block."""
-    d = variant_drafter("dspark")
+@pytest.mark.parametrize("head, with_markov", HEADS)
+def test_runner_carries_the_confidence_of_its_drafts(head, with_markov):
+    """The proposer's `confidence` `[B, k]` is sigmoid(proj(h)) of the drafting slots (with the
+    Markov input: sigmoid(proj([h, W1[prev]])), prev the anchor for draft 1, else the previous
+    draft), h the hidden states training gives the same block; its draft logits are the head's
+    plus the Markov bias of the previous draft, gated by h for the gated head, by hand."""
+    d = _dspark(head, with_markov)
     ids, feats, pos = _inputs(d)
     spec = train_spec("dflash")
     obj = spec.objective(d, spec.config_class(dspark=True, markov_rank=5), "eager")
@@ -184,12 +217,26 @@ def test_runner_carries_the_confidence_of_its_drafts():
     fp = FirstPass(
         torch.tensor([1]), ids[:, 1 : n + 1], feats[:, :n], torch.arange(n)[None], pos[..., :n]
     )
-    prop.propose(prop.admit(fp), torch.tensor([k]), k)
+    seen = []
+
+    def keep(logits, step):
+        seen.append(logits[0].clone())
+        return logits.argmax(-1), None
+
+    drafts, _ = prop.propose(prop.admit(fp), torch.tensor([k]), k, keep)
+    prev = torch.cat([ids[0, n : n + 1], drafts[0, :-1]])  # anchor token, then the drafts
     with torch.no_grad():
         h = obj._anchors_hidden(ids, feats, pos, [anchor], k)[0]  # [k, H]
-        want = torch.sigmoid(d.confidence_head(h))
+        want = torch.sigmoid(_conf_by_hand(d, h, prev))
+        logits = h @ d.lm_head.weight.T + _markov_by_hand(d, prev, h)
     assert prop.confidence is not None and prop.confidence.shape == (1, k)
     torch.testing.assert_close(prop.confidence[0], want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(torch.stack(seen), logits, rtol=1e-4, atol=1e-4)
+    if head == "gated":  # the gate is not a constant: it moves the bias
+        g = d.markov_head.gate_proj
+        e = d.markov_head.markov_w1.weight[prev]
+        gate = torch.sigmoid(torch.cat([h, e], -1) @ g.weight.T + g.bias)
+        assert float(gate.detach().std()) > 0.01
 
 
 def test_export_fields_and_tensor_names_round_trip():
@@ -232,3 +279,52 @@ def test_on_policy_stage_refuses_the_markov_head():
     ids, feats, pos = _inputs(d)
     with pytest.raises(ConfigError, match="Markov head"):
         obj.anchors_hidden(ids, feats, pos, [3], 2)
+
+
+def test_gated_head_is_refused_by_the_vllm_layout_and_kept_by_speculators(tmp_path):
+    """vLLM's `dspark` serves the vanilla head only: writing the z-lab layout of a gated head is
+    a one-line error; speculators' `dspark` layout holds it (`markov_head.gate_proj`); a z-lab
+    config that says gated is refused at load."""
+    import json
+
+    from draftinfer.files.checkpoint import write_drafter, write_speculators
+    from tests.support.kind_factories import small_embeddings
+
+    d = _dspark("gated", True)
+    with pytest.raises(CheckpointError, match="markov_head_type 'gated'") as e:
+        write_drafter(tmp_path / "z", d, {"target": "t"}, dtype=torch.float32)
+    assert "\n" not in str(e.value) and not (tmp_path / "z" / "config.json").exists()
+    emb = small_embeddings(d)
+    sub = write_speculators(
+        tmp_path,
+        d,
+        "org/target",
+        ["LlamaForCausalLM"],
+        d.config.block_size,
+        lambda: emb["input_embeddings"],
+        torch.float32,
+        lambda: emb["output_embeddings"],
+    )
+    cfg = json.loads((sub / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "dspark" and cfg["markov_head_type"] == "gated"
+    assert cfg["confidence_head_with_markov"] is True
+    from safetensors import safe_open
+
+    with safe_open(str(sub / "model.safetensors"), "pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    H, r = d.config.hidden_size, 5
+    assert shapes["markov_head.gate_proj.weight"] == (r, H + r)
+    assert shapes["markov_head.gate_proj.bias"] == (r,)
+    assert shapes["confidence_head.proj.weight"] == (1, H + r)
+    hf = dataclasses.replace(d.config, markov_head_type="vanilla").to_hf()
+    hf["markov_head_type"] = "gated"
+    with pytest.raises(CheckpointError, match="vanilla Markov head only"):
+        DFlashConfig.from_hf(hf)
+
+
+def test_confidence_with_markov_needs_both_heads():
+    from draftinfer.files.errors import ConfigError
+
+    c = variant_drafter("dspark").config
+    with pytest.raises(ConfigError, match="confidence_head_with_markov"):
+        dataclasses.replace(c, markov_rank=0, confidence_head_with_markov=True)

@@ -1,7 +1,9 @@
 """The `dflash` export against the facts engines load by (REFERENCES A3): the z-lab layout that
-vLLM (`method: dflash`) and SGLang (`DFLASH`) read as-is, and the speculators `dflash` /
-`dflash2` layout, field by field and tensor by tensor; the load back; one-line refusals of
-configs this code cannot serve exactly."""
+vLLM (`method: dflash` / `dspark`) and SGLang (`DFLASH`) read as-is, and the speculators
+`dflash` / `dflash2` / `dspark` layout, field by field and tensor by tensor; the load back;
+one-line refusals of configs this code cannot serve exactly; and vLLM's drafter rebuilt from
+the exported files alone by an independent reader (`engine_readers.BlockDrafterFiles`),
+whose logits (DSpark: Markov bias and confidence too) equal our runner's."""
 
 from __future__ import annotations
 
@@ -154,15 +156,17 @@ def test_speculators_layout(variant, tmp_path):
         torch.float32,
         lambda: emb["output_embeddings"],
     )
-    # speculators has no causal full-attention block; its `dspark` layout is not written yet.
-    if variant in ("causal", "dspark"):
+    # speculators has no causal full-attention block, and reads a sliding window otherwise
+    # than we train and vLLM serves it (`draftinfer.kinds.dflash.speculators`).
+    if variant in ("causal", "sliding"):
         assert sub is None and not (tmp_path / SPECULATORS_DIR).exists()
         return
     cfg = json.loads((sub / "config.json").read_text())
-    dflash2 = variant == "dflash2"
-    algo = "dflash2" if dflash2 else "dflash"
+    dflash2, dspark = variant == "dflash2", variant == "dspark"
+    algo = "dflash2" if dflash2 else "dspark" if dspark else "dflash"
     assert cfg["speculators_model_type"] == algo
-    assert cfg["architectures"] == ["DFlash2DraftModel" if dflash2 else "DFlashSpeculator"]
+    archs = {"dflash2": "DFlash2DraftModel", "dspark": "DSparkSpeculator"}
+    assert cfg["architectures"] == [archs.get(algo, "DFlashSpeculator")]
     layer = cfg["transformer_layer_config"]
     assert layer["model_type"] == "qwen3" and layer["num_hidden_layers"] == c.num_hidden_layers
     assert layer["vocab_size"] == cfg["draft_vocab_size"] == c.vocab_size  # full vocabulary
@@ -170,7 +174,13 @@ def test_speculators_layout(variant, tmp_path):
     # Slot numbering (vLLM capture before layer k) = DFlash t + 1 = our taps.
     assert cfg["aux_hidden_state_layer_ids"] == c.tap_layer_ids
     assert cfg["mask_token_id"] == c.mask_token_id
-    assert cfg["sliding_window_non_causal"] is False and cfg["sample_from_anchor"] is False
+    assert cfg["sliding_window_non_causal"] is False and cfg["sample_from_anchor"] is dspark
+    if dspark:  # every DSpark flag explicit: speculators' defaults are all "on"
+        assert cfg["markov_rank"] == 5 and cfg["markov_head_type"] == "vanilla"
+        assert cfg["enable_confidence_head"] is True
+        assert cfg["confidence_head_with_markov"] is False
+    else:
+        assert not {"markov_rank", "enable_confidence_head"} & set(cfg)
     sc = cfg["speculators_config"]
     assert sc["algorithm"] == algo and sc["default_proposal_method"] == "greedy"
     assert sc["proposal_methods"] == [
@@ -229,3 +239,53 @@ def test_engine_written_is_causal_is_read(tmp_path):
 
     _, arch, _ = read_drafter_config(tmp_path)
     assert arch.causal_block is True and d.config.causal_block is False
+
+
+@pytest.mark.parametrize("variant", ["dflash", "causal", "sliding", "dspark"])
+def test_vllm_reader_rebuilds_the_runners_logits(variant, tmp_path):
+    """vLLM's `dflash` / `dspark` drafter rebuilt from the exported files alone
+    (`engine_readers.BlockDrafterFiles`: plain torch over the stored tensors, the per-layer
+    attention vLLM resolves from the config, the Markov bias applied sequentially from the
+    anchor, the confidence head) gives our runner's draft logits and confidences, draft by
+    draft, with the same tokens chosen. The chosen tokens are not the argmax, so a Markov bias
+    keyed on the wrong predecessor would show."""
+    from tests.support.dflash import runner_logits
+    from tests.support.engine_readers import BlockDrafterFiles
+
+    d = variant_drafter(variant)
+    c = d.config
+    write_drafter(tmp_path, d, {"target": "t"}, dtype=torch.float32)
+    files = BlockDrafterFiles.read(tmp_path)
+    g = torch.Generator().manual_seed(3)
+    T, anchor, k = 16, 9, c.max_drafts
+    ids = torch.randint(0, c.vocab_size, (1, T), generator=g)
+    feats = 2 * torch.randn(1, T, c.features.width(c.hidden_size), generator=g)
+    chosen = torch.randint(0, c.vocab_size, (k,), generator=g)
+    props: list = []
+    with torch.no_grad():
+        ours = runner_logits(d, ids, feats, torch.arange(T)[None], anchor, k, chosen, props)
+        theirs = files.draft(
+            d.embed_tokens.weight,
+            d.lm_head.weight,
+            feats[0, : anchor + 1],
+            int(ids[0, anchor + 1]),
+            k,
+            lambda j, _logits: int(chosen[j]),
+        )
+    assert ours.shape == theirs["logits"].shape == (k, c.vocab_size)
+    torch.testing.assert_close(ours, theirs["logits"], rtol=1e-4, atol=1e-4)
+    assert torch.equal(ours.argmax(-1), theirs["logits"].argmax(-1))
+    if variant == "dspark":
+        assert files.cfg["markov_rank"] == 5 and k == c.block_size  # the anchor slot drafts
+        torch.testing.assert_close(
+            props[0].confidence[0], theirs["confidence"], rtol=1e-4, atol=1e-5
+        )
+        # Keying draft 2's bias on another predecessor (the argmax instead of the chosen
+        # token) would move its logits by more than the tolerance.
+        w1 = files.tensors["markov_head.markov_w1.weight"]
+        w2 = files.tensors["markov_head.markov_w2.weight"]
+        other = int(ours[0].argmax())
+        assert other != int(chosen[0])
+        assert float((w2 @ w1[chosen[0]] - w2 @ w1[other]).abs().max()) > 1.0
+    else:
+        assert theirs["confidence"] is None and props[0].confidence is None

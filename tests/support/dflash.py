@@ -49,10 +49,13 @@ def randomize_heads(d, seed: int = 7):
     return d
 
 
-def runner_logits(d, ids, feats, pos, anchor: int, k: int, choose_ids=None) -> torch.Tensor:
+def runner_logits(
+    d, ids, feats, pos, anchor: int, k: int, choose_ids=None, proposer: list | None = None
+) -> torch.Tensor:
     """The runner's draft logits `[k, V]` after committing rows 0..anchor (row i consumes
     `ids[i + 1]` with `feats[i]` at `pos[..., i]`), the chooser fed `choose_ids [k]` (default:
-    the teacher-forced `ids[anchor + 2 + step]`)."""
+    the teacher-forced `ids[anchor + 2 + step]`); the proposer is appended to `proposer` (its
+    `confidence` after the round)."""
     prop = drafter_spec("dflash").proposer_class(d, 2, 64, torch.device("cpu"), torch.float32)
     n = anchor + 1
     fp = FirstPass(
@@ -67,6 +70,8 @@ def runner_logits(d, ids, feats, pos, anchor: int, k: int, choose_ids=None) -> t
         return ids[:, anchor + 2 + step], None
 
     prop.propose(prop.admit(fp), torch.tensor([k]), k, teacher)
+    if proposer is not None:
+        proposer.append(prop)
     return torch.cat(seen)
 
 

@@ -10,6 +10,12 @@ A reader returns the `EngineView` it read: the values the engine acts on in our 
 (draft vocabulary as target ids, layer-tap slots, mask token, ...), which the tests compare
 across the layouts of one export and with an HF oracle (`tests/contracts/test_engine_readers.py`).
 
+`BlockDrafterFiles` goes one step further for block drafters: it rebuilds vLLM's `dflash` /
+`dspark` drafter from the exported files with plain torch (the layers, the per-layer attention
+vLLM resolves, the Markov bias and confidence head), so tests compare its logits with our
+runner's and each layer's output with what our layers computed
+(`tests/kinds/test_dflash_export.py`, `tests/kinds/test_dflash_layer_attention.py`).
+
 `LAYOUTS` lists the layouts of every registered kind; a new kind adds its readers there (the
 test fails for a registered kind without an entry). `speculators_kinds()` is the kinds whose
 spec writes a speculators folder (`DrafterSpec.speculators_layout`).
@@ -534,12 +540,18 @@ def _dflash_tensor_names(cfg: dict[str, Any], n_taps: int, dflash2: bool) -> dic
             names["candidate_selector." + t] = None
     # DSpark (vLLM `dspark`, REFERENCES A1/A3): top-level `markov_rank` r > 0 names the
     # Markov head's two `[V, r]` matrices; the confidence head is `Linear(H -> 1)` with a bias.
+    # speculators' `dspark` adds the gated head's `gate_proj` (Linear(H + r -> r)) and
+    # `confidence_head_with_markov` (the confidence head over `[h, markov_w1[prev]]`, H + r).
     r, V = int(cfg.get("markov_rank") or 0), cfg["vocab_size"]
     if r:
         names["markov_head.markov_w1.weight"] = (V, r)
         names["markov_head.markov_w2.weight"] = (V, r)
+        if cfg.get("markov_head_type", "vanilla") == "gated":
+            names["markov_head.gate_proj.weight"] = (r, H + r)
+            names["markov_head.gate_proj.bias"] = (r,)
     if cfg.get("confidence_head"):
-        names["confidence_head.proj.weight"] = (1, H)
+        width = H + (r if cfg.get("confidence_head_with_markov") else 0)
+        names["confidence_head.proj.weight"] = (1, width)
         names["confidence_head.proj.bias"] = (1,)
     return names
 
@@ -620,14 +632,30 @@ def speculators_dflash(export: Path, rec: RunRecord) -> EngineView:
     cfg = read_json(folder / "config.json")
     tensors = read_tensors(folder / "model.safetensors")
     stype = cfg["speculators_model_type"]
-    assert stype in ("dflash", "dflash2") and cfg["speculators_config"]["algorithm"] == stype
+    assert stype in ("dflash", "dflash2", "dspark")
+    assert cfg["speculators_config"]["algorithm"] == stype
     layer = cfg["transformer_layer_config"]
     assert layer["model_type"] == "qwen3"
     assert cfg["draft_vocab_size"] == layer["vocab_size"]  # not pruned
     assert cfg["target_hidden_size"] == text_config(rec.target_config)["hidden_size"]
     assert cfg["block_size"] == rec.arch["block_size"]
     assert cfg["mask_token_id"] == rec.arch["mask_token_id"]
-    assert cfg["sample_from_anchor"] is False  # proposals are the B - 1 mask slots
+    # proposals: the B - 1 mask slots, or all B slots with DSpark's `sample_from_anchor`
+    assert cfg["sample_from_anchor"] is bool(rec.arch["sample_from_anchor"])
+    assert (stype == "dspark") == bool(rec.arch["sample_from_anchor"] or rec.arch["markov_rank"])
+    names = dict(layer)
+    if stype == "dspark":  # `DSparkSpeculatorConfig`: each flag read, its defaults all "on"
+        assert cfg["markov_rank"] == rec.arch["markov_rank"]
+        assert cfg["markov_head_type"] == rec.arch["markov_head_type"]
+        assert cfg["enable_confidence_head"] is bool(rec.arch["confidence_head"])
+        want_with = bool(rec.arch.get("confidence_head_with_markov"))
+        assert cfg["confidence_head_with_markov"] is want_with
+        names.update(
+            markov_rank=cfg["markov_rank"],
+            markov_head_type=cfg["markov_head_type"],
+            confidence_head=cfg["enable_confidence_head"],
+            confidence_head_with_markov=cfg["confidence_head_with_markov"],
+        )
     proposal = cfg["speculators_config"]["proposal_methods"][0]
     assert proposal["speculative_tokens"] == rec.state["objective"]["serving_k"]
     _check_verifier(folder, cfg, rec)
@@ -636,7 +664,7 @@ def speculators_dflash(export: Path, rec: RunRecord) -> EngineView:
         ref = rec.target_tensor(want) if want else rec.target_head()
         assert torch.equal(tensors.pop(name), ref.to(tensors["fc.weight"].dtype)), name
     assert "d2t" not in tensors and "t2d" not in tensors
-    view = _dflash_common(layer, tensors, rec, slots, stype == "dflash2", f"speculators-{stype}")
+    view = _dflash_common(names, tensors, rec, slots, stype == "dflash2", f"speculators-{stype}")
     view.mask_token_id = cfg["mask_token_id"]
     return view
 
@@ -708,10 +736,10 @@ LAYOUTS: dict[str, tuple[Reader, ...]] = {
 
 
 def _speculators_dflash_applies(rec: RunRecord) -> bool:
-    """speculators has no field for a causal block, and its `dspark` layout is not written yet:
-    such a block drafter's export has no speculators folder (the spec returns no layout)."""
+    """speculators has no field for a causal block and reads sliding windows otherwise: such a
+    block drafter's export has no speculators folder (the spec returns no layout)."""
     a = rec.arch
-    return not (a.get("causal_block") or a.get("sample_from_anchor") or a.get("markov_rank"))
+    return not (a.get("causal_block") or "sliding_attention" in (a.get("layer_types") or []))
 
 
 speculators_dflash.applies = _speculators_dflash_applies
@@ -731,3 +759,228 @@ def speculators_kinds() -> list[str]:
         for k in registered_kinds()
         if type(drafter_spec(k)).speculators_layout is not DrafterSpec.speculators_layout
     ]
+
+
+# ---- a block drafter's logits rebuilt from its files (vLLM `dflash` / `dspark`) ------------------
+# Written from the engines' reading rules (REFERENCES A1/A3) with plain torch over the tensors
+# as stored, never through `draftinfer.kinds.dflash`: the Qwen3 layer, the context entering
+# every layer as keys/values only, the per-layer (causal, window) vLLM resolves, the DSpark
+# Markov bias applied sequentially from the anchor and the confidence head. The export tests
+# compare its logits with our runner's and its per-layer attention with what our layers did.
+
+
+def vllm_dflash_layer_attention(cfg: dict[str, Any]) -> list[tuple[bool, int | None]]:
+    """Per drafter layer (causal inside the block, sliding window or None), by vLLM's rule
+    (`_dflash_layer_causal`, `_resolve_layer_attention`): `dflash_config.use_swa` with
+    `swa_window_size` makes every layer a window layer, else `layer_types[i] ==
+    "sliding_attention"` with `sliding_window`; causality is the top-level `is_causal` if
+    present, else `dflash_config.causal` if present, else "a sliding layer is causal" - so one
+    global flag applies to every layer, full ones included (the #47745 trap)."""
+    dc = cfg.get("dflash_config") or {}
+    n = cfg["num_hidden_layers"]
+    if dc.get("use_swa"):
+        types, window = ["sliding_attention"] * n, int(dc["swa_window_size"])
+    else:
+        types = list(cfg.get("layer_types") or ["full_attention"] * n)
+        window = cfg.get("sliding_window")
+    assert len(types) == n, types
+    out = []
+    for t in types:
+        sliding = t == "sliding_attention"
+        if "is_causal" in cfg:
+            causal = bool(cfg["is_causal"])
+        elif "causal" in dc:
+            causal = bool(dc["causal"])
+        else:
+            causal = sliding
+        assert not sliding or (window or 0) > 0, "a sliding layer without sliding_window"
+        out.append((causal, int(window) if sliding else None))
+    return out
+
+
+def block_mask_by_positions(
+    ctx_pos: torch.Tensor,  # [T] positions of the context rows
+    block_pos: torch.Tensor,  # [n] positions of the block slots (anchor first)
+    causal: bool,
+    window: int | None,
+) -> torch.Tensor:
+    """The bool mask `[n, T + n]` a block slot reads in the engines' KV cache (REFERENCES A1
+    "In-block attention", "Sliding window"): a context key strictly before the anchor's
+    position; a key of its own block (all of them, or those at or before it when causal); in a
+    window layer only keys whose position is within `window` of the query's own
+    (`q - k < window`)."""
+    anchor = block_pos[0]
+    q = block_pos[:, None]
+    ctx = (ctx_pos[None] < anchor).expand(len(block_pos), -1)
+    blk = torch.ones(len(block_pos), len(block_pos), dtype=torch.bool)
+    if causal:
+        blk = block_pos[None] <= q
+    m = torch.cat([ctx, blk], 1)
+    if window is not None:
+        m = m & (q - torch.cat([ctx_pos, block_pos])[None] < window)
+    return m
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.float()
+
+
+def _inv_freq(cfg: dict[str, Any]) -> torch.Tensor:
+    """Neox RoPE frequencies from the draft config (vLLM reads RoPE from the draft's config):
+    `rope_theta`, and `rope_scaling` `llama3` as transformers / vLLM compute it."""
+    D, theta = cfg["head_dim"], float(cfg["rope_theta"])
+    inv = 1.0 / theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+    rs = cfg.get("rope_scaling") or {}
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind == "llama3":
+        f, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+        old = rs["original_max_position_embeddings"]
+        wavelen = 2 * torch.pi / inv
+        scaled = torch.where(wavelen > old / lo, inv / f, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / f + smooth * scaled
+        medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+        inv = torch.where(medium, smoothed, scaled)
+    else:
+        assert kind == "default", f"reader: rope_type {kind!r}"
+    return inv.float()
+
+
+def _rope(x: torch.Tensor, pos: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """x `[N, heads, D]` rotated (neox halves) at positions `[N]`."""
+    ang = pos.double()[:, None] * inv.double()[None]
+    cos = torch.cat([ang.cos(), ang.cos()], -1).float()[:, None]
+    sin = torch.cat([ang.sin(), ang.sin()], -1).float()[:, None]
+    h = x.shape[-1] // 2
+    rot = torch.cat([-x[..., h:], x[..., :h]], -1)
+    return x * cos + rot * sin
+
+
+@dataclass
+class BlockDrafterFiles:
+    """A z-lab layout folder as vLLM builds its drafter from it: the config and the tensors
+    under their stored names (no `model.` prefix, no `mask_hidden`)."""
+
+    cfg: dict[str, Any]
+    tensors: dict[str, torch.Tensor] = field(repr=False)
+
+    @classmethod
+    def read(cls, folder: Path) -> BlockDrafterFiles:
+        cfg = read_json(Path(folder) / "config.json")
+        tensors = {
+            k: v.float() for k, v in read_tensors(Path(folder) / "model.safetensors").items()
+        }
+        assert cfg["architectures"] == ["DFlashDraftModel"], "reader: plain DFlash / DSpark only"
+        assert "mask_hidden" not in tensors and not any(k.startswith("model.") for k in tensors)
+        if cfg.get("markov_rank"):  # vLLM's `dspark` serves the vanilla head only
+            assert cfg["markov_head_type"] == "vanilla", cfg["markov_head_type"]
+        return cls(cfg, tensors)
+
+    def w(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    @property
+    def eps(self) -> float:
+        return float(self.cfg["rms_norm_eps"])
+
+    def context(self, features: torch.Tensor) -> torch.Tensor:
+        """Target taps `[T, n*H]` -> `hidden_norm(fc(.))` `[T, H]`."""
+        return _rms(
+            features.float() @ self.w("fc.weight").T, self.w("hidden_norm.weight"), self.eps
+        )
+
+    def layer(
+        self,
+        i: int,
+        x: torch.Tensor,  # [n, H] the block rows entering layer i
+        ctx: torch.Tensor,  # [T, H] the context
+        ctx_pos: torch.Tensor,  # [T]
+        block_pos: torch.Tensor,  # [n]
+        mask: torch.Tensor,  # [n, T + n]
+    ) -> torch.Tensor:
+        """Qwen3 decoder layer i over the block, the context as extra keys/values: `k =
+        k_norm(k_proj(ctx))` RoPE'd at the context's positions, `v = v_proj(ctx)`, no
+        `input_layernorm` on the context."""
+        c, p = self.cfg, f"layers.{i}."
+        nq, nkv, D = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+        inv = _inv_freq(c)
+        h = _rms(x, self.w(p + "input_layernorm.weight"), self.eps)
+        qn, kn = self.w(p + "self_attn.q_norm.weight"), self.w(p + "self_attn.k_norm.weight")
+        q = _rms((h @ self.w(p + "self_attn.q_proj.weight").T).view(-1, nq, D), qn, self.eps)
+        both = torch.cat([ctx, h])
+        k = _rms((both @ self.w(p + "self_attn.k_proj.weight").T).view(-1, nkv, D), kn, self.eps)
+        v = (both @ self.w(p + "self_attn.v_proj.weight").T).view(-1, nkv, D)
+        q = _rope(q, block_pos, inv)
+        k = _rope(k, torch.cat([ctx_pos, block_pos]), inv)
+        k, v = k.repeat_interleave(nq // nkv, 1), v.repeat_interleave(nq // nkv, 1)
+        s = torch.einsum("qhd,khd->hqk", q, k) / D**0.5
+        s = s.masked_fill(~mask[None], float("-inf"))
+        o = torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(len(x), nq * D)
+        x = x.float() + o @ self.w(p + "self_attn.o_proj.weight").T
+        h = _rms(x, self.w(p + "post_attention_layernorm.weight"), self.eps)
+        g, u = h @ self.w(p + "mlp.gate_proj.weight").T, h @ self.w(p + "mlp.up_proj.weight").T
+        return x + (torch.nn.functional.silu(g) * u) @ self.w(p + "mlp.down_proj.weight").T
+
+    def draft(
+        self,
+        embed: torch.Tensor,  # [V, H] the target's input embedding
+        head: torch.Tensor,  # [V, H] the target's lm_head
+        features: torch.Tensor,  # [T, n*H] context taps of the committed tokens 0..T-1
+        anchor_id: int,  # the last committed token, at position T
+        k: int,
+        choose: Callable[[int, torch.Tensor], int] | None = None,
+    ) -> dict[str, Any]:
+        """One round of vLLM's block drafting: the block `[anchor, MASK x ...]` at positions
+        `T + s`, `k + 1` slots (`k` with `dflash_config.sample_from_anchor`: the anchor slot
+        drafts too), one forward; then the drafting slots in order, each scored `head(h)` plus,
+        with `markov_rank`, the Markov bias `markov_w2 @ markov_w1[prev]` of the token chosen
+        before it (the anchor for draft 1), and with the confidence head
+        `sigmoid(proj(h [, markov_w1[prev]]))`. `choose(step, logits) -> id` (default argmax).
+        -> {"logits" [k, V], "drafts" [k], "confidence" [k] or None, "layers" [(in, out)]}."""
+        c, dc = self.cfg, self.cfg["dflash_config"]
+        first = 0 if dc.get("sample_from_anchor") else 1
+        n = k + first
+        T = features.shape[0]
+        ctx_pos, block_pos = torch.arange(T), T + torch.arange(n)
+        ctx = self.context(features)
+        ids = torch.full((n,), int(dc["mask_token_id"]))
+        ids[0] = anchor_id
+        x = embed.float()[ids]
+        layers = []
+        for i, (causal, window) in enumerate(vllm_dflash_layer_attention(c)):
+            m = block_mask_by_positions(ctx_pos, block_pos, causal, window)
+            y = self.layer(i, x, ctx, ctx_pos, block_pos, m)
+            layers.append((x, y))
+            x = y
+        h = _rms(x, self.w("norm.weight"), self.eps)[first:]  # [k, H] drafting slots
+        r = int(c.get("markov_rank") or 0)
+        conf_w = self.tensors.get("confidence_head.proj.weight")
+        with_markov = bool(c.get("confidence_head_with_markov"))  # input [h, markov_w1[prev]]
+        if conf_w is not None:
+            assert conf_w.shape == (1, h.shape[1] + (r if with_markov else 0)), conf_w.shape
+        prev, logits, drafts, conf = anchor_id, [], [], []
+        for j in range(k):
+            lj = h[j] @ head.float().T
+            if r:
+                w1, w2 = (
+                    self.w("markov_head.markov_w1.weight"),
+                    self.w("markov_head.markov_w2.weight"),
+                )
+                lj = lj + w2 @ w1[prev]
+            if conf_w is not None:
+                f = (
+                    torch.cat([h[j], self.w("markov_head.markov_w1.weight")[prev]])
+                    if with_markov
+                    else h[j]
+                )
+                conf.append(torch.sigmoid(f @ conf_w[0] + self.w("confidence_head.proj.bias")[0]))
+            logits.append(lj)
+            prev = int(choose(j, lj)) if choose is not None else int(lj.argmax())
+            drafts.append(prev)
+        return {
+            "logits": torch.stack(logits),
+            "drafts": torch.tensor(drafts),
+            "confidence": torch.stack(conf) if conf else None,
+            "layers": layers,
+        }

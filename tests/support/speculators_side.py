@@ -7,7 +7,8 @@ It loads the folder *as it is* with vllm-project/speculators 0.9.0's own
 `from_pretrained(FOLDER)` from a working directory that has nothing to do with it (the export's
 recorded verifier, a hub id or the target's absolute path, resolves from anywhere), in fp32, runs its
 forward on the inputs our side wrote (`INPUTS`, safetensors) and writes what it computed to
-`OUT` (safetensors): the `lm_head` outputs (`logits`), every tensor of its state dict
+`OUT` (safetensors): the `lm_head` outputs (`logits`; DSpark: the Markov-biased logits and the
+confidence logits), every tensor of its state dict
 (`state.<name>`) and, for P-EAGLE and DFlash, the anchors (and depths) of its slots. Metadata (versions,
 the verifier it resolved, keys it loaded from nowhere) goes into the file's metadata.
 Only torch, safetensors and speculators are imported: this runs beside transformers 5.19.
@@ -30,9 +31,20 @@ def _load(kind: str, folder: str):
         from speculators.models.peagle import PEagleDraftModel as cls
     elif kind == "dflash":
         from speculators.models.dflash import DFlashDraftModel as cls
+    elif kind == "dspark":
+        from speculators.models.dspark import DSparkDraftModel as cls
     else:
         raise SystemExit(f"unknown speculators kind {kind!r}")
-    return cls.from_pretrained(folder, dtype=torch.float32).eval()
+    model = cls.from_pretrained(folder, dtype=torch.float32).eval()
+    if kind in ("dflash", "dspark"):
+        # speculators builds the block mask with `torch.compile(create_block_mask)`; on a CPU
+        # (torch 2.13) inductor's C++ for its anchor-block mask_mod fails to compile
+        # ("operands to ?: have different types VecMask<int> and VecMask<float>"), so the same
+        # `create_block_mask` of the same mask_mod runs uncompiled: the same mask.
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        model._create_mask_fn = create_block_mask
+    return model
 
 
 def _capture_lm_head(model) -> list[torch.Tensor]:
@@ -113,7 +125,42 @@ def _forward_dflash(model, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     return {"logits": seen[0], "anchor": torch.arange(n)}
 
 
-FORWARDS = {"eagle3": _forward_eagle3, "peagle": _forward_peagle, "dflash": _forward_dflash}
+def _forward_dspark(model, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """DSpark: DFlash's blocks (every anchor but the last block's, as `_forward_dflash`), then its
+    Markov bias (from the ground-truth token before each slot) and confidence head; the final
+    logits and confidence logits are what it hands its `compute_metrics`, captured there."""
+    import speculators.models.dspark.core as core
+
+    seen: dict[str, torch.Tensor] = {}
+
+    def capture(logits, targets, confidence_logits, *args, **kwargs):
+        seen["logits"] = logits.detach().clone()
+        if confidence_logits is not None:
+            seen["confidence_logits"] = confidence_logits.detach().clone()
+        return torch.zeros(()), {}
+
+    core.compute_metrics = capture
+    T = x["input_ids"].shape[1]
+    n = T - model.block_size
+    with torch.no_grad():
+        model(
+            hidden_states=x["hidden_states"],
+            input_ids=x["input_ids"],
+            loss_mask=torch.ones(1, T),
+            verifier_last_hidden_states=torch.zeros(1, T, int(x["verifier_hidden_size"])),
+            document_ids=torch.zeros(1, T, dtype=torch.long),
+            position_ids=x["position_ids"],
+            max_anchors=n,
+        )
+    return {**seen, "anchor": torch.arange(n)}
+
+
+FORWARDS = {
+    "eagle3": _forward_eagle3,
+    "peagle": _forward_peagle,
+    "dflash": _forward_dflash,
+    "dspark": _forward_dspark,
+}
 
 
 def main(kind: str, folder: str, inputs: str, out: str) -> None:

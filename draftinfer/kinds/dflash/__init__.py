@@ -40,6 +40,15 @@ class DFlashSpec(DrafterSpec):
             "block_convention": "anchor_then_mask",
         }
 
+    def hf_config(self, arch) -> dict:
+        # The z-lab layout is what vLLM's `dspark` loads: the vanilla Markov head only.
+        if arch.markov_rank and arch.markov_head_type != "vanilla":
+            raise CheckpointError(
+                f"markov_head_type {arch.markov_head_type!r} has no z-lab / vLLM `dspark` layout "
+                "(vLLM serves the vanilla Markov head only; speculators' `dspark` layout holds it)"
+            )
+        return super().hf_config(arch)
+
     def attach_shared(self, module, shared: dict[str, torch.Tensor]) -> None:
         roles = {"input_embeddings": module.embed_tokens.weight}
         copy_shared_weights(
@@ -64,8 +73,6 @@ class DFlashSpec(DrafterSpec):
     def speculators_layout(
         self, module, verifier, verifier_architectures, k, input_embeddings, output_embeddings=None
     ):
-        if module.config.dspark:  # speculators' `dspark` layout is not written yet
-            return None
         config = speculators_config(module.config, verifier, verifier_architectures, k)
         if config is None or output_embeddings is None:
             return None
@@ -92,7 +99,8 @@ class DFlashSpec(DrafterSpec):
                 f"DSpark options: sample_from_anchor {arch.sample_from_anchor}, Markov head "
                 f"{arch.markov_head_type} rank {arch.markov_rank}, confidence head "
                 f"{arch.confidence_head}. vLLM serves it as `method: dspark`; this export "
-                "writes the z-lab layout plus those fields (the `dspark` layout check is open)."
+                "writes the z-lab layout plus those fields, and speculators' `dspark` layout "
+                "in `speculators/` (vLLM serves `vanilla` heads only)."
             )
         if arch.causal_block:
             notes.append("Causal block (JetSpec, `dflash_config.causal: true`): vLLM only.")
@@ -106,7 +114,9 @@ class DFlashSpec(DrafterSpec):
         if "sliding_attention" in arch.layer_types and "full_attention" in arch.layer_types:
             notes.append(
                 "Sliding and full layers mixed: vLLM needs its model runner V2 "
-                "(`VLLM_USE_V2_MODEL_RUNNER=1`)."
+                "(`VLLM_USE_V2_MODEL_RUNNER=1`). No `speculators/` folder is written for window "
+                "layers: speculators windows them otherwise, and vLLM's reading of that layout "
+                "(#47745) would make the full layers causal."
             )
         return (
             "vLLM:\n\n```bash\n"

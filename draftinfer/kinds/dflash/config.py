@@ -38,7 +38,9 @@ from draftinfer.models.rope import parse_rope
 from draftinfer.models.target import FeatureSpec
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
-MARKOV_HEAD_TYPES = ("vanilla",)  # gated / rnn: training-only in the references, not here
+# `gated` is training-only (no engine serves it; speculators 0.9.0's definition, module.py):
+# the z-lab / vLLM layout refuses it (`DFlashSpec.hf_config`). `rnn` is not implemented.
+MARKOV_HEAD_TYPES = ("vanilla", "gated")
 # dflash_config fields of other DFlash-family variants this code does not implement: a
 # checkpoint that sets them to anything but the identity is refused, never half-served.
 _IDENTITY_FIELDS = {
@@ -86,6 +88,8 @@ class DFlashConfig:
     markov_rank: int = 0  # 0: no Markov head (DSpark: 256)
     markov_head_type: str = "vanilla"
     confidence_head: bool = False  # DSpark's per-slot accept-rate predictor
+    # The confidence head reads `[h, markov_w1[prev]]` (H + r) instead of h (REFERENCES A1).
+    confidence_head_with_markov: bool = False
 
     def __post_init__(self) -> None:
         self.rope_theta, self.rope_scaling = parse_rope(
@@ -140,6 +144,8 @@ class DFlashConfig:
                 f"markov_rank {self.markov_rank} must be >= 0 and markov_head_type "
                 f"{self.markov_head_type!r} one of {MARKOV_HEAD_TYPES}"
             )
+        if self.confidence_head_with_markov and not (self.confidence_head and self.markov_rank):
+            raise ConfigError("confidence_head_with_markov needs the confidence and Markov heads")
         if self.markov_rank and self.selector_top_k:
             raise ConfigError("a Markov head and DFlash2's candidate selector do not combine")
 
@@ -216,6 +222,10 @@ class DFlashConfig:
             dflash.update(selector_top_k=self.selector_top_k, selector_rank=self.selector_rank)
         if self.sample_from_anchor:
             dflash["sample_from_anchor"] = True
+        if self.layer_types and all(t == "sliding_attention" for t in self.layer_types):
+            # vLLM's `use_swa` / `swa_window_size` make *every* layer a window layer: written
+            # only when that is true per layer (a mixed drafter says it by `layer_types`).
+            dflash.update(use_swa=True, swa_window_size=self.sliding_window)
         d = {
             "architectures": [self.architecture],
             "model_type": "qwen3",
@@ -247,6 +257,8 @@ class DFlashConfig:
             d.update(markov_rank=self.markov_rank, markov_head_type=self.markov_head_type)
         if self.confidence_head:
             d["confidence_head"] = True
+        if self.confidence_head_with_markov:
+            d["confidence_head_with_markov"] = True
         if self.rope_scaling and "mrope_section" in self.rope_scaling:
             d["rope_parameters"] = {"rope_theta": self.rope_theta, **self.rope_scaling}
         return d
@@ -272,6 +284,11 @@ class DFlashConfig:
                 )
         if d.get("is_neox_style", True) is not True:
             raise CheckpointError(f"{where}: is_neox_style false (GPT-J RoPE) is not supported")
+        if d.get("markov_rank") and d.get("markov_head_type", "vanilla") != "vanilla":
+            raise CheckpointError(
+                f"{where}: markov_head_type {d['markov_head_type']!r}: vLLM's `dspark` layout "
+                "holds the vanilla Markov head only"
+            )
         L = int(require(d, "num_target_layers", where))
         t = [int(x) for x in require(dc, "target_layer_ids", f"{where} [dflash_config]")]
         taps = [tap_of_dflash_id(x) for x in t]
@@ -327,4 +344,5 @@ class DFlashConfig:
             "markov_rank": int(d.get("markov_rank", 0) or 0),
             "markov_head_type": str(d.get("markov_head_type", "vanilla")),
             "confidence_head": bool(d.get("confidence_head", False)),
+            "confidence_head_with_markov": bool(d.get("confidence_head_with_markov", False)),
         }

@@ -24,9 +24,11 @@ DSpark options (REFERENCES A1, "DSpark"):
 - `MarkovHead` (`vanilla`): a first-order low-rank bias on the logits of draft j from the token
   before it (the anchor for draft 1): `markov_w2(markov_w1[prev])` `[V]`, `markov_w1` an
   embedding `[V, r]`, `markov_w2` a `Linear(r -> V)` (weight `[V, r]`); `markov_w2` starts at
-  zero, so an untrained head is plain DFlash;
-- `ConfidenceHead`: `proj = Linear(H -> 1)` on a drafting slot's normed hidden, the logit of
-  the probability that the draft is accepted (trained by BCE on `sum min(p, q)`).
+  zero, so an untrained head is plain DFlash. `gated` (training only; speculators 0.9.0's
+  definition) scales `markov_w1[prev]` by `sigmoid(gate_proj([h, markov_w1[prev]]))` first;
+- `ConfidenceHead`: `proj = Linear(H -> 1)` on a drafting slot's normed hidden (`Linear(H + r
+  -> 1)` on `[h, markov_w1[prev]]` with `confidence_head_with_markov`), the logit of the
+  probability that the draft is accepted (trained by BCE on `sum min(p, q)`).
 `draft_logits` is the one function training (teacher-forced predecessors) and the runner
 (the previous draft) score a drafting slot with.
 
@@ -183,29 +185,60 @@ def selector_logits(
 
 
 class MarkovHead(nn.Module):
-    """DSpark's `vanilla` Markov head: `bias(prev) = markov_w2(markov_w1[prev])` `[..., V]`."""
+    """DSpark's Markov head: a logit bias `[..., V]` from the token before the drafted one.
 
-    def __init__(self, vocab: int, rank: int):
+    - `vanilla`: `markov_w2(markov_w1[prev])`;
+    - `gated`: `markov_w2(sigmoid(gate_proj([h, markov_w1[prev]])) * markov_w1[prev])`, `h` the
+      drafting slot's normed hidden, `gate_proj = Linear(H + r -> r)` with a bias. REFERENCES
+      A1 names `gated` (training only) without defining it; this is vllm-project/speculators
+      0.9.0's definition (`models/dspark/model_definitions.py::MarkovHead`), so the speculators
+      `dspark` layout loads it as trained. No engine serves it (vLLM: `vanilla` only)."""
+
+    def __init__(self, vocab: int, rank: int, hidden: int = 0, head_type: str = "vanilla"):
         super().__init__()
+        self.head_type = head_type
         self.markov_w1 = nn.Embedding(vocab, rank)  # [V, r]
         nn.init.normal_(self.markov_w1.weight, std=0.02)
         self.markov_w2 = nn.Linear(rank, vocab, bias=False)  # weight [V, r]
         nn.init.zeros_(self.markov_w2.weight)
+        self.gate_proj = nn.Linear(hidden + rank, rank) if head_type == "gated" else None
 
-    def forward(self, prev: torch.Tensor) -> torch.Tensor:
-        """prev `[...]` token ids -> logit bias `[..., V]`."""
-        return self.markov_w2(self.markov_w1(prev))
+    def forward(self, prev: torch.Tensor, normed: torch.Tensor | None = None) -> torch.Tensor:
+        """prev `[...]` token ids (and, gated, the slot's normed hidden `[..., H]`) -> logit
+        bias `[..., V]`."""
+        e = self.markov_w1(prev)  # [..., r]
+        if self.gate_proj is not None:
+            h = normed.to(e.dtype)
+            e = torch.sigmoid(self.gate_proj(torch.cat([h, e], -1))) * e
+        return self.markov_w2(e)
 
 
 class ConfidenceHead(nn.Module):
-    """DSpark's per-slot accept-rate predictor: normed hidden `[..., H]` -> logit `[...]`."""
+    """DSpark's per-slot accept-rate predictor: `proj = Linear(H -> 1)` on the normed hidden,
+    or `Linear(H + r -> 1)` on `[h, markov_w1[prev]]` with `confidence_head_with_markov`
+    (REFERENCES A1) -> a logit `[...]` (`confidence_logit`)."""
 
-    def __init__(self, hidden: int):
+    def __init__(self, in_features: int):
         super().__init__()
-        self.proj = nn.Linear(hidden, 1)
+        self.proj = nn.Linear(in_features, 1)
 
-    def forward(self, normed: torch.Tensor) -> torch.Tensor:
-        return self.proj(normed.to(self.proj.weight.dtype))[..., 0]
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.proj(features.to(self.proj.weight.dtype))[..., 0]
+
+
+def confidence_logit(
+    drafter,
+    normed: torch.Tensor,  # [..., H] a drafting slot's normed hidden
+    prev: torch.Tensor,  # [...] the token before the one drafted (anchor for draft 1)
+) -> torch.Tensor:
+    """The confidence head's logit `[...]` of one drafting slot: on `h`, or on `[h,
+    markov_w1[prev]]` with `confidence_head_with_markov` (training: the ground-truth
+    predecessor; the runner: the previous draft)."""
+    head = drafter.confidence_head
+    if not drafter.config.confidence_head_with_markov:
+        return head(normed)
+    dt = head.proj.weight.dtype
+    return head(torch.cat([normed.to(dt), drafter.markov_head.markov_w1(prev).to(dt)], -1))
 
 
 def draft_logits(
@@ -218,7 +251,7 @@ def draft_logits(
     ground-truth predecessors, the runner the previous draft."""
     logits = drafter.logits(normed)
     if drafter.markov_head is not None:
-        logits = logits + drafter.markov_head(prev).to(logits.dtype)
+        logits = logits + drafter.markov_head(prev, normed).to(logits.dtype)
     sel = drafter.candidate_selector
     if sel is not None:
         logits = selector_logits(sel, sel.hidden_projection(normed), prev, logits)
@@ -245,8 +278,11 @@ class DFlashDrafter(nn.Module):
         self.candidate_selector = (
             CandidateSelector(H, V, c.selector_rank, c.selector_top_k) if c.selector_top_k else None
         )
-        self.markov_head = MarkovHead(V, c.markov_rank) if c.markov_rank else None
-        self.confidence_head = ConfidenceHead(H) if c.confidence_head else None
+        self.markov_head = (
+            MarkovHead(V, c.markov_rank, H, c.markov_head_type) if c.markov_rank else None
+        )
+        conf_in = H + (c.markov_rank if c.confidence_head_with_markov else 0)
+        self.confidence_head = ConfidenceHead(conf_in) if c.confidence_head else None
 
     @property
     def chained(self) -> bool:

@@ -24,7 +24,8 @@ A round (`propose`), for a padded batch with no host sync:
    logits, plus DSpark's Markov bias of the previous draft (the anchor for draft 1), or with
    DFlash2's selector from its scores over the top-k candidates given the previous draft (q
    over the candidates, so verification stays exact). DSpark's confidence head's accept
-   probabilities of the k drafts are kept as `confidence` `[B, k]` (not yet used to verify).
+   probabilities of the k drafts are kept as `confidence` `[B, k]` (not yet used to verify;
+   with `confidence_head_with_markov` each reads `markov_w1` of the draft's predecessor).
 
 K = `k` drafts use a block of `config.block_slots(k)` slots (`k + 1`, vLLM's `1 +
 num_speculative_tokens`; `k` with `sample_from_anchor`); the training block is `block_size`
@@ -48,7 +49,7 @@ from draftinfer.decoding.proposer import (
     last_valid,
 )
 from draftinfer.kinds.dflash.attention import CONTEXT, STALE, nonempty, visible
-from draftinfer.kinds.dflash.module import draft_logits
+from draftinfer.kinds.dflash.module import confidence_logit, draft_logits
 from draftinfer.models.kv_cache import (
     KVCache,
     default_attention,
@@ -237,19 +238,23 @@ class DFlashProposer(Proposer):
         c = self.cache
         normed = self._block(d, c.k, c.v, ids, rope, fp.rows, cache, anchor, block_end, attn_len)
         normed = normed[:, first:]  # [B, k, H] the drafting slots
-        if d.confidence_head is not None:
-            self.confidence = torch.sigmoid(d.confidence_head(normed).float())
         drafts = torch.zeros(B, k, dtype=torch.long, device=dev)
         if not d.chained:  # the slots' drafts are independent: all at once
-            return drafts, self._record_all(drafts, d.logits(normed), live_slots, choose)
-        qs: list[torch.Tensor | None] = [None]
+            q = self._record_all(drafts, d.logits(normed), live_slots, choose)
+        else:
+            qs: list[torch.Tensor | None] = [None]
 
-        def pick(step: int, logits: torch.Tensor) -> torch.Tensor:
-            qs[0] = self._record(drafts, qs[0], step, logits, num_drafts > step, choose)
-            return drafts[:, step]
+            def pick(step: int, logits: torch.Tensor) -> torch.Tensor:
+                qs[0] = self._record(drafts, qs[0], step, logits, num_drafts > step, choose)
+                return drafts[:, step]
 
-        choose_block(d, normed, anchor_ids, pick)
-        return drafts, qs[0]
+            choose_block(d, normed, anchor_ids, pick)
+            q = qs[0]
+        if d.confidence_head is not None:
+            # Draft j's predecessor: the anchor for draft 1, else draft j - 1.
+            prev = torch.cat([anchor_ids[:, None], drafts[:, :-1]], 1)  # [B, k]
+            self.confidence = torch.sigmoid(confidence_logit(d, normed, prev).float())
+        return drafts, q
 
     @staticmethod
     @torch.no_grad()

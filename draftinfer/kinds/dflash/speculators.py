@@ -14,6 +14,14 @@ loads a plain DFlash folder as written and its blocks give our runner's logits
   as ours), `sample_from_anchor` (false: the anchor slot does not draft), `speculators_config`
   (greedy proposals of `block_size - 1` tokens, the verifier's name and architectures);
   DFlash2 adds `conv_kernel_size`, `conv_group_size`, `selector_rank`, `selector_top_k`.
+- DSpark (`speculators_model_type` `dspark`, `architectures` `DSparkSpeculator`, speculators
+  0.9.0 `models/dspark/`): `sample_from_anchor`, `markov_rank` (0: no Markov head),
+  `markov_head_type` (`vanilla` / `gated`), `enable_confidence_head`,
+  `confidence_head_with_markov`, all written explicitly (its defaults are all "on"); tensors
+  `markov_head.markov_w1.weight [V, r]`, `markov_head.markov_w2.weight [V, r]`,
+  `markov_head.gate_proj.{weight,bias}` (gated), `confidence_head.proj.{weight,bias}`: our
+  module's names. speculators 0.9.0's `DSparkDraftModel.from_pretrained` loads it and its
+  forward gives our logits and confidences (`tests/kinds/test_dflash_speculators_dspark.py`).
 - tensors: the z-lab names (`fc`, `hidden_norm`, `layers.{i}.*`, `norm`), plus
   `embed_tokens.weight` and `lm_head.weight` (the target's; speculators reloads them from the
   verifier, storing them makes the load exact whatever its meta-device handling does). The
@@ -21,7 +29,15 @@ loads a plain DFlash folder as written and its blocks give our runner's logits
   holds its codebooks as `nn.Embedding`s: `candidate_selector.{predecessor,successor}_codebook.weight`.
 
 A causal block (the JetSpec option) has no speculators field (its full-attention layers are
-always bidirectional), so such a drafter has no speculators layout.
+always bidirectional), so such a drafter has no speculators layout. Neither has a drafter with
+sliding-window layers: speculators 0.9.0 reads a window otherwise than we train and vLLM serves
+it (`models/dflash/attention.py`: a context key is in the window iff `k >= anchor - W`, and the
+block's own keys are never windowed; ours and vLLM's: `q - k < W` from the query's own
+position, REFERENCES A1), so its logits differ wherever the window bites (measured: up to 0.33
+on the small sliding drafter with W = 6 < B = 16; equal with W = 40); and vLLM's conversion
+of this layout (#47745, fix #56692 open) turns `sliding_window_non_causal: false` into a global
+`dflash_config.causal: true` that makes the full-attention layers causal too. The z-lab layout
+at the export's root carries such drafters per layer.
 """
 
 from __future__ import annotations
@@ -56,8 +72,9 @@ _LAYER_KEYS = (
 def speculators_config(
     arch, verifier: str, verifier_architectures: list[str], k: int
 ) -> dict[str, Any] | None:
-    """The speculators `config.json` of architecture `arch` (None for a causal block)."""
-    if arch.causal_block:
+    """The speculators `config.json` of architecture `arch` (None for a causal block or
+    sliding-window layers: module docstring)."""
+    if arch.causal_block or "sliding_attention" in arch.layer_types:
         return None
     hf = arch.to_hf()
     algorithm = "dflash2" if arch.dflash2 else arch.speculators_type
@@ -82,6 +99,20 @@ def speculators_config(
             },
         },
     }
+    if arch.dspark:
+        # speculators' `dspark` (`DSparkSpeculatorConfig`, `DSparkDraftModel`): the DFlash
+        # fields plus the Markov and confidence heads, each flag written (its defaults are
+        # DSpark's: anchor slot drafting, rank 256, both heads on, confidence with Markov).
+        d.update(
+            architectures=["DSparkSpeculator"],
+            speculators_model_type="dspark",
+            sample_from_anchor=arch.sample_from_anchor,
+            markov_rank=arch.markov_rank,
+            markov_head_type=arch.markov_head_type,
+            enable_confidence_head=arch.confidence_head,
+            confidence_head_with_markov=arch.confidence_head_with_markov,
+        )
+        d["speculators_config"]["algorithm"] = "dspark"
     if arch.dflash2:
         d.update(
             conv_kernel_size=arch.conv_kernel_size,

@@ -83,6 +83,7 @@ class DFlashTrainSpec(TrainSpec):
             markov_rank=cfg.markov_rank if cfg.dspark else 0,
             markov_head_type=cfg.markov_head_type,
             confidence_head=cfg.dspark,
+            confidence_head_with_markov=cfg.dspark and cfg.confidence_head_with_markov,
         )
 
     def features(self, cfg: DFlashTrainConfig, ctx: InitContext):

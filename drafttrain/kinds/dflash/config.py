@@ -55,9 +55,14 @@ class DFlashTrainConfig(DrafterTrainConfig):
     # drafting slot is `dspark_ce_weight * CE + dspark_tv_weight * TV + confidence_loss_weight
     # * BCE(confidence, sum min(p_draft, p_target))` under the per-slot weights (exp_decay:
     # exp(-(j-1)/gamma) for draft j, DSpark's exp(-k/gamma) of anchor-slot index k).
+    # `markov_head_type: gated` (speculators 0.9.0's definition, `draftinfer.kinds.dflash.module`)
+    # trains and runs here, but no engine serves it: the z-lab / vLLM export refuses it, only
+    # the speculators `dspark` layout holds it. `confidence_head_with_markov`: the confidence
+    # head reads `[h, markov_w1[prev]]` (H + r) instead of h.
     dspark: bool = False
     markov_rank: int = 256
     markov_head_type: str = "vanilla"
+    confidence_head_with_markov: bool = False
     dspark_ce_weight: float = 0.1
     dspark_tv_weight: float = 0.9
     confidence_loss_weight: float = 1.0
@@ -72,7 +77,7 @@ class DFlashTrainConfig(DrafterTrainConfig):
         at_least("drafter", self, 1, "markov_rank")
         at_least("drafter", self, 0, "dspark_ce_weight", "dspark_tv_weight")
         at_least("drafter", self, 0, "confidence_loss_weight")
-        one_of("drafter", self, "markov_head_type", ("vanilla",))
+        one_of("drafter", self, "markov_head_type", ("vanilla", "gated"))
         if self.dspark and (self.dflash2 or self.loss != "ce"):
             from drafttrain.jobs.errors import ConfigError
 

@@ -45,7 +45,7 @@ from draftinfer.conventions.positions import block_positions
 from draftinfer.conventions.window import TokenEmbeds, shift_left
 from draftinfer.kinds.dflash import DFlashDrafter
 from draftinfer.kinds.dflash.attention import CONTEXT, PAD
-from draftinfer.kinds.dflash.module import draft_logits
+from draftinfer.kinds.dflash.module import confidence_logit, draft_logits
 from draftinfer.models.target import TargetOutput
 from drafttrain.frozen.head import target_distribution
 from drafttrain.jobs.errors import ConfigError
@@ -284,7 +284,7 @@ class DFlashObjective:
         row = c.dspark_ce_weight * ce + c.dspark_tv_weight * tv
         bce = torch.zeros_like(ce)
         if d.confidence_head is not None:
-            conf = d.confidence_head(hf).float()
+            conf = confidence_logit(d, hf, pred).float()
             bce = F.binary_cross_entropy_with_logits(conf, alpha, reduction="none")
             row = row + c.confidence_loss_weight * bce
         top1 = dist.top1[rows]
