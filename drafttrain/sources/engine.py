@@ -230,6 +230,11 @@ class EngineTarget:
         with self._lock:
             self._ready[row] = hs
 
+    def for_split(self, split: str) -> EngineTarget:
+        if split != "train":
+            raise ConfigError(f"{KEY}.path holds the training split only, not {split!r}")
+        return self
+
     def stream_batches(self, stream):
         """The loop's batch stream with this source's rows read ahead (streaming only)."""
         return Prefetched(stream, self, self.queue_batches) if self.stream else stream
