@@ -85,6 +85,10 @@ class EngineFeaturesConfig:
     # the input of decoder layer k (HF `hidden_states[k]`), slot L (= num_hidden_layers) the
     # final hidden state before the final norm. null: speculators' default [2, L//2, L-3, L].
     layer_ids: list[int] | None = None
+    # Where `python -m drafttrain.sources.rows` writes the tokenized training split for the
+    # producer (a `datasets` directory speculators' `generate-offline-data --preprocessed-data`
+    # reads; row i -> `hs_<i>.safetensors`). null: `<output_dir>/engine_rows`.
+    rows: str | None = None
     # A producer is still writing: wait for each row's file instead of refusing a missing one.
     stream: bool = False
     # Streaming: batches read ahead of the trainer (the bounded queue between reader and loop).

@@ -36,7 +36,7 @@ from drafttrain.jobs.config import TargetConfig, TrainConfig
 from drafttrain.jobs.errors import ConfigError, DataError
 from drafttrain.objectives.ttt import pick_backend
 from drafttrain.registry import InitContext, TrainFamily, TrainSpec, family_for, train_spec
-from drafttrain.sources.registry import selected_source
+from drafttrain.sources import selected_source
 from drafttrain.trainer.optim import dtype_of
 
 _CPU = torch.device("cpu")

@@ -56,9 +56,8 @@ def register_source(source: FeatureSource) -> FeatureSource:
 
 def selected_source(cfg) -> FeatureSource | None:
     """The source `cfg` selects (None: the live target), after its config checks; a one-line
-    `ConfigError` when several are set."""
-    import drafttrain.sources  # noqa: F401  (the built-in sources register on import)
-
+    `ConfigError` when several are set. Call it through `drafttrain.sources`, whose import
+    registers the built-in sources."""
     chosen = [s for s in SOURCES.values() if s.selected(cfg)]
     if len(chosen) > 1:
         keys = " and ".join(s.key for s in chosen)

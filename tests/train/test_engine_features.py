@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from datasets import load_from_disk
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -38,6 +39,7 @@ from drafttrain.jobs.setup import setup_target
 from drafttrain.jobs.train import train
 from drafttrain.sources import engine
 from drafttrain.sources.engine import EngineTarget, check_sample, slot_feature
+from drafttrain.sources.rows import write_rows
 from tests.support.hs_producer import engine_sample, produce
 from tests.support.no_target import forbid_target_forward
 from tests.support.presets import compose_preset
@@ -102,7 +104,13 @@ def world(tmp_path_factory):
             root = tmp_path_factory.mktemp(f"engine_{dtype}")
             cache = root / "cache"
             write_cache(cfg_for(root / "w", f"cache.dtype={dtype}", f"cache.dir={cache}"))
-            tokens = rows_of_split(cfg_for(root / "w"))
+            # The rows the producer sends: `python -m drafttrain.sources.rows`'s directory, read
+            # the way speculators' generator reads its preprocessed data (torch format).
+            rows = write_rows(cfg_for(root / "w", f"data.hidden_states.rows={root / 'rows'}"))
+            sent = load_from_disk(rows["dir"])
+            tokens = [sent[i]["input_ids"].tolist() for i in range(len(sent))]
+            assert tokens == rows_of_split(cfg_for(root / "w"))
+            assert sent["seq_len"].tolist() == [len(t) for t in tokens]
             segments, hidden = cache_rows(cache)
             payload = root / "payload"
             payload.mkdir()
