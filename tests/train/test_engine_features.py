@@ -110,7 +110,7 @@ def world(tmp_path_factory):
             sent = load_from_disk(rows["dir"])
             tokens = [sent[i]["input_ids"].tolist() for i in range(len(sent))]
             assert tokens == rows_of_split(cfg_for(root / "w"))
-            assert sent["seq_len"].tolist() == [len(t) for t in tokens]
+            assert [int(sent[i]["seq_len"]) for i in range(len(sent))] == [len(t) for t in tokens]
             segments, hidden = cache_rows(cache)
             payload = root / "payload"
             payload.mkdir()
