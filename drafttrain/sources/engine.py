@@ -163,8 +163,15 @@ def check_sample(
             f"{name}: token_ids ({len(ids)} tokens) are not the tokens of its training row "
             f"({T} tokens): the producer ran other data"
         )
-    if not hs.is_floating_point():
-        raise DataError(f"{name}: hidden_states is {hs.dtype}, expected a float dtype")
+    if "hidden_states_scales" in sample:  # hs_connectors' fp8 reader removes them
+        raise DataError(
+            f"{name}: hidden_states_scales present (an fp8 connector's file): read it with "
+            f"{KEY}.backend=fp8"
+        )
+    if not hs.is_floating_point() or hs.element_size() == 1:
+        raise DataError(
+            f"{name}: hidden_states is {hs.dtype}, expected float32, bfloat16 or float16"
+        )
     if tuple(hs.shape) != (T, num_slots, hidden):
         raise DataError(
             f"{name}: hidden_states is {tuple(hs.shape)}, expected ({T}, {num_slots}, {hidden}) "

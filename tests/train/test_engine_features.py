@@ -313,3 +313,36 @@ def test_bad_settings_are_one_line_errors(world, tmp_path):
     with pytest.raises(DataError, match="lacks 1 of 24 rows' files .first: hs_3.safetensors"):
         train(engine_cfg(tmp_path / "r", hs_dir))
     assert not (tmp_path / "r").exists()
+
+
+def test_fp8_connector_files_read_through_hs_connectors_fp8_reader(tmp_path):
+    """hs_connectors' `FP8HiddenStatesConnector` layout (its own quantizer: one fp32 scale per
+    token, `hidden_states_scales [T, 1, 1]`): `backend=fp8` returns hs_connectors' own
+    dequantization; `backend=file` refuses the file naming the field."""
+    from hs_connectors.fp8_utils import dequantize_fp8_tensor, quantize_tensor_to_fp8
+
+    from tests.support.hs_producer import vllm_write
+
+    torch.manual_seed(0)
+    T, slots = 7, [2, 4, 5, 8]
+    hs = torch.randn(T, len(slots), 16) * torch.tensor([0.1, 1.0, 4.0, 30.0])[None, :, None]
+    q, scales = quantize_tensor_to_fp8(hs)
+    ids = torch.arange(T) + 10
+    vllm_write(tmp_path / "hs_0.safetensors",
+               {"hidden_states": q, "hidden_states_scales": scales, "token_ids": ids})  # fmt: skip
+    batch = {"input_ids": ids[None], "attention_mask": torch.ones(1, T), "index": torch.tensor([0])}
+    spec = FeatureSpec((2, 4, 5))
+
+    def source(backend: str) -> EngineTarget:
+        return EngineTarget(
+            tmp_path, engine.transfer_for(backend, tmp_path), engine.engine_layout(slots, L, 16),
+            None, [{"input_ids": ids.tolist()}], torch.float32, False, 0.1, 1.0, 1,
+        )  # fmt: skip
+
+    got = source("fp8").batch_output(batch, spec)
+    want = dequantize_fp8_tensor(q, scales, torch.bfloat16).float()  # [T, S, H]
+    assert torch.equal(got.features[0], want[:, :3].flatten(-2))
+    assert torch.equal(got.head.hidden[0], want[:, 3])
+    assert (want - hs).abs().max() <= 2**-3 * hs.abs().amax()  # fp8 + bf16 rounding, per token
+    with pytest.raises(DataError, match=r"^hs_0.safetensors: hidden_states_scales present"):
+        source("file").batch_output(batch, spec)
