@@ -193,8 +193,9 @@ class EngineTarget:
         self.data, self.dtype = data, dtype
         self.stream, self.poll_s, self.timeout_s = stream, poll_s, timeout_s
         self.queue_batches = queue_batches
-        self._ready: dict[int, torch.Tensor] = {}  # rows read ahead (`Prefetched`)
-        self._lock = threading.Lock()
+        # The rows of the batch the loop took last, read ahead (`Prefetched`): replaced at each
+        # batch, so rows another rank consumes do not pile up.
+        self._ready: dict[int, torch.Tensor] = {}
 
     def path(self, row: int) -> Path:
         return self.root / FILE.format(row)
@@ -213,9 +214,8 @@ class EngineTarget:
 
     def load(self, row: int) -> torch.Tensor:
         """Row `row`'s `hidden_states [T, S, H]`, checked; streaming, after waiting for it."""
-        with self._lock:
-            if row in self._ready:
-                return self._ready.pop(row)
+        if row in self._ready:
+            return self._ready.pop(row)
         deadline = time.monotonic() + self.timeout_s
         while True:
             sample = self._read(row)
@@ -232,10 +232,6 @@ class EngineTarget:
         tokens = list(self.data[row]["input_ids"])
         lay = self.layout
         return check_sample(sample, tokens, lay.num_segments, lay.hidden_size, self.path(row).name)
-
-    def put_ready(self, row: int, hs: torch.Tensor) -> None:
-        with self._lock:
-            self._ready[row] = hs
 
     def for_split(self, split: str) -> EngineTarget:
         if split != "train":
@@ -298,25 +294,25 @@ class Prefetched:
             try:
                 batch = self.stream.next()
                 state = self.stream.state()
-                for row in batch["index"].tolist():
-                    self.source.put_ready(row, self.source.load(row))
-                item = (batch, state, None)
+                rows = {row: self.source.load(row) for row in batch["index"].tolist()}
+                item = (batch, state, rows, None)
             except BaseException as e:  # noqa: BLE001 - handed to the loop, raised there
-                item = (None, None, e)
+                item = (None, None, None, e)
             while not self._stop.is_set():
                 try:
                     self._queue.put(item, timeout=0.1)
                     break
                 except queue.Full:
                     continue
-            if item[2] is not None:
+            if item[3] is not None:
                 return
 
     def next(self) -> dict[str, torch.Tensor]:
-        batch, state, err = self._queue.get()
+        batch, state, rows, err = self._queue.get()
         if err is not None:
             raise err
         self._state = state
+        self.source._ready = rows  # the global batch's rows; this rank's are popped
         return batch
 
     def state(self) -> dict[str, Any]:
@@ -328,8 +324,7 @@ class Prefetched:
 
     def restore(self, st: dict[str, Any]) -> None:
         self.close()
-        with self.source._lock:
-            self.source._ready.clear()
+        self.source._ready = {}
         self.stream.restore(st)
         self._state = self.stream.state()
         self._start()
