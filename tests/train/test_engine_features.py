@@ -44,7 +44,7 @@ from tests.support.hs_producer import engine_sample, produce
 from tests.support.no_target import forbid_target_forward
 from tests.support.presets import compose_preset
 
-pytest.importorskip("hs_connectors")
+pytest.importorskip("hs_connectors", reason="the dev extra installs it: pip install -e .[dev]")
 
 REPO = Path(__file__).resolve().parents[2]
 L = 8  # zoo:llama-tiny's decoder layers
