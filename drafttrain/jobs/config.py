@@ -91,6 +91,14 @@ class EngineFeaturesConfig:
     rows: str | None = None
     # A producer is still writing: wait for each row's file instead of refusing a missing one.
     stream: bool = False
+    # Check at setup that the file of one row (the shortest there; streaming: the first to
+    # arrive) holds the taps `layer_ids` names: each slot against the loaded target's own
+    # features of that row, one target forward (a server launched with other ids, or in
+    # another slot order, is a one-line error naming the slot and the layer it matches).
+    check_taps: bool = True
+    # Largest relative error ||file - target|| / ||target|| of a slot (the engine's kernels
+    # and dtype differ from the trainer's: bf16 rounding alone is ~4e-3).
+    tap_tolerance: float = 0.05
     # Streaming: batches read ahead of the trainer (the bounded queue between reader and loop).
     queue_batches: int = 4
     # Streaming: seconds between looks for a file, and the longest wait for one.
@@ -412,7 +420,7 @@ def check_train_config(cfg: TrainConfig) -> TrainConfig:
     if hs.path is not None and not hs.stream and not Path(hs.path).expanduser().is_dir():
         raise ConfigError(f"data.hidden_states.path: no such directory: {hs.path}")
     at_least("data.hidden_states", hs, 1, "queue_batches")
-    above("data.hidden_states", hs, 0, "poll_s", "timeout_s")
+    above("data.hidden_states", hs, 0, "poll_s", "timeout_s", "tap_tolerance")
     at_least("trainer", tr, 1, "max_steps", "grad_accum", "keep_last", "log_every")
     at_least("trainer", tr, 1, "num_threads")
     at_least("trainer", tr, 0, "save_every")  # 0: no checkpoint before the last

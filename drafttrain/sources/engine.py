@@ -33,6 +33,12 @@ it against transformers. Slots outside `0..L` are refused; the post-norm final h
 `hidden_states[L]`) is not something vLLM extracts, so a drafter that consumes it cannot train
 from this source.
 
+Taps: at setup, one row's file (the shortest; streaming, the first to arrive) is compared slot
+by slot with the loaded target's own features of that row (`check_taps`, one forward, before the
+target's body is freed): a server launched with other `eagle_aux_hidden_state_layer_ids`, or
+another order, is a one-line `DataError` naming the slot and the layer it matches (a vLLM file
+does not record its layer ids, so this is the only way to see them).
+
 Checks: each sample is refused with a one-line `DataError` naming the field when its keys,
 shapes or dtype are not the ones above, its `token_ids` are not the row's tokens, or its values
 are not finite. Offline, a missing file is an error at setup; streaming
@@ -330,6 +336,54 @@ class Prefetched:
         self._start()
 
 
+# ---- the taps, against the target ---------------------------------------------------------
+def first_row(src: EngineTarget, n: int) -> int:
+    """The row the tap check reads: offline the shortest; streaming the shortest whose file is
+    complete, waiting for one up to `timeout_s`."""
+    order = sorted(range(n), key=lambda i: len(src.data[i]["input_ids"]))
+    if not src.stream:
+        return order[0]
+    deadline = time.monotonic() + src.timeout_s
+    while True:
+        for i in order:
+            p = src.path(i)
+            if p.exists() and lock_free(p) and whole(p):
+                return i
+        if time.monotonic() > deadline:
+            raise DataError(
+                f"{KEY}.path={src.root}: no file written after {src.timeout_s:g} s "
+                f"({KEY}.timeout_s): is the producer running?"
+            )
+        time.sleep(src.poll_s)
+
+
+@torch.no_grad()
+def check_taps(target, src: EngineTarget, split, layer_ids: list[int], pad_id: int, tol: float):
+    """Each slot of one row's file against the target's own features of that row (one
+    forward): a slot further than `tol` (relative) from the feature `layer_ids` names is a
+    one-line `DataError` naming the slot and the target feature it is closest to."""
+    L = target.info.num_layers
+    row = first_row(src, len(split.data))
+    hs = src.load(row).float()  # [T, S, H]
+    dev = next(target.model.parameters()).device
+    batch = {k: v.to(dev) for k, v in split.collate([row], pad_id).items()}
+    spec = FeatureSpec(tuple(range(L)), "pre_norm")  # every slot 0..L, in slot order
+    live = target.batch_output(batch, spec).features[0].float()  # [T, (L+1)*H]
+    live = live.unflatten(-1, (L + 1, -1)).transpose(0, 1)  # [L+1, T, H]
+    norm = live.flatten(1).norm(dim=-1).clamp(min=1e-30)  # [L+1]
+    for i, k in enumerate(layer_ids):
+        err = (hs[:, i][None] - live).flatten(1).norm(dim=-1) / norm  # [L+1]: vs every slot
+        if err[k] > tol:
+            best = int(err.argmin())
+            raise DataError(
+                f"{src.path(row).name}: hidden_states[:, {i}] is not slot {k} "
+                f"({slot_feature(k, L)}): {float(err[k]):.3g} relative from the target's "
+                f"(> {KEY}.tap_tolerance={tol:g}); closest: slot {best} = "
+                f"{slot_feature(best, L)} ({float(err[best]):.3g}): the server's eagle_aux_hidden_state_layer_ids are not "
+                f"{KEY}.layer_ids={list(layer_ids)}"
+            )
+
+
 # ---- the source ---------------------------------------------------------------------------
 def _check(cfg) -> None:
     if cfg.data.eval_split:
@@ -363,10 +417,13 @@ def open_engine(cfg, job, features: FeatureSpec) -> EngineTarget:
                 "is still writing"
             )
     head = TargetHead.of(job.target, "pre_norm")
-    return EngineTarget(
+    src = EngineTarget(
         root, transfer, layout, head, data, job.target.model.dtype,
         hcfg.stream, hcfg.poll_s, hcfg.timeout_s, hcfg.queue_batches,
     )  # fmt: skip
+    if hcfg.check_taps:
+        check_taps(job.target, src, job.split, layer_ids, job.pad_id, hcfg.tap_tolerance)
+    return src
 
 
 register_source(

@@ -10,11 +10,13 @@ back by hs_connectors 0.9.0's own reader (`FileTransfer.get_cached`), which the 
    source returns from a file built from transformers' own outputs equal the live target's.
 2. Acceptance: a run on a directory in the engines' layout has the per-step losses of the same
    run on our own feature cache, bitwise (float32 and bfloat16 files: the same numbers).
-3. Faults: a producer killed mid-sample leaves a truncated file under a released lock; the
+3. Faults and checks: a producer killed mid-sample leaves a truncated file under a released lock; the
    streaming trainer does not consume it, waits, and finishes with the offline run's losses
    after the producer restarts; a trainer killed mid-epoch resumes from its checkpoint with
    the uninterrupted run's rows and losses (nothing lost, nothing seen twice); a sample with
-   wrong shapes, tokens or taps is a one-line error naming the field.
+   wrong shapes or tokens is a one-line error naming the field; files whose slots are other
+   layers than `layer_ids` says are refused at setup, naming the slot and the layer it holds
+   (the one target forward of these runs).
 """
 
 from __future__ import annotations
@@ -29,11 +31,12 @@ import pytest
 import torch
 from datasets import load_from_disk
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from draftinfer.models.target import FeatureSpec
 from drafttrain.cache.format import FORMAT
 from drafttrain.cache.writer import write_cache
+from drafttrain.frozen.target import FrozenTarget
 from drafttrain.jobs.errors import ConfigError, DataError
 from drafttrain.jobs.setup import setup_target
 from drafttrain.jobs.train import train
@@ -41,7 +44,6 @@ from drafttrain.sources import engine
 from drafttrain.sources.engine import EngineTarget, check_sample, slot_feature
 from drafttrain.sources.rows import write_rows
 from tests.support.hs_producer import engine_sample, produce
-from tests.support.no_target import forbid_target_forward
 from tests.support.presets import compose_preset
 
 pytest.importorskip("hs_connectors", reason="the dev extra installs it: pip install -e .[dev]")
@@ -135,7 +137,6 @@ def engine_cfg(out: Path, hs_dir: Path, *extra: str):
 def test_slot_rule_against_transformers(tmp_path):
     """The oracle is transformers' `output_hidden_states` (and the final norm's input) on the
     same tokens; the source reads a connector-layout file of them through hs_connectors."""
-    from drafttrain.frozen.target import FrozenTarget
 
     cfg = cfg_for(tmp_path / "w")
     ts = setup_target(cfg.target)
@@ -184,8 +185,16 @@ def test_engine_directory_trains_like_the_feature_cache(dtype, world, tmp_path, 
     hs_dir = tmp_path / "hs"
     produce(w["payload"], hs_dir, "generator")  # speculators' offline generator's layout
     assert sorted(p.name for p in hs_dir.iterdir())[:2] == ["hs_0.safetensors", "hs_1.safetensors"]
-    forbid_target_forward(monkeypatch)
+    calls = []
+    real = FrozenTarget.batch_output
+
+    def counted(self, batch, features):
+        calls.append(tuple(batch["input_ids"].shape))
+        return real(self, batch, features)
+
+    monkeypatch.setattr(FrozenTarget, "batch_output", counted)
     got = train(engine_cfg(tmp_path / "run", hs_dir))
+    assert len(calls) == 1 and calls[0][0] == 1  # the tap check's one row; training ran none
     assert got["losses"] == w["losses"]  # bitwise
     assert got["losses"][-1] != got["losses"][0]
 
@@ -309,6 +318,16 @@ def test_bad_settings_are_one_line_errors(world, tmp_path):
         with pytest.raises(ConfigError) as e:
             train(cfg)
         assert needle in str(e.value) and "\n" not in str(e.value), (extra, str(e.value))
+    # A server launched with the same number of slots in another order: slot 2 holds layer 4's.
+    for p in hs_dir.glob("hs_*.safetensors"):
+        t = load_file(str(p))
+        t["hidden_states"] = t["hidden_states"][:, [1, 0, 2, 3]].contiguous()
+        save_file(t, str(p))
+    with pytest.raises(DataError) as e:
+        train(engine_cfg(tmp_path / "r", hs_dir))
+    msg = str(e.value)
+    assert "\n" not in msg and "hidden_states[:, 0] is not slot 2 (layer_input.2)" in msg, msg
+    assert "closest: slot 4 = layer_input.4 (0)" in msg, msg
     (hs_dir / "hs_3.safetensors").unlink()
     with pytest.raises(DataError, match="lacks 1 of 24 rows' files .first: hs_3.safetensors"):
         train(engine_cfg(tmp_path / "r", hs_dir))
