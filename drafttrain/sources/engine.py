@@ -189,6 +189,10 @@ def check_sample(
     return hs
 
 
+class Stopped(Exception):
+    """A read-ahead thread's wait ended by `Prefetched.close`."""
+
+
 class EngineTarget:
     """The engine's hidden states standing in for the frozen target of training: answers
     `batch_output(batch, features)` like `drafttrain.cache.CachedTarget` (module docstring)."""
@@ -218,10 +222,12 @@ class EngineTarget:
             first = (str(e).splitlines() or [type(e).__name__])[0]
             raise DataError(f"{path}: unreadable: {first}") from None
 
-    def load(self, row: int) -> torch.Tensor:
-        """Row `row`'s `hidden_states [T, S, H]`, checked; streaming, after waiting for it."""
-        if row in self._ready:
-            return self._ready.pop(row)
+    def load(self, row: int, stop: threading.Event | None = None) -> torch.Tensor:
+        """Row `row`'s `hidden_states [T, S, H]`, checked; streaming, after waiting for it
+        (a reader thread's wait ends when `stop` is set: `Stopped`)."""
+        ready = self._ready.pop(row, None) if stop is None else None  # the loop's thread only
+        if ready is not None:
+            return ready
         deadline = time.monotonic() + self.timeout_s
         while True:
             sample = self._read(row)
@@ -229,6 +235,8 @@ class EngineTarget:
                 break
             if not self.stream:
                 raise DataError(f"{self.path(row)}: missing (row {row} of the training split)")
+            if stop is not None and stop.is_set():
+                raise Stopped
             if time.monotonic() > deadline:
                 raise DataError(
                     f"{self.path(row)}: not written after {self.timeout_s:g} s "
@@ -300,8 +308,10 @@ class Prefetched:
             try:
                 batch = self.stream.next()
                 state = self.stream.state()
-                rows = {row: self.source.load(row) for row in batch["index"].tolist()}
+                rows = {r: self.source.load(r, self._stop) for r in batch["index"].tolist()}
                 item = (batch, state, rows, None)
+            except Stopped:
+                return
             except BaseException as e:  # noqa: BLE001 - handed to the loop, raised there
                 item = (None, None, None, e)
             while not self._stop.is_set():

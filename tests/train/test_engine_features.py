@@ -365,3 +365,26 @@ def test_fp8_connector_files_read_through_hs_connectors_fp8_reader(tmp_path):
     assert (want - hs).abs().max() <= 2**-3 * hs.abs().amax()  # fp8 + bf16 rounding, per token
     with pytest.raises(DataError, match=r"^hs_0.safetensors: hidden_states_scales present"):
         source("file").batch_output(batch, spec)
+
+
+def test_read_ahead_stops_while_waiting_for_a_file(tmp_path):
+    """`Prefetched.close` (the end of training, a resume's restore) ends a reader thread that is
+    waiting for a file nobody writes, instead of blocking until `timeout_s`."""
+    from drafttrain.sources.engine import Prefetched
+
+    class OneRow:  # a batch stream whose next batch is row 0, forever
+        def next(self):
+            return {"index": torch.tensor([0])}
+
+        def state(self):
+            return {"epoch": 0, "index": 0}
+
+    src = EngineTarget(
+        tmp_path, engine.transfer_for("file", tmp_path), engine.engine_layout(SLOTS, L, 8),
+        None, [{"input_ids": [1, 2]}], torch.float32, True, 0.01, 600.0, 2,
+    )  # fmt: skip
+    pre = Prefetched(OneRow(), src, 2)
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    pre.close()
+    assert time.monotonic() - t0 < 2 and not pre._thread.is_alive()
