@@ -68,6 +68,45 @@ class DrafterTrainConfig:
 
 
 @dataclass
+class EngineFeaturesConfig:
+    """Hidden states a serving engine extracted, read in place of running the target
+    (`drafttrain.sources.engine`, docs/training.md "Hidden states from vLLM"): a directory of
+    `hs_<row>.safetensors` files, one per row of the tokenized training split, in the layout
+    vLLM's `extract_hidden_states` writes through hs_connectors' `file` backend (speculators'
+    offline generator names them so)."""
+
+    # The directory (null: not used).
+    path: str | None = None
+    # The hs_connectors backend that reads it: "file" (bf16 / fp32 files as vLLM writes them)
+    # or "fp8" (hs_connectors' FP8 connector). "mooncake" is refused: it hands samples over by
+    # vLLM's response, not by dataset row.
+    backend: str = "file"
+    # The server's `eagle_aux_hidden_state_layer_ids`, in vLLM's slot numbering: slot k < L is
+    # the input of decoder layer k (HF `hidden_states[k]`), slot L (= num_hidden_layers) the
+    # final hidden state before the final norm. null: speculators' default [2, L//2, L-3, L].
+    layer_ids: list[int] | None = None
+    # Where `python -m drafttrain.sources.rows` writes the tokenized training split for the
+    # producer (a `datasets` directory speculators' `generate-offline-data --preprocessed-data`
+    # reads; row i -> `hs_<i>.safetensors`). null: `<output_dir>/engine_rows`.
+    rows: str | None = None
+    # A producer is still writing: wait for each row's file instead of refusing a missing one.
+    stream: bool = False
+    # Check at setup that the file of one row (the shortest there; streaming: the first to
+    # arrive) holds the taps `layer_ids` names: each slot against the loaded target's own
+    # features of that row, one target forward (a server launched with other ids, or in
+    # another slot order, is a one-line error naming the slot and the layer it matches).
+    check_taps: bool = True
+    # Largest relative error ||file - target|| / ||target|| of a slot (the engine's kernels
+    # and dtype differ from the trainer's: bf16 rounding alone is ~4e-3).
+    tap_tolerance: float = 0.05
+    # Streaming: batches read ahead of the trainer (the bounded queue between reader and loop).
+    queue_batches: int = 4
+    # Streaming: seconds between looks for a file, and the longest wait for one.
+    poll_s: float = 0.2
+    timeout_s: float = 600.0
+
+
+@dataclass
 class DataConfig:
     """Chat data in `messages` format."""
 
@@ -101,6 +140,9 @@ class DataConfig:
     # tokens, loss on the output) and the target's features and distribution, read like
     # `cache`; `data.path` is still tokenized for the drafter's initialisation (draft vocab).
     emitted: str | None = None
+    # Hidden states a serving engine extracted (vLLM `extract_hidden_states`, hs_connectors,
+    # speculators' offline generator): `EngineFeaturesConfig`.
+    hidden_states: EngineFeaturesConfig = field(default_factory=EngineFeaturesConfig)
 
 
 @dataclass
@@ -374,6 +416,11 @@ def check_train_config(cfg: TrainConfig) -> TrainConfig:
             check_data_path(path)  # the loader's own check: a missing local file or directory
     if d.cache is not None and not Path(d.cache).expanduser().is_dir():
         raise ConfigError(f"data.cache: no such feature cache directory: {d.cache}")
+    hs = d.hidden_states
+    if hs.path is not None and not hs.stream and not Path(hs.path).expanduser().is_dir():
+        raise ConfigError(f"data.hidden_states.path: no such directory: {hs.path}")
+    at_least("data.hidden_states", hs, 1, "queue_batches")
+    above("data.hidden_states", hs, 0, "poll_s", "timeout_s", "tap_tolerance")
     at_least("trainer", tr, 1, "max_steps", "grad_accum", "keep_last", "log_every")
     at_least("trainer", tr, 1, "num_threads")
     at_least("trainer", tr, 0, "save_every")  # 0: no checkpoint before the last

@@ -12,9 +12,9 @@ before the job writes anything (`tests/train/test_bad_input.py`):
 3. `setup_drafter_job(cfg, device, feature_cache)`: 1 + 2 + the frozen target (loaded by its
    family) and the tokenized training split (the family's data adapter);
 4. `setup_training(cfg, run_dir, device)`: 3 + the kind's initialised drafter + the target the
-   training loop asks for features: the live target, or the feature cache standing in for it
-   (`data.cache`, `drafttrain.cache.CachedTarget`), the one place where the cache meets
-   training, so `train.py` knows only the target interface.
+   training loop asks for features: the live target, or the feature source standing in for it
+   (`data.cache`, `data.emitted`, `data.hidden_states.path`: `drafttrain.sources`), the one
+   place where a source meets training, so `train.py` knows only the target interface.
 
 Devices and processes: training runs under the accelerator (`drafttrain.trainer.distributed`, one
 process per device), the others in one process on `job_device(name)` (`single_process` refuses
@@ -31,12 +31,12 @@ from typing import Any
 import torch
 
 from draftinfer.registry import drafter_spec
-from drafttrain.cache.reader import CachedTarget
 from drafttrain.frozen.target import load_target_config, load_tokenizer, resolve_target_path
 from drafttrain.jobs.config import TargetConfig, TrainConfig
 from drafttrain.jobs.errors import ConfigError, DataError
 from drafttrain.objectives.ttt import pick_backend
 from drafttrain.registry import InitContext, TrainFamily, TrainSpec, family_for, train_spec
+from drafttrain.sources import selected_source
 from drafttrain.trainer.optim import dtype_of
 
 _CPU = torch.device("cpu")
@@ -186,23 +186,14 @@ class TrainingSetup:
 
 def setup_training(cfg: TrainConfig, device: torch.device) -> TrainingSetup:
     """Target, data and the initialised drafter: everything of training that can fail on bad
-    input, before the run writes anything of its own. With `data.cache` the cache is checked
+    input, before the run writes anything of its own. With a feature source (`data.cache`,
+    `data.emitted`, `data.hidden_states.path`: `drafttrain.sources`) the source is checked
     against the config and the drafter, then stands in for the target (whose body is freed)."""
-    if cfg.data.cache and cfg.data.emitted:
-        raise ConfigError("data.cache and data.emitted are both set: train from one of them")
-    if cfg.data.emitted and cfg.data.eval_split:
-        raise ConfigError("data.emitted holds no held-out split: set data.eval_split=null")
-    stored = bool(cfg.data.cache or cfg.data.emitted)
-    job = setup_drafter_job(cfg, device, feature_cache=stored)
+    source = selected_source(cfg)
+    job = setup_drafter_job(cfg, device, feature_cache=source is not None)
     drafter = job.spec.init_drafter(cfg.drafter, job.init_context())
     target = job.target
-    if cfg.data.cache:  # read features from an offline cache; the target is never run
-        target = CachedTarget.open(
-            cfg, job.target, job.tokenizer, job.split.data, drafter.config.features
-        )
-    elif cfg.data.emitted:  # the runner's samples: tokens and features; the target never runs
-        target = CachedTarget.open_emitted(cfg, job.target, drafter.config.features)
-        job.split = target.tokenized_split()
-    if stored:
-        job.target = None  # only the cache's head (final norm, output embedding) is kept
+    if source is not None:  # features read from the source; the target is never run
+        target = source.open(cfg, job, drafter.config.features)
+        job.target = None  # only the source's head (final norm, output embedding) is kept
     return TrainingSetup(job, drafter, target)

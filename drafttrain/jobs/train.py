@@ -252,8 +252,11 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
     scheduler = warmup_cosine(optimizer, tc)
     pad_id = setup.job.pad_id
     if rollouts is None:
+        stream = BatchStream(split, cfg.data.batch_size, pad_id, cfg.seed)
+        # A source that reads ahead of the loop (a streaming engine source) wraps the stream.
+        stream = getattr(target, "stream_batches", lambda s: s)(stream)
         batches = DeviceBatches(
-            BatchStream(split, cfg.data.batch_size, pad_id, cfg.seed),
+            stream,
             device,
             lambda b: shard_batch(b, rank, world, split),  # this rank's rows of the global batch
         )
@@ -366,6 +369,9 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
         hooks=hooks,
         forward_context=lambda: data_parallel(reduce_sum(accelerator), world),
     )
+    close = getattr(getattr(batches, "stream", None), "close", None)
+    if close is not None:  # a read-ahead stream stops reading
+        close()
     if start_step < tc.max_steps or latest_checkpoint(ckpt_root) is None:
         checkpoint(tc.max_steps)
     losses = loop.losses

@@ -3,8 +3,9 @@ how the graph is read: `tests/support/import_graph.py`). Dependencies between th
 point one way: `draftbench -> drafttrain -> draftinfer -> draftkernels`.
 
 The jobs share one setup without a circle: `drafttrain.jobs.train`, `drafttrain.cache.writer` and
-`drafttrain.regenerate.job` import `drafttrain.jobs.setup`, which opens a feature cache through
-`drafttrain.cache.reader`; the cache package does not import its writer.
+`drafttrain.regenerate.job` import `drafttrain.jobs.setup`, which opens a feature source through
+the registry of `drafttrain.sources` (a feature cache through `drafttrain.cache.reader`); the
+cache package does not import its writer.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ def test_graph_reads_our_packages():
     assert ("drafttrain.regenerate", "drafttrain.regenerate.job") in edges  # function-local
     for job in ("drafttrain.jobs.train", "drafttrain.cache.writer", "drafttrain.regenerate.job"):
         assert (job, "drafttrain.jobs.setup") in edges, job
-    assert ("drafttrain.jobs.setup", "drafttrain.cache.reader") in edges
-    assert ("drafttrain.jobs.setup", "drafttrain.cache") in edges  # the package's __init__ runs
+    assert ("drafttrain.jobs.setup", "drafttrain.sources") in edges
+    assert ("drafttrain.sources.stored", "drafttrain.cache.reader") in edges
+    assert ("drafttrain.sources.stored", "drafttrain.cache") in edges  # the package's __init__ runs
     assert ("draftinfer.decoding.engine", "draftkernels.chain_inputs") in edges
 
 
