@@ -24,7 +24,9 @@ A round (`propose`), for a padded batch with no host sync:
    logits, plus DSpark's Markov bias of the previous draft (the anchor for draft 1), or with
    DFlash2's selector from its scores over the top-k candidates given the previous draft (q
    over the candidates, so verification stays exact). DSpark's confidence head's accept
-   probabilities of the k drafts are kept as `confidence` `[B, k]` (not yet used to verify).
+   probabilities of the k drafts are kept as `confidence` `[B, k]`: the proposer's
+   `confidences()` (what `SpecDecoder(verify_threshold=)` cuts the block by, in place of the
+   derived confidence of `draftinfer.decoding.confidence`).
 
 K = `k` drafts use a block of `config.block_slots(k)` slots (`k + 1`, vLLM's `1 +
 num_speculative_tokens`; `k` with `sample_from_anchor`); the training block is `block_size`
@@ -191,7 +193,7 @@ class DFlashProposer(Proposer):
         self._write, self._block = dflash_write_context, dflash_block_forward
         self._inputs = dflash_block_inputs
         # DSpark: the confidence head's accept probability of each draft of the last round
-        # `[B, k]` (None without the head); carried for confidence-driven verification.
+        # `[B, k]` (None without the head): `Proposer.confidences()` returns it.
         self.confidence: torch.Tensor | None = None
 
     def compile(self, **kwargs) -> None:
