@@ -186,18 +186,16 @@ class Proposer:
         own where it has one, else the derived one (kept while `track_confidence` is on)."""
         return self.confidence if self.confidence is not None else self._derived
 
-    def _keep_derived(
-        self, drafts: torch.Tensor, start: int, logits: torch.Tensor, choice: torch.Tensor
-    ) -> None:
-        """Derived confidence of drafts `start .. start + n - 1` from their logits
-        `[B, n, Dd]` and draft-vocabulary choices `[B, n]` (only while tracking, and only for a
-        kind without its own). A fresh `[B, k]` buffer at step 0: no state across rounds."""
+    def _keep_derived(self, drafts: torch.Tensor, start: int, logits: torch.Tensor) -> None:
+        """Derived confidence of drafts `start .. start + n - 1` from their logits `[B, n, Dd]`
+        (only while tracking, and only for a kind without its own). A fresh `[B, k]` buffer at
+        step 0: no state across rounds."""
         if not self.track_confidence or self.confidence is not None:
             return
         if start == 0:
             self._derived = torch.zeros(drafts.shape, dtype=torch.float32, device=drafts.device)
         n = logits.shape[1]
-        self._derived[:, start : start + n] = derived_confidence(logits, choice)
+        self._derived[:, start : start + n] = derived_confidence(logits)
 
     def draft_vocab_ids(self) -> torch.Tensor:
         """Target id of each draft-vocabulary id `[Dd]` (what q's last axis indexes)."""
@@ -225,12 +223,11 @@ class Proposer:
         get 0 and q = 0. Returns the (lazily allocated) q buffer `[B, k, Dd]` or None."""
         if choose is greedy_chooser:
             self._greedy(drafts, step, logits[:, None], live[:, None], self.vocab_ids)
-            if self.track_confidence:
-                self._keep_derived(drafts, step, logits[:, None], argmax_ids(logits)[:, None])
+            self._keep_derived(drafts, step, logits[:, None])
             return qs
         choice, q = choose(logits, step)
         drafts[:, step] = torch.where(live, self.vocab_ids[choice], 0)
-        self._keep_derived(drafts, step, logits[:, None], choice[:, None])
+        self._keep_derived(drafts, step, logits[:, None])
         if q is not None:
             if qs is None:
                 qs = torch.zeros(*drafts.shape, q.shape[-1], dtype=q.dtype, device=q.device)
@@ -246,8 +243,7 @@ class Proposer:
         k = logits.shape[1]
         if choose is greedy_chooser:
             self._greedy(drafts, 0, logits, live, self.vocab_ids)
-            if self.track_confidence:
-                self._keep_derived(drafts, 0, logits, argmax_ids(logits))
+            self._keep_derived(drafts, 0, logits)
             return None
         pick_all = getattr(choose, "all", None)
         if pick_all is None:
@@ -257,7 +253,7 @@ class Proposer:
             return qs
         choice, q = pick_all(logits)
         drafts[:, :k] = torch.where(live, self.vocab_ids[choice], 0)
-        self._keep_derived(drafts, 0, logits, choice)
+        self._keep_derived(drafts, 0, logits)
         return None if q is None else q * live[..., None]
 
     @staticmethod
