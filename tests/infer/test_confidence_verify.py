@@ -160,10 +160,15 @@ def test_greedy_tokens_equal_plain_decoding_with_cuts(kind_env, tau):
     accepted = [a for o in outs for a in o.accepted]
     # Rounds with at least 5 tokens left to the cap draft K; fewer verified means a cut.
     assert sum(p < k for p in proposed) >= 5, proposed
-    assert sum(accepted) / len(accepted) > 0.3, accepted  # drafts are accepted
+    full_acc = [a for o in full_outs for a in o.accepted]
+    assert sum(full_acc) / len(full_acc) > 0.5, full_acc  # AL floor of the whole block: 1.5
+    assert sum(accepted) >= 20, accepted  # the cut rounds accept drafts too
     rows = sum(p + 1 for p in proposed) / len(proposed)
-    full_rows = sum(p + 1 for o in full_outs for p in o.proposed) / len(proposed)
-    print(f"tau={tau}: verified rows/round {rows:.2f} (full {full_rows:.2f})")
+    full_rows = sum(p + 1 for o in full_outs for p in o.proposed) / len(full_acc)
+    print(
+        f"tau={tau}: AL {1 + sum(accepted) / len(accepted):.2f}, verified rows/round "
+        f"{rows:.2f} (whole block: AL {1 + sum(full_acc) / len(full_acc):.2f}, {full_rows:.2f})"
+    )
 
 
 @pytest.mark.slow
