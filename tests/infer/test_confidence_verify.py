@@ -34,6 +34,7 @@ from draftinfer.evaluation.calibration import (
 )
 from draftinfer.files.loading import load_native_target
 from draftinfer.files.paths import resolve_path
+from draftinfer.registry import registered_kinds
 from tests.support.prompts import zoo_prompts
 from tests.support.tiny_models import untrained_drafter
 
@@ -111,6 +112,24 @@ def test_a_cut_at_slot_c_verifies_exactly_c_drafts(zoo_target, c):
     # Every live row of every round: the pending token plus at most c drafts.
     assert live_rows and all(n <= c + 1 for rnd in live_rows for n in rnd)
     assert any(n == c + 1 for n in live_rows[0])
+
+
+@pytest.mark.parametrize("kind", registered_kinds())
+def test_every_kind_is_lossless_with_mixed_cuts_in_a_batch(zoo_target, kind):
+    """Each kind's proposer state after a cut round (KV past the cut, MTP's re-prefill cache,
+    DFlash's block) is what a rejection there leaves: rows cut at 0, 1, 2 and 3 of K = 3 in one
+    batch, greedy tokens equal to plain decoding, each row verifying its cut."""
+    from tests.support.kind_factories import servable
+
+    d = untrained_drafter(kind, resolve_path("zoo:llama-tiny"), zoo_target)
+    k = 3 if servable(kind, d.config, 3) else 2
+    ps = zoo_prompts(4, seed=45)
+    dec = SpecDecoder(zoo_target, d, k, max_batch=4, max_model_len=MAX_LEN, verify_threshold=0.5)
+    conf = (torch.arange(k)[None] < torch.tensor([0, 1, 2, 3])[:, None]).float()  # [4, k]
+    dec.proposer.confidences = FixedConfidence(conf)
+    outs, _ = dec.generate([Request(p, max_tokens=10) for p in ps])
+    assert [o.token_ids for o in outs] == greedy_generate(zoo_target, ps, 10)
+    assert [o.proposed[0] for o in outs] == [min(c, k) for c in range(4)]
 
 
 def test_dspark_head_gives_the_confidences_other_kinds_the_derived_one(zoo_target):

@@ -73,7 +73,5 @@ def test_round_takes_the_confidence_cut(tmp_path):
     assert (row["kind"], row["k"], row["verify_threshold"]) == ("dflash", 2, 0.5)
     assert row["verified_rows_per_round"] == 1.0 and row["t_round_ms"] > 0
     assert all(v is True for v in res["lossless"].values())
-    bad = subprocess.run(
-        [*cmd[:-1], "1.5"], capture_output=True, text=True, timeout=600
-    )
+    bad = subprocess.run([*cmd[:-1], "1.5"], capture_output=True, text=True, timeout=600)
     assert bad.returncode != 0 and "--verify-threshold must be in (0, 1]" in bad.stderr
