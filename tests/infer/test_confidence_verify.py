@@ -364,3 +364,20 @@ def test_threshold_sweep_replays_whole_block_rounds():
     assert cal["drafts"] == 4 and cal["accept_rate"] == 0.75
     assert cal["brier"] == pytest.approx((0.01 + 0.01 + 0.64 + 0.25) / 4)
     assert cal["auroc"] == pytest.approx(2 / 3)
+
+
+def test_runner_threshold_options_are_one_line_errors():
+    from draftinfer.evaluation.config import InferConfig
+    from draftinfer.evaluation.run import check_infer_config
+    from draftinfer.files.errors import ConfigError
+
+    ok = InferConfig(drafter="/x", verify_threshold=0.3, confidence_report=True)
+    check_infer_config(ok)
+    cases = [
+        (dict(verify_threshold=1.5), r"verify_threshold must be in \(0, 1\]"),
+        (dict(verify_threshold=0.3, mode="reference"), "need mode=fast"),
+        (dict(threshold_sweep=[0.0, 0.5]), "threshold_sweep values must be in"),
+    ]
+    for kw, msg in cases:
+        with pytest.raises(ConfigError, match=msg):
+            check_infer_config(InferConfig(drafter="/x", **kw))
