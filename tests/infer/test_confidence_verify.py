@@ -132,9 +132,9 @@ def test_every_kind_is_lossless_with_mixed_cuts_in_a_batch(zoo_target, kind):
     assert [o.proposed[0] for o in outs] == [min(c, k) for c in range(4)]
 
 
-def test_dspark_head_gives_the_confidences_other_kinds_the_derived_one(zoo_target):
-    """The seam: a DSpark drafter's `confidences()` is its head's sigmoid; an eagle3 drafter's
-    is the derived one (in (0, 1], recorded per round) once tracking is on."""
+def test_dspark_head_gives_the_confidences():
+    """The seam: a DSpark drafter's `confidences()` is its head's sigmoid, recorded per round,
+    and no derived confidence is computed beside it."""
     from tests.support.dflash import variant_drafter
     from tests.support.kind_factories import small_embeddings, small_target_dir
 
@@ -150,12 +150,21 @@ def test_dspark_head_gives_the_confidences_other_kinds_the_derived_one(zoo_targe
     assert dec.proposer._derived is None  # no derived confidence computed beside the head
     assert outs[0].confidences and all(len(c) == 3 for c in outs[0].confidences)
 
-    e = untrained_drafter("eagle3", resolve_path("zoo:llama-tiny"), zoo_target)
-    dec = SpecDecoder(zoo_target, e, 3, max_batch=2, max_model_len=MAX_LEN, record_confidence=True)
+
+@pytest.mark.parametrize("kind", registered_kinds())
+def test_every_kind_records_a_derived_confidence(zoo_target, kind):
+    """Without a head of its own, a kind's `confidences()` is the derived one: K values in
+    (0, 1] per round, the drafter's top probability, recorded per round."""
+    from tests.support.kind_factories import servable
+
+    d = untrained_drafter(kind, resolve_path("zoo:llama-tiny"), zoo_target)
+    k = 3 if servable(kind, d.config, 3) else 2
+    dec = SpecDecoder(zoo_target, d, k, max_batch=2, max_model_len=MAX_LEN, record_confidence=True)
     outs, _ = dec.generate([Request(zoo_prompts(1, seed=42)[0], max_tokens=8)])
-    assert dec.proposer.confidence is None
+    assert dec.proposer.confidence is None and dec.proposer._derived is not None
+    assert outs[0].confidences and all(len(c) == k for c in outs[0].confidences)
     conf = [c for rnd in outs[0].confidences for c in rnd]
-    assert conf and all(0.0 < c <= 1.0 for c in conf)
+    assert all(0.0 < c <= 1.0 for c in conf), conf
 
 
 # ---- lossless at T = 0 with a trained drafter ---------------------------------------------
