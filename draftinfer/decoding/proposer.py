@@ -181,6 +181,11 @@ class Proposer:
         self.vocab_ids.copy_(self.drafter.draft_vocab_ids())
 
     # -- shared pieces ------------------------------------------------------------------------
+    def has_own_confidence(self) -> bool:
+        """Whether this proposer sets `self.confidence` itself each round (a learned head);
+        then no derived confidence is computed beside it. False here."""
+        return False
+
     def confidences(self) -> torch.Tensor | None:
         """The last round's per-draft confidence `[B, k]` fp32 (module docstring): the kind's
         own where it has one, else the derived one (kept while `track_confidence` is on)."""
@@ -190,7 +195,7 @@ class Proposer:
         """Derived confidence of drafts `start .. start + n - 1` from their logits `[B, n, Dd]`
         (only while tracking, and only for a kind without its own). A fresh `[B, k]` buffer at
         step 0: no state across rounds."""
-        if not self.track_confidence or self.confidence is not None:
+        if not self.track_confidence or self.has_own_confidence():
             return
         if start == 0:
             self._derived = torch.zeros(drafts.shape, dtype=torch.float32, device=drafts.device)

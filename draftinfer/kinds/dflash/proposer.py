@@ -202,6 +202,10 @@ class DFlashProposer(Proposer):
         self._block = compiled(dflash_block_forward, **kwargs)
         self._inputs = compiled(dflash_block_inputs, **kwargs)
 
+    def has_own_confidence(self) -> bool:
+        """DSpark's confidence head gives the per-draft confidences."""
+        return self.drafter.confidence_head is not None
+
     def kv_snapshot(self, row: int, n: int) -> list[torch.Tensor]:
         """The context K/V at cache indices 0..n-1 (the committed prefix but its last token)."""
         return self.cache.snapshot(row, n)
