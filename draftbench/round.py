@@ -2,6 +2,7 @@
 
     python -m draftbench.round --out docs/results/$(date +%F)_h200_round.json        # CUDA
     python -m draftbench.round --device cpu --tiny --batches 1 --ks 2,3        # smoke test
+    python -m draftbench.round --kinds dflash --ks dflash:7 --verify-threshold 0.5   # the cut
 
 Shapes: the target is Llama-3.1-8B (32 layers, hidden 4096, 32/8 heads, ffn 14336, vocab
 128256, llama3 RoPE); drafters are 8B-sized EAGLE-3 (1 layer) and ptd (2 layers, K <= 8), draft
@@ -455,6 +456,7 @@ def run_spec(
     graphs=False,
     options=None,
     pipeline=None,
+    verify_threshold=None,
 ):
     from draftinfer.decoding.engine import Request, SpecDecoder
 
@@ -468,6 +470,7 @@ def run_spec(
         cuda_graphs=graphs,
         compile_options=options,
         pipeline=pipeline,
+        verify_threshold=verify_threshold,
     )
     if reqs is None:
         reqs = [(p, None) for p in prompts(batch, context, target.config.vocab_size)]
@@ -638,7 +641,21 @@ def bench_batch(
             res["sync_check"][f"{kind} K={k4} b={tag}"] = "skipped"
         else:
             try:
-                run_spec(target, d, k4, b, a.context, 4, device, a.compile, True, reqs, False, opts)
+                run_spec(
+                    target,
+                    d,
+                    k4,
+                    b,
+                    a.context,
+                    4,
+                    device,
+                    a.compile,
+                    True,
+                    reqs,
+                    False,
+                    opts,
+                    verify_threshold=a.verify_threshold,
+                )
                 res["sync_check"][f"{kind} K={k4} b={tag}"] = "no sync"
             except RuntimeError as e:
                 res["sync_check"][f"{kind} K={k4} b={tag}"] = f"SYNC: {str(e).splitlines()[0]}"
@@ -661,6 +678,7 @@ def bench_batch(
                 graphs=graphs,
                 options=opts,
                 pipeline=pipe,
+                verify_threshold=a.verify_threshold,
             )
             rt = stats["round_seconds"][2:]
             t_round = statistics.median(rt) * 1e3
@@ -711,6 +729,14 @@ def bench_batch(
                 "speedup_at_al3": round(3 * min(ms, graph_ms, gf_ms) / t_round, 3),
                 "rounds_timed": len(rt),
                 "mean_accepted": sum(acc) / max(len(acc), 1),
+                # The confidence cut (`SpecDecoder(verify_threshold=)`; None: the whole block)
+                # and the rows its verify forwards scored per round (drafts verified + 1).
+                "verify_threshold": a.verify_threshold,
+                "verified_rows_per_round": round(
+                    sum(p + 1 for o in outs for p in o.proposed)
+                    / max(sum(len(o.proposed) for o in outs), 1),
+                    3,
+                ),
                 "wall_s": round(time.perf_counter() - t2, 1),
             }
             if a.breakdown and graphs:
@@ -809,6 +835,8 @@ def print_summary(res: dict, batches, kinds) -> None:
     if any(r.get("inductor", "default") != "default" for r in res["rows"]):
         cols.append("inductor")
     cols.append("pdl")
+    if any(r.get("verify_threshold") is not None for r in res["rows"]):
+        cols += ["verify_threshold", "verified_rows_per_round"]
     cols += ["t_round_ms"]
     cols += ["ratio_vs_gptfast"]
     cols += ["ratio_vs_graph", "ratio", "round_cost"]
@@ -917,6 +945,15 @@ def main() -> int:
         action="store_true",
         help="time our plain step only as a CUDA graph (skip the compiled step without one)",
     )
+    ap.add_argument(
+        "--verify-threshold",
+        type=float,
+        default=None,
+        help="confidence-driven verification (SpecDecoder(verify_threshold=)): cut each "
+        "block where the cumulative per-draft confidence falls below this; rows record "
+        "verified_rows_per_round (random weights: the derived confidence is ~1/vocab, so "
+        "every round verifies 0 drafts; what is timed is the round with the cut on)",
+    )
     ap.add_argument("--out", default="")
     ap.add_argument(
         "--costs-out",
@@ -938,6 +975,8 @@ def main() -> int:
         help="skip the uncaptured K=4 sync-check rounds (a captured round cannot sync)",
     )
     a = ap.parse_args()
+    if a.verify_threshold is not None and not 0.0 < a.verify_threshold <= 1.0:
+        ap.error(f"--verify-threshold must be in (0, 1], got {a.verify_threshold}")
     if a.profile and any(x in KERNEL_PDL for x in a.inductor.split(",")):
         print(
             "bench_round: --profile under programmatic dependent launch counts each kernel's "

@@ -44,6 +44,17 @@ the round's stream: a round already launched finishes on the old weights, every 
 nothing is recompiled or recaptured. Each round records the version that drafted it
 (`RequestOutput.versions`; the stats' `al_by_version`).
 
+Confidence-driven verification (`verify_threshold=tau`, `draftinfer.decoding.confidence`): after
+drafting, each request's block is cut at the first slot whose cumulative confidence (the
+product of the proposer's per-draft `confidences()`) falls below `tau`; only the drafts before
+the cut are verified (the rest are padding rows of the verify forward: no KV write, never
+accepted), and the token after the last verified one is the target's recovered or bonus
+token as in any round. The cut is a `[B]` tensor folded into `num_drafts`: no host sync, the
+same static shapes, so the round is captured as before. The table's draft count (and so
+`RequestOutput.proposed`) is then the verified count. `record_confidence=True` also copies
+each round's per-draft confidences back (`RequestOutput.confidences`, the calibration
+report of `draftinfer.evaluation.calibration`).
+
 Rejected drafts leave stale KV past the committed length in both caches; it is never read
 (see `draftinfer.models.kv_cache`). Randomness is keyed by (request seed, position), so a request's
 output does not depend on the rest of the batch (convention 12).
@@ -62,6 +73,7 @@ from draftinfer.conventions.metrics import al_by_version
 from draftinfer.conventions.slots import Slots, attn_bucket
 from draftinfer.conventions.window import TokenEmbeds
 from draftinfer.decoding.compiled import compiled, runner_compile_options, target_forward
+from draftinfer.decoding.confidence import check_threshold, cut_lengths
 from draftinfer.decoding.graphs import GraphedFunction
 from draftinfer.decoding.proposer import FirstPass
 from draftinfer.decoding.requests import Request, RequestOutput, apply_stops, finalize_text
@@ -98,6 +110,7 @@ class _Active:
     proposed: list[int] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     features: list[torch.Tensor] = field(default_factory=list)  # emitted chunks, in order
+    confidences: list[list[float]] = field(default_factory=list)  # per round, K each
     finish: str | None = None
 
 
@@ -112,6 +125,7 @@ class _Launched:
     start: float
     version: int = 0  # the drafter version the round drafted with
     features: torch.Tensor | None = None  # [B, K + 1, F]: the verify forward's (emit_features)
+    confidence: torch.Tensor | None = None  # [B, K]: per-draft confidences (record_confidence)
 
 
 class SpecDecoder:
@@ -129,7 +143,10 @@ class SpecDecoder:
     hands each request's committed tokens' target features back (`RequestOutput.features`):
     the ones the round's verify forward and the prefill computed anyway (the next first pass),
     plus the head input (`emit_spec`), copied out on the device once per round, so an online
-    trainer needs no second target pass (`drafttrain.cache.emitted`).
+    trainer needs no second target pass (`drafttrain.cache.emitted`). `verify_threshold`
+    (None: off, the whole block) cuts each request's block by cumulative confidence (module
+    docstring); `record_confidence=True` hands each round's per-draft confidences back
+    (`RequestOutput.confidences`).
     """
 
     def __init__(
@@ -149,6 +166,8 @@ class SpecDecoder:
         pipeline: bool | None = None,
         drafter_version: int = 0,
         emit_features: bool = False,
+        verify_threshold: float | None = None,
+        record_confidence: bool = False,
     ):
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
@@ -171,6 +190,9 @@ class SpecDecoder:
             drafter, max_batch, max_model_len, self.device, dtype
         )
         self.verifier = Verifier(verify, target.info.vocab_size)
+        self.verify_threshold = check_threshold(verify_threshold)
+        self.record_confidence = record_confidence
+        self.proposer.track_confidence = self.verify_threshold is not None or record_confidence
         self.sampling = SamplingState(max_batch, self.device)
         self.rows = torch.arange(max_batch, device=self.device)
         # Per-row device state: the pending first pass (width K + 1) and the pending token.
@@ -348,17 +370,18 @@ class SpecDecoder:
             out = self._graphed(state, attn_len, all_greedy)
         else:
             out = self._round_tensors(*state, attn_len, all_greedy)
-        *fp, self.pending_token, self.carry, packed, v_feat = out
+        *fp, self.pending_token, self.carry, packed, v_feat, conf = out
         self.fp = FirstPass.of_tensors(fp)
         table.copy_(packed, non_blocking=True)
         # The verify forward's features at cache indices L-1..L-1+K, head input included (a
         # graph's output is overwritten by its next replay: copied here, on the round's stream).
         feats = v_feat.clone() if self.emit_features else None
+        conf = conf.clone() if self.record_confidence else None
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return _Launched(list(live), table, done, start, self.drafter_version, feats)
+        return _Launched(list(live), table, done, start, self.drafter_version, feats, conf)
 
     def _process(self, launched: _Launched) -> bool:
         """Read a launched round back and commit it for its requests that are still running
@@ -367,6 +390,8 @@ class SpecDecoder:
             launched.done.synchronize()
         K = self.k
         table = launched.table.tolist()  # the round's one readback: [B, K + 3]
+        # The round has finished (synchronized above): no wait.
+        conf = None if launched.confidence is None else launched.confidence.cpu().tolist()
         running = [s for s in launched.slots if s.finish is None]
         for s in running:
             a = table[s.row][K + 1]
@@ -374,6 +399,8 @@ class SpecDecoder:
             s.accepted.append(a)
             s.proposed.append(table[s.row][K + 2])
             s.versions.append(launched.version)
+            if conf is not None:
+                s.confidences.append(conf[s.row])
             L, n_before = len(s.tokens), len(s.out)
             s.out, s.finish = apply_stops(
                 s.req, s.out, emitted, L, self.max_model_len, self.tokenizer
@@ -405,8 +432,9 @@ class SpecDecoder:
         carry `[3, B]` (L, remaining, live) and the uploaded `[4, B]` (the same and `set`: rows
         whose values the host sets). Out: the next first pass's tensors, the next pending
         token, the next carry, `[B, K + 3]`: emitted tokens (-1 padded), the accepted count
-        and the number of drafts, and the verify forward's features `[B, K + 1, F]` in the
-        columns of `emit_spec` (what `emit_features` copies out)."""
+        and the number of drafts verified, the verify forward's features `[B, K + 1, F]` in the
+        columns of `emit_spec` (what `emit_features` copies out) and the per-draft
+        confidences `[B, K]` fp32 (zeros unless tracked; what `record_confidence` copies out)."""
         K = self.k
         with no_host_sync(self.sync_check, self.device):
             now = torch.where(host[3].bool(), host[:3], carry)
@@ -424,6 +452,13 @@ class SpecDecoder:
             t = self.sampling.tensors
             choose = self.verifier.draft_chooser(t, L)
             drafts, q = self.proposer.propose(fp, num_drafts, K, choose, attn_len)
+            conf = self.proposer.confidences()
+            conf = drafts.new_zeros(drafts.shape, dtype=torch.float32) if conf is None else conf
+            conf = conf[:, :K].float()
+            if self.verify_threshold is not None:
+                # The confidence cut (module docstring): fewer verified drafts, the same shapes;
+                # everything below (verify rows, bonus slot, commit) reads the cut count.
+                num_drafts = torch.minimum(num_drafts, cut_lengths(conf, self.verify_threshold))
             # Verify forward over [t_{L-1}, d_1..d_n] at cache indices L-1..L-1+n.
             j = torch.arange(K + 1, device=self.device)
             v_ids = torch.cat([pending[:, None], drafts], 1)  # [B, K + 1]
@@ -460,7 +495,7 @@ class SpecDecoder:
             # The drafter's columns (all of them unless emit_spec adds the head input).
             fp_feat = v_feat[..., : fp_features.shape[-1]].contiguous()
             out = (fp_rows, fp_ids, fp_feat, fp_cache, v_rope, next_pending, carry, packed)
-            return (*out, v_feat)
+            return (*out, v_feat, conf)
 
     def generate(
         self, requests: list[Request], on_finish=None, between_rounds=None
@@ -536,6 +571,7 @@ class SpecDecoder:
                         proposed=s.proposed,
                         versions=s.versions,
                         features=torch.cat(s.features) if s.features else None,
+                        confidences=s.confidences,
                     )
                     finalize_text(s.req, res, self.tokenizer)
                     results[s.idx] = res

@@ -23,6 +23,11 @@ drafter's `FeatureSpec`, raw), `cache_pos [B, T]` (-1 = padding), `rope_pos [B, 
 proposer's draft vocabulary (`draft_vocab_ids()`), zeros past the cap, or None.
 
 `propose` does no host sync when `attn_len` is given: shapes depend only on (B, T, k).
+
+Confidence (`draftinfer.decoding.confidence`): after `propose`, `confidences()` is the last
+round's per-draft confidence `[B, k]` fp32 (None unless `track_confidence` is on and the kind
+gives none): a kind's own (`self.confidence`, e.g. DSpark's head) or, for every other kind,
+the derived one that `_record` / `_record_all` keep while `track_confidence` is on.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import torch
 
 from draftinfer.conventions.window import TokenEmbeds
 from draftinfer.decoding.compiled import compiled
+from draftinfer.decoding.confidence import derived_confidence
 from draftinfer.decoding.sampling import argmax_ids
 from draftinfer.files.errors import CheckpointError
 from draftinfer.models.layers import causal_attention
@@ -144,6 +150,11 @@ class Proposer:
         self.device, self.dtype = torch.device(device), dtype
         self.vocab_ids = drafter.draft_vocab_ids().to(self.device)  # [Dd] target ids
         self._greedy = greedy_record
+        # A kind's own per-draft confidence of the last round `[B, k]` (None: the kind has
+        # none); the engine turns `track_confidence` on to get the derived one otherwise.
+        self.confidence: torch.Tensor | None = None
+        self.track_confidence = False
+        self._derived: torch.Tensor | None = None  # [B, k] fp32, the last round's
 
     # -- lifecycle ----------------------------------------------------------------------------
     def admit(self, first_pass: FirstPass, attn_len: int | None = None) -> FirstPass:
@@ -170,6 +181,27 @@ class Proposer:
         self.vocab_ids.copy_(self.drafter.draft_vocab_ids())
 
     # -- shared pieces ------------------------------------------------------------------------
+    def has_own_confidence(self) -> bool:
+        """Whether this proposer sets `self.confidence` itself each round (a learned head);
+        then no derived confidence is computed beside it. False here."""
+        return False
+
+    def confidences(self) -> torch.Tensor | None:
+        """The last round's per-draft confidence `[B, k]` fp32 (module docstring): the kind's
+        own where it has one, else the derived one (kept while `track_confidence` is on)."""
+        return self.confidence if self.confidence is not None else self._derived
+
+    def _keep_derived(self, drafts: torch.Tensor, start: int, logits: torch.Tensor) -> None:
+        """Derived confidence of drafts `start .. start + n - 1` from their logits `[B, n, Dd]`
+        (only while tracking, and only for a kind without its own). A fresh `[B, k]` buffer at
+        step 0: no state across rounds."""
+        if not self.track_confidence or self.has_own_confidence():
+            return
+        if start == 0:
+            self._derived = torch.zeros(drafts.shape, dtype=torch.float32, device=drafts.device)
+        n = logits.shape[1]
+        self._derived[:, start : start + n] = derived_confidence(logits)
+
     def draft_vocab_ids(self) -> torch.Tensor:
         """Target id of each draft-vocabulary id `[Dd]` (what q's last axis indexes)."""
         return self.vocab_ids
@@ -196,9 +228,11 @@ class Proposer:
         get 0 and q = 0. Returns the (lazily allocated) q buffer `[B, k, Dd]` or None."""
         if choose is greedy_chooser:
             self._greedy(drafts, step, logits[:, None], live[:, None], self.vocab_ids)
+            self._keep_derived(drafts, step, logits[:, None])
             return qs
         choice, q = choose(logits, step)
         drafts[:, step] = torch.where(live, self.vocab_ids[choice], 0)
+        self._keep_derived(drafts, step, logits[:, None])
         if q is not None:
             if qs is None:
                 qs = torch.zeros(*drafts.shape, q.shape[-1], dtype=q.dtype, device=q.device)
@@ -214,6 +248,7 @@ class Proposer:
         k = logits.shape[1]
         if choose is greedy_chooser:
             self._greedy(drafts, 0, logits, live, self.vocab_ids)
+            self._keep_derived(drafts, 0, logits)
             return None
         pick_all = getattr(choose, "all", None)
         if pick_all is None:
@@ -223,6 +258,7 @@ class Proposer:
             return qs
         choice, q = pick_all(logits)
         drafts[:, :k] = torch.where(live, self.vocab_ids[choice], 0)
+        self._keep_derived(drafts, 0, logits)
         return None if q is None else q * live[..., None]
 
     @staticmethod

@@ -31,7 +31,7 @@ class RequestOutput:
     finish_reason: str  # "stop" | "length"
     text: str | None = None
     accepted: list[int] = field(default_factory=list)  # per round
-    proposed: list[int] = field(default_factory=list)  # per round
+    proposed: list[int] = field(default_factory=list)  # per round: drafts verified
     versions: list[int] = field(default_factory=list)  # per round: the drafter version
     # With `SpecDecoder(emit_features=True)`: the target features the runner computed for the
     # committed tokens `[N - 1, F]` (N = prompt + output tokens; row i is f_i, the feature of
@@ -40,6 +40,9 @@ class RequestOutput:
     # features plus the head input (`FeatureSpec.with_head_input`: the final hidden state the
     # target's distribution is recomputed from), what a training step needs. None otherwise.
     features: torch.Tensor | None = None
+    # With `SpecDecoder(record_confidence=True)`: per round, the K drafts' confidences
+    # (`Proposer.confidences()`; only the first `proposed` were verified).
+    confidences: list[list[float]] = field(default_factory=list)
 
 
 def apply_stops(

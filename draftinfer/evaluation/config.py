@@ -126,6 +126,21 @@ class InferConfig:
     # (`draftinfer.conventions.metrics.choose_k`; report `extra.k_choice`). Run at the
     # largest K you would serve: acceptance beyond it is not measured.
     round_costs: str = ""
+    # Confidence-driven verification (`SpecDecoder(verify_threshold=)`,
+    # `draftinfer.decoding.confidence`): cut each request's block at the first draft whose
+    # cumulative confidence (product of the proposer's per-draft confidences: DSpark's head,
+    # else the drafter's probability of its draft) is below this; null = the whole block.
+    # Lossless either way (fewer drafts verified, never different tokens at T = 0).
+    verify_threshold: float | None = None
+    # Record each round's per-draft confidences and report their calibration against the
+    # accept events (ECE, AUROC, Brier) and, from whole-block rounds (verify_threshold null),
+    # the AL and verified rows at each of `threshold_sweep` (plus, with `round_costs`, the
+    # threshold of the highest expected tokens/s): `draftinfer.evaluation.calibration`,
+    # report `extra.calibration` / `extra.threshold_sweep`.
+    confidence_report: bool = False
+    threshold_sweep: list[float] = field(
+        default_factory=lambda: [0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
+    )
     # JSON report path (`draftinfer.evaluation.report.RunReport`).
     report: str = ""
     # PNG of per-position acceptance: empty = beside the report (same stem), `none` = no plot.

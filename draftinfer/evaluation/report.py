@@ -50,6 +50,10 @@ class RunReport:
     t_plain_step_ms: float = 0.0
     t_round_ms: float = 0.0
     warmup_s: float = 0.0
+    # Rows the verify forwards scored per round (verified drafts + the pending token's row)
+    # and the confidence cut they ran with (`verify_threshold`; None = the whole block).
+    verified_rows_per_round: float = 0.0
+    verify_threshold: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # what a caller adds (e.g. a suite)
 
     def to_dict(self) -> dict[str, Any]:

@@ -37,6 +37,7 @@ from draftinfer.decoding.baseline import PlainStep
 from draftinfer.decoding.compiled import unknown_inductor_settings
 from draftinfer.decoding.engine import Request, SpecDecoder
 from draftinfer.decoding.sampling import SamplingParams
+from draftinfer.evaluation.calibration import calibration_report, threshold_sweep
 from draftinfer.evaluation.config import InferConfig
 from draftinfer.evaluation.prompts import load_prompts
 from draftinfer.evaluation.ranks import is_writer, join_ranks
@@ -149,6 +150,22 @@ def check_infer_config(cfg: InferConfig) -> None:
             )
     if cfg.tp < 1:
         raise ConfigError(f"tp must be >= 1, got {cfg.tp}")
+    tau = cfg.verify_threshold
+    if tau is not None and not 0.0 < tau <= 1.0:
+        raise ConfigError(f"verify_threshold must be in (0, 1] or null (off), got {tau}")
+    if (tau is not None or cfg.confidence_report) and cfg.mode != "fast":
+        raise ConfigError(
+            "verify_threshold / confidence_report need mode=fast (the reference loop verifies "
+            "whole blocks and records no confidences)"
+        )
+    temps = cfg.temperatures or [cfg.temperature]
+    if tau is not None and cfg.eval.suites and cfg.eval.check_sampled and max(temps) > 0:
+        raise ConfigError(
+            "verify_threshold at temperature > 0: the suites' reference-loop check verifies "
+            "whole blocks and draws other samples; set eval.check_sampled=false"
+        )
+    if any(not 0.0 < t <= 1.0 for t in cfg.threshold_sweep):
+        raise ConfigError(f"threshold_sweep values must be in (0, 1], got {cfg.threshold_sweep}")
     if cfg.tp > 1:
         if cfg.eval.suites:
             raise ConfigError(
@@ -288,6 +305,8 @@ def spec_decoder(cfg: InferConfig, target, drafter, tokenizer) -> SpecDecoder:
         compile_options=None if cfg.compile_options is None else dict(cfg.compile_options),
         cuda_graphs=bool(cfg.cuda_graphs),
         pipeline=cfg.pipeline,
+        verify_threshold=cfg.verify_threshold,
+        record_confidence=cfg.confidence_report,
     )
 
 
@@ -419,9 +438,15 @@ def run_eval(cfg: InferConfig) -> RunReport:
                         continue
                 mismatches.append(row)
         lossless_check = "plain_greedy" if dtype == torch.float32 else "plain_greedy_margin"
+    elif cfg.verify_threshold is not None:
+        # The reference loop verifies whole blocks: at T > 0 it draws other (equally exact)
+        # samples than a cut round, so token equality is no check here; the joint-distribution
+        # test (tests/infer/test_confidence_verify.py) is.
+        lossless_check = "unchecked (verify_threshold at T > 0)"
     else:
         lossless_check = "reference_loop"
-    if cfg.check_reference or (cfg.temperature != 0.0 and cfg.mode == "fast"):
+    compare = cfg.check_reference or (cfg.temperature != 0.0 and cfg.mode == "fast")
+    if compare and not (cfg.verify_threshold is not None and cfg.temperature != 0.0):
         refs = reference_generate(
             target, drafter, requests, cfg.k, cfg.max_model_len, cfg.verify, tokenizer
         )
@@ -465,6 +490,8 @@ def run_eval(cfg: InferConfig) -> RunReport:
         t_plain_step_ms=1e3 * t_plain / max(plain_stats.get("steps", 0), 1),
         t_round_ms=1e3 * t_spec / max(len(rounds_s), 1),
         warmup_s=warmup_s,
+        verified_rows_per_round=sum(p + 1 for p in proposed) / max(len(proposed), 1),
+        verify_threshold=cfg.verify_threshold,
         fast_path="compiled+graphs"
         if cfg.cuda_graphs
         else ("compiled" if cfg.compile else "eager"),
@@ -479,6 +506,7 @@ def run_eval(cfg: InferConfig) -> RunReport:
                 if round_costs
                 else {}
             ),
+            **(confidence_extra(cfg, outs, round_costs) if cfg.confidence_report else {}),
         },
     )
     if not is_writer():  # tp > 1: rank 0 writes
@@ -543,6 +571,49 @@ def plot_path(cfg: InferConfig) -> Path | None:
     return Path(cfg.report).with_suffix(".png") if cfg.report else None
 
 
+def confidence_extra(cfg: InferConfig, outs, round_costs: dict[int, float] | None) -> dict:
+    """The report's calibration of the per-draft confidences and, from whole-block rounds,
+    the threshold sweep (`draftinfer.evaluation.calibration`)."""
+    out: dict = {"calibration": calibration_report(outs)}
+    if cfg.verify_threshold is None:  # a sweep replays whole blocks; cut rounds are not
+        sweep = threshold_sweep(outs, cfg.threshold_sweep, round_costs)
+        out["threshold_sweep"] = {**sweep, "costs": cfg.round_costs or None}
+    return out
+
+
+def format_confidence(r: RunReport) -> list[tuple[str, str]]:
+    """Report rows of the confidence cut, the calibration and the sweep."""
+    rows = [
+        (
+            "verified rows / round",
+            f"{r.verified_rows_per_round:.3f} (verify_threshold "
+            f"{'off' if r.verify_threshold is None else r.verify_threshold})",
+        )
+    ]
+    cal = r.extra.get("calibration")
+    if cal:
+        rows.append(
+            (
+                "confidence calibration",
+                f"ECE {cal['ece']:.3f}, AUROC {cal['auroc']:.3f}, Brier {cal['brier']:.3f} "
+                f"over {cal['drafts']} reached drafts (accept rate {cal['accept_rate']:.3f}, "
+                f"mean confidence {cal['mean_confidence']:.3f})",
+            )
+        )
+    sweep = r.extra.get("threshold_sweep")
+    if sweep:
+        parts = []
+        for tau, v in sweep["by_tau"].items():
+            s = f"{tau}: AL {v['al']:.2f} rows {v['verified_rows_per_round']:.2f}"
+            if "expected_speedup" in v:
+                s += f" {v['expected_speedup']:.2f}x"
+            parts.append(s)
+        rows.append(("threshold sweep", "; ".join(parts)))
+        if sweep["best"] is not None:
+            rows.append(("best threshold", f"{sweep['best']} (costs {sweep['costs']})"))
+    return rows
+
+
 def format_k_choice(choice: dict) -> str:
     """`K=5: 2.31 tokens a round at 1.08 plain steps = 2.14x; K=3 1.95x, ...` (or why none)."""
     by_k = {int(k): v for k, v in choice["by_k"].items()}
@@ -585,6 +656,7 @@ def format_report(r: RunReport) -> str:
         ("speedup", f"{r.speedup:.2f}x (decode tokens/s, prefill excluded)"),
         ("warm-up", f"{r.warmup_s:.1f} s (compiles and graph captures, once per process)"),
         *([("best K", format_k_choice(r.extra["k_choice"]))] if "k_choice" in r.extra else []),
+        *format_confidence(r),
     ]
     w = max(len(a) for a, _ in rows)
     return "\n".join(f"{a:<{w}}  {b}" for a, b in rows)

@@ -525,3 +525,48 @@ def test_a_failed_capture_runs_the_call_eagerly_and_the_next_call_captures():
     g.capture_retries[(key2,)] = "failed before"
     with pytest.raises(Exception):  # noqa: B017 (the device's own error type)
         g._capture_or_none((key2,), (one,), (key2,))
+
+
+@pytest.mark.parametrize("option", ["dspark", "derived"])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_captured_round_with_confidence_cut_makes_no_host_sync(tiny_llama3_dir, option, batch):
+    """`verify_threshold` on, compiled and replayed from CUDA graphs: the rounds run under
+    `torch.cuda.set_sync_debug_mode("error")` (any host-device sync raises), graphs are
+    replayed, and the cut happened (rounds verified fewer than K drafts). DSpark's head gives
+    the confidences (`option="dspark"`), or an eagle3 drafter's derived ones; greedy and
+    sampled requests; the per-draft confidences are copied back (`record_confidence`)."""
+    target = load_native_target(
+        tiny_llama3_dir, "cuda", torch.bfloat16, max_batch=8, max_seq_len=256
+    )
+    if option == "dspark":
+        from tests.support.dflash import randomize_heads
+        from tests.support.tiny_models import untrained_drafter
+
+        d = randomize_heads(untrained_drafter("dflash", tiny_llama3_dir, target, dspark=True))
+        d = d.to("cuda", torch.bfloat16)
+        assert d.confidence_head is not None
+    else:
+        d = _drafter("eagle3", tiny_llama3_dir, target, torch.bfloat16)
+    ps = prompts(batch, seed=34)
+    k = 4
+    dec = SpecDecoder(
+        target,
+        d,
+        k,
+        max_batch=batch,
+        max_model_len=256,
+        compile="all",
+        cuda_graphs=True,
+        verify_threshold=0.5,
+        record_confidence=True,
+    )
+    dec.generate([Request(p, max_tokens=12) for p in ps])  # warm-up: compiles and captures
+    dec.sync_check = True
+    replays = dec._graphed.replays
+    outs, stats = dec.generate([Request(p, max_tokens=24) for p in ps])
+    assert stats["rounds"] > 0 and all(len(o.token_ids) == 24 for o in outs)
+    assert dec._graphed.replays > replays
+    assert any(p < k for o in outs for p in o.proposed)  # the cut happened
+    assert all(len(c) == k for o in outs for c in o.confidences)
+    sampled = [Request(p, SamplingParams(1.0, seed=i), max_tokens=8) for i, p in enumerate(ps)]
+    assert dec.generate(sampled)[1]["rounds"] > 0  # the sampling path is sync-free too

@@ -63,3 +63,33 @@ def test_format_report_reads_attributes():
 
     text = format_report(_report(image_prompts=2))
     assert "1.850" in text and "(2 with images)" in text and "1.50x" in text
+
+
+def test_format_report_shows_the_confidence_cut_calibration_and_sweep():
+    from draftinfer.evaluation.run import format_report
+
+    sweep = {
+        "rounds": 20,
+        "by_tau": {
+            "full": {"al": 1.85, "verified_rows_per_round": 4.0, "expected_speedup": 1.2},
+            "0.3": {"al": 1.7, "verified_rows_per_round": 2.1, "expected_speedup": 1.4},
+        },
+        "best": "0.3",
+        "costs": "costs.json",
+    }
+    cal = {
+        "drafts": 31,
+        "accept_rate": 0.55,
+        "mean_confidence": 0.5,
+        "ece": 0.081,
+        "auroc": 0.86,
+        "brier": 0.17,
+    }
+    r = _report(verified_rows_per_round=4.0, extra={"calibration": cal, "threshold_sweep": sweep})
+    text = format_report(r)
+    assert "verified rows / round      4.000 (verify_threshold off)" in text
+    assert "ECE 0.081, AUROC 0.860, Brier 0.170 over 31 reached drafts" in text
+    assert "0.3: AL 1.70 rows 2.10 1.40x" in text
+    assert "best threshold             0.3 (costs costs.json)" in text
+    back = RunReport(**json.loads(json.dumps(r.to_dict())))
+    assert back.verified_rows_per_round == 4.0 and back.verify_threshold is None

@@ -54,3 +54,24 @@ def test_round_times_the_released_mtp_layer_of_an_mla_target(tmp_path):
         assert plain["fraction_of_copy"] > 0 and plain["achieved_bandwidth"] > 0
     assert "fraction of the copy bandwidth a plain step reaches" in r.stdout
     assert "tiny-glm-4.7-flash b=1:" in r.stdout and "tiny b=1:" in r.stdout
+
+
+def test_round_takes_the_confidence_cut(tmp_path):
+    """`--verify-threshold`: the engine's rounds run with the confidence cut on (random weights:
+    the derived confidence is about 1/vocab, so every round verifies 0 drafts, one row), the
+    rows record it, and the output is still lossless; a value outside (0, 1] is a one-line
+    error."""
+    out = tmp_path / "round.json"
+    argv = ["--device", "cpu", "--tiny", "--batches", "1", "--kinds", "dflash", "--ks", "2"]
+    argv += ["--context", str(CONTEXT), "--rounds", "4", "--round-graphs", "off"]
+    argv += ["--compile", "none", "--no-sync-check", "--verify-threshold", "0.5"]
+    cmd = [sys.executable, "-m", "draftbench.round", *argv]
+    r = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    (row,) = res["rows"]
+    assert (row["kind"], row["k"], row["verify_threshold"]) == ("dflash", 2, 0.5)
+    assert row["verified_rows_per_round"] == 1.0 and row["t_round_ms"] > 0
+    assert all(v is True for v in res["lossless"].values())
+    bad = subprocess.run([*cmd[:-1], "1.5"], capture_output=True, text=True, timeout=600)
+    assert bad.returncode != 0 and "--verify-threshold must be in (0, 1]" in bad.stderr

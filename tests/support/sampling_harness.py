@@ -266,14 +266,15 @@ def speculative_samples(
     oracles: list[Oracle] | None = None,
     steer: list[tuple[int, int]] | None = None,
     max_batch: int | None = None,
+    **engine,
 ) -> SpecRun:
     """One seeded request per entry of `requests_params` (seeds included), run through the
     engine with K = `k` (each request asks for K + 2 tokens so its first round drafts K);
     `steer` (per request: the index of its oracle in `oracles`, and OWN / CLOSE /
-    ADVERSARIAL) steers the drafts."""
+    ADVERSARIAL) steers the drafts; `engine`: more `SpecDecoder` options (`verify_threshold`)."""
     n = len(requests_params)
     max_batch = max_batch or n
-    kw = dict(max_batch=max_batch, max_model_len=len(prompt) + k + 4, verify=verify)
+    kw = dict(max_batch=max_batch, max_model_len=len(prompt) + k + 4, verify=verify, **engine)
     dec = HarnessDecoder(target, drafter, k, oracles=oracles, steer=steer, **kw)
     reqs = [Request(list(prompt), p, max_tokens=k + 2) for p in requests_params]
     outs, _ = dec.generate(reqs)

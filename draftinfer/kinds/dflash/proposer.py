@@ -24,8 +24,10 @@ A round (`propose`), for a padded batch with no host sync:
    logits, plus DSpark's Markov bias of the previous draft (the anchor for draft 1), or with
    DFlash2's selector from its scores over the top-k candidates given the previous draft (q
    over the candidates, so verification stays exact). DSpark's confidence head's accept
-   probabilities of the k drafts are kept as `confidence` `[B, k]` (not yet used to verify;
-   with `confidence_head_with_markov` each reads `markov_w1` of the draft's predecessor).
+   probabilities of the k drafts are kept as `confidence` `[B, k]` (with
+   `confidence_head_with_markov` each reads `markov_w1` of the draft's predecessor): the
+   proposer's `confidences()` (what `SpecDecoder(verify_threshold=)` cuts the block by, in
+   place of the derived confidence of `draftinfer.decoding.confidence`).
 
 K = `k` drafts use a block of `config.block_slots(k)` slots (`k + 1`, vLLM's `1 +
 num_speculative_tokens`; `k` with `sample_from_anchor`); the training block is `block_size`
@@ -192,7 +194,7 @@ class DFlashProposer(Proposer):
         self._write, self._block = dflash_write_context, dflash_block_forward
         self._inputs = dflash_block_inputs
         # DSpark: the confidence head's accept probability of each draft of the last round
-        # `[B, k]` (None without the head); carried for confidence-driven verification.
+        # `[B, k]` (None without the head): `Proposer.confidences()` returns it.
         self.confidence: torch.Tensor | None = None
 
     def compile(self, **kwargs) -> None:
@@ -200,6 +202,10 @@ class DFlashProposer(Proposer):
         self._write = compiled(dflash_write_context, **kwargs)
         self._block = compiled(dflash_block_forward, **kwargs)
         self._inputs = compiled(dflash_block_inputs, **kwargs)
+
+    def has_own_confidence(self) -> bool:
+        """DSpark's confidence head gives the per-draft confidences."""
+        return self.drafter.confidence_head is not None
 
     def kv_snapshot(self, row: int, n: int) -> list[torch.Tensor]:
         """The context K/V at cache indices 0..n-1 (the committed prefix but its last token)."""
