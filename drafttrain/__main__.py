@@ -120,12 +120,19 @@ def _hydra_main(cfg: DictConfig) -> None:
         print(summary.get("export_dir") or summary["run_dir"])
 
 
-def main() -> None:
+def cli(hydra_main) -> None:
+    """Run a Hydra entry point over the training config tree (this one, `drafttrain.cache`,
+    `drafttrain.sources.rows`): the schema registered, argv rewritten, the composed config
+    checked (`precheck`: a bad value is one line, nothing written), then Hydra."""
     register_configs()
     argv = rewrite_argv(sys.argv[1:])
     run_or_exit(precheck, argv)
     sys.argv = [sys.argv[0], *argv]
-    _hydra_main()
+    hydra_main()
+
+
+def main() -> None:
+    cli(_hydra_main)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,6 @@ Train from it with `python -m drafttrain conf=<preset> ... data.cache=<dir>`.
 
 from __future__ import annotations
 
-import sys
-
 import hydra
 from omegaconf import DictConfig
 
@@ -17,9 +15,7 @@ from draftinfer.files.errors import run_or_exit
 from drafttrain.__main__ import (
     CONF_DIR,
     DEFAULT_PRESET,
-    precheck,
-    register_configs,
-    rewrite_argv,
+    cli,
     to_train_config,
 )
 
@@ -53,11 +49,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    register_configs()
-    argv = rewrite_argv(sys.argv[1:])
-    run_or_exit(precheck, argv)
-    sys.argv = [sys.argv[0], *argv]
-    _hydra_main()
+    cli(_hydra_main)
 
 
 if __name__ == "__main__":

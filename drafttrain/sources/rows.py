@@ -13,7 +13,6 @@ the file `hs_<i>.safetensors`: `speculators/cli/generate_offline_data.py`, 0.9.0
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import hydra
@@ -23,9 +22,7 @@ from draftinfer.files.errors import run_or_exit
 from drafttrain.__main__ import (
     CONF_DIR,
     DEFAULT_PRESET,
-    precheck,
-    register_configs,
-    rewrite_argv,
+    cli,
     to_train_config,
 )
 
@@ -64,11 +61,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    register_configs()
-    argv = rewrite_argv(sys.argv[1:])
-    run_or_exit(precheck, argv)
-    sys.argv = [sys.argv[0], *argv]
-    _hydra_main()
+    cli(_hydra_main)
 
 
 if __name__ == "__main__":

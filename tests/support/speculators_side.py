@@ -107,13 +107,20 @@ def _forward_dflash(model, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     # anchor (sorted), so the blocks are known in advance.
     from speculators.losses.eager import kl_div_loss
 
+    seen = _capture_lm_head(model)
+    # its own eager loss: the default one is a Triton kernel, which needs a GPU
+    n = _block_forward(model, x, loss_config={"kl_div": (kl_div_loss, 1.0)})
+    return {"logits": seen[0], "anchor": torch.arange(n)}
+
+
+def _block_forward(model, x: dict[str, torch.Tensor], **extra) -> int:
+    """One training forward of a block drafter (DFlash, DSpark) over every anchor but the last
+    block's, with a full loss mask and one document; -> the number of anchors."""
     T = x["input_ids"].shape[1]
     n = T - model.block_size
-    seen = _capture_lm_head(model)
     with torch.no_grad():
         model(
-            # its own eager loss: the default one is a Triton kernel, which needs a GPU
-            loss_config={"kl_div": (kl_div_loss, 1.0)},
+            **extra,
             hidden_states=x["hidden_states"],
             input_ids=x["input_ids"],
             loss_mask=torch.ones(1, T),
@@ -122,7 +129,7 @@ def _forward_dflash(model, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
             position_ids=x["position_ids"],
             max_anchors=n,
         )
-    return {"logits": seen[0], "anchor": torch.arange(n)}
+    return n
 
 
 def _forward_dspark(model, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -140,18 +147,7 @@ def _forward_dspark(model, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
         return torch.zeros(()), {}
 
     core.compute_metrics = capture
-    T = x["input_ids"].shape[1]
-    n = T - model.block_size
-    with torch.no_grad():
-        model(
-            hidden_states=x["hidden_states"],
-            input_ids=x["input_ids"],
-            loss_mask=torch.ones(1, T),
-            verifier_last_hidden_states=torch.zeros(1, T, int(x["verifier_hidden_size"])),
-            document_ids=torch.zeros(1, T, dtype=torch.long),
-            position_ids=x["position_ids"],
-            max_anchors=n,
-        )
+    n = _block_forward(model, x)
     return {**seen, "anchor": torch.arange(n)}
 
 
