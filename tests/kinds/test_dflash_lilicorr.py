@@ -225,3 +225,15 @@ def test_draft_logits_of_the_lattice_need_the_slot_contexts():
     assert torch.equal(torch.isfinite(a), torch.isfinite(b))
     assert (a[torch.isfinite(a)] - b[torch.isfinite(b)]).abs().max() > 1e-3
     assert set(VARIANTS) >= {"lilicorr", "lilicorr_conv"}
+
+
+def test_model_card_says_no_engine_serves_it():
+    from draftinfer.registry import drafter_spec
+
+    d = variant_drafter("lilicorr_conv")
+    hint = drafter_spec("dflash").serving_hint(d.config, 3, "tgt", "drf")
+    assert hint.startswith("No merged serving engine loads LiLiCorr yet")
+    assert "python -m draftinfer drafter=drf k=3" in hint and "vllm serve" not in hint
+    assert "sglang#37462" not in hint and "SGLang (#37462)" in hint
+    plain = drafter_spec("dflash").serving_hint(variant_drafter("dflash2").config, 3, "t", "d")
+    assert "vllm serve t" in plain and "LiLiCorr" not in plain

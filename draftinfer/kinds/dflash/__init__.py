@@ -93,10 +93,9 @@ class DFlashSpec(DrafterSpec):
                 "merged engine serves this checkpoint.** ModelOpt (NVIDIA/Model-Optimizer#2342) "
                 "trains LiLiCorr; serving is open in SGLang (#37462), vLLM (#57934) and "
                 "vllm-ascend (#17147), and the correlator's tensors here "
-                "(`lattice_correlator.*`) are this project's names, not those PRs': the "
-                "commands below are what a DFlash checkpoint would run, and an engine that "
-                "loads `DFlashDraftModel` only refuses this architecture. Our runner "
-                "(`python -m draftinfer`) serves it, lossless (verification is unchanged)."
+                "(`lattice_correlator.*`) are this project's names, not those PRs'; an engine "
+                "that loads `DFlashDraftModel` / `DFlash2DraftModel` refuses this architecture. "
+                "Our runner serves it, lossless (verification is unchanged)."
             )
         elif arch.dflash2:
             notes.append(
@@ -123,6 +122,12 @@ class DFlashSpec(DrafterSpec):
             notes.append(
                 "Sliding and full layers mixed: vLLM needs its model runner V2 "
                 "(`VLLM_USE_V2_MODEL_RUNNER=1`)."
+            )
+        if arch.lilicorr:  # no engine command to give: say so first
+            return (
+                "No merged serving engine loads LiLiCorr yet. This project's runner:\n\n"
+                f"```bash\npython -m draftinfer drafter={drafter} k={k}\n```\n\n"
+                + "\n\n".join(notes)
             )
         return (
             "vLLM:\n\n```bash\n"
