@@ -289,7 +289,7 @@ def test_compiled_glue_drafts_and_writes_what_the_eager_proposer_does(rope):
 
 # ---- GPU (run by the integrator; skipped without CUDA) ---------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["dflash2", "sliding", "causal"])
+@pytest.mark.parametrize("variant", ["dflash2", "sliding", "causal", "lilicorr_conv"])
 def test_every_option_rounds_without_host_sync_and_replay_from_graphs(tiny_llama3_dir, variant):
     """Every option's round (the selector's top-k walk and sampled q included) makes no host
     sync, compiled; rounds replayed from CUDA graphs emit what the eager rounds emit."""
