@@ -160,7 +160,8 @@ class DFlashConfig:
                 raise ConfigError(
                     f"lilicorr_top_k {self.lilicorr_top_k} must be in 1..{self.vocab_size}"
                 )
-            if self.lilicorr_layers < 1 or self.lilicorr_rank % max(1, self.lilicorr_heads):
+            heads = self.lilicorr_heads
+            if self.lilicorr_layers < 1 or heads < 1 or self.lilicorr_rank % max(1, heads):
                 raise ConfigError(
                     f"lilicorr: {self.lilicorr_layers} layers (>= 1), rank "
                     f"{self.lilicorr_rank} a multiple of {self.lilicorr_heads} heads"
