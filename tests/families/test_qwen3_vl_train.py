@@ -794,10 +794,13 @@ def test_presets_point_at_the_zoo_and_the_hub():
         ("qwen3_vl_eagle3", "eagle3"),
         ("qwen3_vl_ptd", "ptd"),
         ("qwen3_vl_dflash", "dflash"),
+        ("qwen3_vl_dspark", "dflash"),
     ):
         cfg = compose_preset(name)
         assert cfg.drafter.kind == kind and cfg.target.name_or_path == "zoo:qwen3-vl-tiny"
         assert cfg.data.path == "zoo:vl_caption" and cfg.data.eval_split == "test"
+    dspark = compose_preset("qwen3_vl_dspark").drafter
+    assert dspark.dspark and (dspark.block_size, dspark.markov_rank) == (7, 256)
     big = compose_preset("qwen3_vl_eagle3_8b")
     assert big.target.name_or_path == "Qwen/Qwen3-VL-8B-Instruct"
     assert big.data.path == "HuggingFaceH4/llava-instruct-mix-vsft"

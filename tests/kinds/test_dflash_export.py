@@ -70,7 +70,11 @@ def test_z_lab_layout_fields_and_tensors(variant, tmp_path):
     write_drafter(tmp_path, d, {"target": "t"}, dtype=torch.float32)
     cfg = json.loads((tmp_path / "config.json").read_text())
     dflash2 = variant == "dflash2"
-    assert cfg["architectures"] == ["DFlash2DraftModel" if dflash2 else "DFlashDraftModel"]
+    lilicorr = variant.startswith("lilicorr")
+    arch = (
+        "LiLiCorrDraftModel" if lilicorr else "DFlash2DraftModel" if dflash2 else "DFlashDraftModel"
+    )
+    assert cfg["architectures"] == [arch]
     assert cfg["model_type"] == "qwen3" and cfg["hidden_act"] == "silu"
     for key in QWEN3_FIELDS:
         assert key in cfg, key
@@ -94,8 +98,17 @@ def test_z_lab_layout_fields_and_tensors(variant, tmp_path):
     if dflash2:
         assert (dc["conv_kernel_size"], dc["conv_group_size"]) == (2, 8)
         assert (dc["selector_top_k"], dc["selector_rank"]) == (6, 5)
+    elif variant == "lilicorr_conv":
+        assert (dc["conv_kernel_size"], dc["conv_group_size"]) == (2, 8)
+        assert "selector_top_k" not in dc
     else:
         assert not {"conv_kernel_size", "selector_top_k"} & set(dc)
+    if lilicorr:  # ModelOpt's `projector_type` plus our geometry (REFERENCES E5)
+        assert dc["projector_type"] == "lilicorr"
+        assert (dc["lilicorr_top_k"], dc["lilicorr_rank"], dc["lilicorr_layers"]) == (6, 8, 2)
+        assert dc["lilicorr_heads"] == 2
+    else:
+        assert "projector_type" not in dc
 
     shapes = _shapes(tmp_path / "model.safetensors")
     names = set(shapes)
@@ -111,6 +124,15 @@ def test_z_lab_layout_fields_and_tensors(variant, tmp_path):
         assert shapes["candidate_selector.hidden_projection.weight"] == (r, H)
         assert shapes["layers.0.attention_conv.base_kernel"] == (2, k, H)
         assert shapes["layers.0.mlp_conv.kernel_projection.weight"] == (2 * k * g, H)
+    elif lilicorr:
+        lattice = {n for n in names if n.startswith("lattice_correlator.")}
+        conv = {n for n in names if DFLASH2_LAYER.match(n)}
+        assert extra == lattice | conv and bool(conv) == (variant == "lilicorr_conv")
+        assert shapes["lattice_correlator.slot_projection.weight"] == (8, H)
+        assert shapes["lattice_correlator.token_projection.weight"] == (8, H)
+        assert shapes["lattice_correlator.successor.weight"] == (8, 8)
+        assert shapes["lattice_correlator.slot_embedding"] == (c.block_size, 8)
+        assert sum(n.startswith("lattice_correlator.layers.") for n in lattice) == 2 * 6
     elif variant == "dspark":  # the references' names and shapes (REFERENCES A1 "DSpark")
         assert dc["sample_from_anchor"] is True
         assert cfg["markov_rank"] == 5 and cfg["markov_head_type"] == "vanilla"
@@ -157,8 +179,9 @@ def test_speculators_layout(variant, tmp_path):
         lambda: emb["output_embeddings"],
     )
     # speculators has no causal full-attention block, and reads a sliding window otherwise
-    # than we train and vLLM serves it (`draftinfer.kinds.dflash.speculators`).
-    if variant in ("causal", "sliding"):
+    # than we train and vLLM serves it (`draftinfer.kinds.dflash.speculators`); it has no
+    # LiLiCorr algorithm at all.
+    if variant in ("causal", "sliding", "lilicorr", "lilicorr_conv"):
         assert sub is None and not (tmp_path / SPECULATORS_DIR).exists()
         return
     cfg = json.loads((sub / "config.json").read_text())

@@ -27,7 +27,7 @@ from draftinfer.kinds.dflash.attention import CONTEXT, mask_flags, visible
 from draftinfer.kinds.dflash.proposer import dflash_block_forward, dflash_write_context
 from draftinfer.registry import drafter_spec
 from drafttrain.registry import train_spec
-from tests.support.dflash import VARIANTS, runner_logits, variant_drafter
+from tests.support.dflash import VARIANTS, randomize_heads, runner_logits, variant_drafter
 from tests.support.kind_factories import drafter_for
 
 
@@ -134,10 +134,17 @@ def test_s9_parity_for_every_option(variant, rope):
         if rope == "mrope"
         else t[None]
     )
+    # LiLiCorr's correlator (two transformer layers and RMSNorms of width 8 over the block's
+    # hidden) carries the fp32 reduction-order noise of the block hidden (the runner's cached
+    # attention, training's dense one) into its scores at a few 1e-6 relative: its candidates
+    # (the finite entries) must match exactly, their scores to 2e-5.
+    tol = {"rtol": 2e-5, "atol": 2e-5} if variant.startswith("lilicorr") else {}
     for anchor in (0, 4, 9):
         with torch.no_grad():
             want = obj.anchor_logits(ids, feats, pos, anchor, 4)
-        torch.testing.assert_close(runner_logits(d, ids, feats, pos, anchor, 4), want)
+        got = runner_logits(d, ids, feats, pos, anchor, 4)
+        assert torch.equal(torch.isfinite(got), torch.isfinite(want))
+        torch.testing.assert_close(got, want, **tol)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -150,7 +157,7 @@ def test_rounds_equal_a_from_scratch_reference(
     equal the no-cache reference over the committed prefix. With max_model_len 30 the last
     rounds' blocks are capped: no slot reaches index 30 and the outputs end exactly there."""
     target = load_native_target(tiny_llama3_dir, max_batch=4, max_seq_len=64)
-    d = drafter_for("dflash", str(tiny_llama3_dir), **VARIANTS[variant])
+    d = randomize_heads(drafter_for("dflash", str(tiny_llama3_dir), **VARIANTS[variant]))
     drafter_spec("dflash").attach_shared(d, target.shared_weights())
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (9, 14, 5)]
@@ -282,7 +289,7 @@ def test_compiled_glue_drafts_and_writes_what_the_eager_proposer_does(rope):
 
 # ---- GPU (run by the integrator; skipped without CUDA) ---------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["dflash2", "sliding", "causal"])
+@pytest.mark.parametrize("variant", ["dflash2", "sliding", "causal", "lilicorr_conv"])
 def test_every_option_rounds_without_host_sync_and_replay_from_graphs(tiny_llama3_dir, variant):
     """Every option's round (the selector's top-k walk and sampled q included) makes no host
     sync, compiled; rounds replayed from CUDA graphs emit what the eager rounds emit."""

@@ -1,4 +1,5 @@
-"""Lossless sampling with DFlash2's candidate selector (T2 and T4 for its q).
+"""Lossless sampling with DFlash2's candidate selector and LiLiCorr's lattice (T2 and T4 for
+their q: both sample among a slot's top-k candidates through the same proposer path).
 
 At temperature > 0 the selector samples among the top-k candidates of a slot and returns q over
 them (its scores, -inf elsewhere), so the drafted token is a fresh sample of a q that is zero off
@@ -21,7 +22,7 @@ import tests.support.sampling_harness as harness
 from draftinfer.decoding.engine import Request
 from draftinfer.decoding.sampling import SamplingParams
 from draftinfer.decoding.verify import Verifier
-from tests.support.dflash import VARIANTS
+from tests.support.dflash import VARIANTS, randomize_heads
 from tests.support.kind_factories import drafter_for
 from tests.support.sampling_harness import (
     ALPHA,
@@ -38,6 +39,8 @@ from tests.support.sampling_harness import (
 N = 11_000
 K = 3
 SELECTOR = {**VARIANTS["dflash2"], "selector_top_k": 8}  # 8 candidates of the 32 tokens
+LILICORR = {**VARIANTS["lilicorr"], "lilicorr_top_k": 8}
+RERANKERS = {"selector": SELECTOR, "lilicorr": LILICORR}
 
 
 @pytest.fixture(autouse=True)
@@ -45,9 +48,11 @@ def torch_reference_kernels(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # as tests/infer/test_lossless_sampling.py
 
 
-def _drafter():
-    d = drafter_for("dflash", harness_target_dir(), seed=11, **SELECTOR)
-    assert d.candidate_selector is not None and d.candidate_selector.top_k == 8
+def _drafter(option: str = "selector"):
+    """The re-ranker's drafter, LiLiCorr's transitions randomized past their zero init."""
+    d = randomize_heads(drafter_for("dflash", harness_target_dir(), seed=11, **RERANKERS[option]))
+    reranker = d.candidate_selector if option == "selector" else d.lattice_correlator
+    assert reranker is not None and reranker.top_k == 8
     return d
 
 
@@ -69,21 +74,25 @@ def _check(label: str, tokens: torch.Tensor, oracle) -> None:
 
 
 @pytest.mark.parametrize(
-    "params",
-    [SamplingParams(1.0), pytest.param(SamplingParams(1.0, top_k=5), marks=pytest.mark.slow)],
-    ids=["t1", "topk5"],
+    "params,option",
+    [
+        (SamplingParams(1.0), "selector"),
+        (SamplingParams(1.0), "lilicorr"),
+        pytest.param(SamplingParams(1.0, top_k=5), "selector", marks=pytest.mark.slow),
+    ],
+    ids=["t1", "t1-lilicorr", "topk5"],
 )
-def test_selector_q_keeps_sampling_exact(params):
+def test_selector_q_keeps_sampling_exact(params, option):
     """The selector's own drafts and q (full-q verification; one-hot verification drafts the
     argmax and reads no q)."""
     oracle = enumerate_oracle(harness_target_dir(), HARNESS_PROMPT, params)
     seed0 = 7 * 10**8 + params.top_k * 10**5
     reqs = [replace(params, seed=seed0 + i) for i in range(N)]
-    run = speculative_samples(_target(N), _drafter(), K, "full", reqs, HARNESS_PROMPT)
+    run = speculative_samples(_target(N), _drafter(option), K, "full", reqs, HARNESS_PROMPT)
     acc = run.accepted_first_round
-    print(f"selector own top_k={params.top_k}: first-round AL {float(acc.float().mean()) + 1:.2f}")
-    assert float((acc >= 1).float().mean()) > 0.01  # some selector drafts are accepted
-    _check(f"selector own top_k={params.top_k}", run.tokens, oracle)
+    print(f"{option} own top_k={params.top_k}: first-round AL {float(acc.float().mean()) + 1:.2f}")
+    assert float((acc >= 1).float().mean()) > 0.01  # some re-ranked drafts are accepted
+    _check(f"{option} own top_k={params.top_k}", run.tokens, oracle)
 
 
 class CandidateSteered(harness.SteeredVerifier):
@@ -144,14 +153,15 @@ def test_selector_support_with_close_drafts_keeps_sampling_exact(monkeypatch):
     _check("selector close", run.tokens, oracle)
 
 
-def test_selector_q_is_a_distribution_over_its_candidates():
+@pytest.mark.parametrize("option", list(RERANKERS))
+def test_selector_q_is_a_distribution_over_its_candidates(option):
     """At temperature 1 the proposer's q of every slot sums to 1 over at most the 8
     candidates, and the draft is one of them."""
     from draftinfer.decoding.proposer import FirstPass
     from draftinfer.decoding.sampling import SamplingState
     from draftinfer.decoding.verify import Verifier
 
-    d = _drafter()
+    d = _drafter(option)
     from draftinfer.kinds.dflash import DFlashProposer
 
     proposer = DFlashProposer(d, 4, 16, torch.device("cpu"), torch.float32)
@@ -179,9 +189,10 @@ def test_selector_q_is_a_distribution_over_its_candidates():
     assert bool((q.gather(-1, drafts[..., None]) > 0).all())
 
 
-def test_selector_same_tokens_solo_and_in_a_batch():
-    """T4 with the selector: a request's tokens do not depend on the rest of the batch."""
-    d = _drafter()
+@pytest.mark.parametrize("option", list(RERANKERS))
+def test_selector_same_tokens_solo_and_in_a_batch(option):
+    """T4 with the re-ranker: a request's tokens do not depend on the rest of the batch."""
+    d = _drafter(option)
     mine = [SamplingParams(1.0, seed=30 + i) for i in range(6)]
     others = [SamplingParams(0.0), SamplingParams(0.7, top_k=3, seed=9)]
 

@@ -24,6 +24,18 @@ VARIANTS = {
     # DSpark: anchor slot drafts, Markov head (randomized below its zero init by the tests that
     # need a non-trivial bias: `randomize_heads`), confidence head.
     "dspark": {"dspark": True, "markov_rank": 5},
+    # LiLiCorr: the lattice over each slot's top-6, a two-layer correlator of width 8 (its
+    # successor map randomized past its zero init by `randomize_heads`), alone and with
+    # DFlash2's conv.
+    "lilicorr": {"lilicorr": True, "lilicorr_top_k": 6, "lilicorr_rank": 8, "lilicorr_heads": 2},
+    "lilicorr_conv": {
+        "lilicorr": True,
+        "lilicorr_conv": True,
+        "conv_group_size": 8,
+        "lilicorr_top_k": 6,
+        "lilicorr_rank": 8,
+        "lilicorr_heads": 2,
+    },
     "sliding": {
         "num_layers": 2,
         "layer_types": ["sliding_attention", "full_attention"],
@@ -40,12 +52,16 @@ def variant_drafter(name: str, rope: str = "1d", seed: int = 0, **extra):
 
 @torch.no_grad()
 def randomize_heads(d, seed: int = 7):
-    """`markov_w2` (zero at init: the head starts as plain DFlash) drawn at a scale that moves
-    the drafts, so tests of the Markov bias are not tests of a zero."""
+    """`markov_w2` and LiLiCorr's `successor` (zero at init: each starts as plain DFlash)
+    drawn at a scale that moves the drafts, so tests of the Markov bias or of the lattice's
+    transitions are not tests of a zero."""
+    g = torch.Generator().manual_seed(seed)
     if getattr(d, "markov_head", None) is not None:
-        g = torch.Generator().manual_seed(seed)
         w = d.markov_head.markov_w2.weight
         w.copy_(torch.randn(w.shape, generator=g) * 20.0)
+    if getattr(d, "lattice_correlator", None) is not None:
+        w = d.lattice_correlator.successor.weight
+        w.copy_(torch.randn(w.shape, generator=g) * 0.5)
     return d
 
 

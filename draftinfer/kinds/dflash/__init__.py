@@ -1,5 +1,6 @@
 """Block drafters (`dflash`: DFlash, with DFlash2's conv and candidate selector, JetSpec's
-causal block and DSpark's anchor-slot layout, Markov head and confidence head as options): config, module, proposer and the serving adapters, registered as
+causal block, DSpark's anchor-slot layout, Markov head and confidence head, and LiLiCorr's
+candidate lattice as options): config, module, proposer and the serving adapters, registered as
 the drafter kind `dflash`."""
 
 from __future__ import annotations
@@ -89,7 +90,20 @@ class DFlashSpec(DrafterSpec):
             f"`eagle_aux_hidden_state_layer_ids` {list(arch.tap_layer_ids)} the same layers as "
             "vLLM capture slots (vLLM older than #40727 misreads the first: check your version)."
         ]
-        if arch.dflash2:
+        if arch.lilicorr:
+            conv = " with DFlash2's conv" if arch.conv_kernel_size else ""
+            notes.append(
+                f"LiLiCorr{conv} (`LiLiCorrDraftModel`, `dflash_config.projector_type: "
+                f"lilicorr`, lattice over each slot's top-{arch.lilicorr_top_k}, a "
+                f"{arch.lilicorr_layers}-layer correlator of width {arch.lilicorr_rank}): **no "
+                "merged engine serves this checkpoint.** ModelOpt (NVIDIA/Model-Optimizer#2342) "
+                "trains LiLiCorr; serving is open in SGLang (#37462), vLLM (#57934) and "
+                "vllm-ascend (#17147), and the correlator's tensors here "
+                "(`lattice_correlator.*`) are this project's names, not those PRs'; an engine "
+                "that loads `DFlashDraftModel` / `DFlash2DraftModel` refuses this architecture. "
+                "Our runner serves it, lossless (verification is unchanged)."
+            )
+        elif arch.dflash2:
             notes.append(
                 "DFlash2 (`DFlash2DraftModel`): vLLM needs an unquantized target `lm_head` (the "
                 "selector takes a top-k over the full vocabulary)."
@@ -117,6 +131,12 @@ class DFlashSpec(DrafterSpec):
                 "(`VLLM_USE_V2_MODEL_RUNNER=1`). No `speculators/` folder is written for window "
                 "layers: speculators windows them otherwise, and vLLM's reading of that layout "
                 "(#47745) would make the full layers causal."
+            )
+        if arch.lilicorr:  # no engine command to give: say so first
+            return (
+                "No merged serving engine loads LiLiCorr yet. This project's runner:\n\n"
+                f"```bash\npython -m draftinfer drafter={drafter} k={k}\n```\n\n"
+                + "\n\n".join(notes)
             )
         return (
             "vLLM:\n\n```bash\n"

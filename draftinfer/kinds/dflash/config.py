@@ -20,6 +20,14 @@ Options of the one kind (K2 pins that each default reproduces plain DFlash):
   `markov_w2(markov_w1[prev])`), and a per-slot acceptance predictor. Written as vLLM's
   `dspark` method reads them: top-level `markov_rank`, `markov_head_type`,
   `dflash_config.sample_from_anchor` (REFERENCES A1/A3).
+- `lilicorr_top_k > 0` (LiLiCorr, arXiv 2608.20530, ModelOpt #2342): a lattice of each drafting
+  slot's top-k candidates, a small transformer (`lilicorr_layers`, width `lilicorr_rank`,
+  `lilicorr_heads`) over the block's slots giving each slot a context vector, transitions
+  between candidates of adjacent slots scored bilinearly, and a walk from the anchor
+  (`module.LatticeCorrelator`). Combines with the conv (`conv_kernel_size`), not with the
+  selector, the Markov head or `sample_from_anchor`. Written as ModelOpt's `projector_type:
+  lilicorr` on `dflash_config` plus our `lilicorr_*` geometry, architecture
+  `LiLiCorrDraftModel` (the name vLLM's open PR #57934 loads); no merged engine serves it.
 """
 
 from __future__ import annotations
@@ -90,6 +98,11 @@ class DFlashConfig:
     confidence_head: bool = False  # DSpark's per-slot accept-rate predictor
     # The confidence head reads `[h, markov_w1[prev]]` (H + r) instead of h (REFERENCES A1).
     confidence_head_with_markov: bool = False
+    # LiLiCorr: the candidate lattice over each drafting slot's top-k (0: off; published: 16).
+    lilicorr_top_k: int = 0
+    lilicorr_rank: int = 64  # the correlator's width d
+    lilicorr_layers: int = 2  # the published scorer is a two-layer transformer
+    lilicorr_heads: int = 4
 
     def __post_init__(self) -> None:
         self.rope_theta, self.rope_scaling = parse_rope(
@@ -148,6 +161,22 @@ class DFlashConfig:
             raise ConfigError("confidence_head_with_markov needs the confidence and Markov heads")
         if self.markov_rank and self.selector_top_k:
             raise ConfigError("a Markov head and DFlash2's candidate selector do not combine")
+        if self.lilicorr_top_k:
+            if not 0 < self.lilicorr_top_k <= self.vocab_size:
+                raise ConfigError(
+                    f"lilicorr_top_k {self.lilicorr_top_k} must be in 1..{self.vocab_size}"
+                )
+            heads = self.lilicorr_heads
+            if self.lilicorr_layers < 1 or heads < 1 or self.lilicorr_rank % max(1, heads):
+                raise ConfigError(
+                    f"lilicorr: {self.lilicorr_layers} layers (>= 1), rank "
+                    f"{self.lilicorr_rank} a multiple of {self.lilicorr_heads} heads"
+                )
+            if self.selector_top_k or self.markov_rank or self.sample_from_anchor:
+                raise ConfigError(
+                    "LiLiCorr's lattice re-ranks the drafts itself: it does not combine with "
+                    "DFlash2's selector, DSpark's Markov head or sample_from_anchor (the conv does)"
+                )
 
     # -- what every drafter config provides -----------------------------------------------
     @property
@@ -162,6 +191,10 @@ class DFlashConfig:
     @property
     def dflash2(self) -> bool:
         return bool(self.conv_kernel_size or self.selector_top_k)
+
+    @property
+    def lilicorr(self) -> bool:
+        return bool(self.lilicorr_top_k)
 
     @property
     def dspark(self) -> bool:
@@ -186,6 +219,8 @@ class DFlashConfig:
 
     @property
     def architecture(self) -> str:
+        if self.lilicorr:
+            return "LiLiCorrDraftModel"
         return "DFlash2DraftModel" if self.dflash2 else "DFlashDraftModel"
 
     @property
@@ -226,6 +261,14 @@ class DFlashConfig:
             # vLLM's `use_swa` / `swa_window_size` make *every* layer a window layer: written
             # only when that is true per layer (a mixed drafter says it by `layer_types`).
             dflash.update(use_swa=True, swa_window_size=self.sliding_window)
+        if self.lilicorr:
+            dflash.update(
+                projector_type="lilicorr",
+                lilicorr_top_k=self.lilicorr_top_k,
+                lilicorr_rank=self.lilicorr_rank,
+                lilicorr_layers=self.lilicorr_layers,
+                lilicorr_heads=self.lilicorr_heads,
+            )
         d = {
             "architectures": [self.architecture],
             "model_type": "qwen3",
@@ -276,8 +319,11 @@ class DFlashConfig:
         dc = require(d, "dflash_config", where)
         if not isinstance(dc, dict):
             raise CheckpointError(f"{where}: dflash_config must be a mapping")
+        lilicorr = dc.get("projector_type") == "lilicorr"
         for key, identity in _IDENTITY_FIELDS.items():
             value = dc.get(key, d.get(key, identity))
+            if key == "projector_type" and lilicorr:
+                continue
             if value != identity:
                 raise CheckpointError(
                     f"{where}: {key}={value!r} (a DFlash-family variant this code does not run)"
@@ -345,4 +391,16 @@ class DFlashConfig:
             "markov_head_type": str(d.get("markov_head_type", "vanilla")),
             "confidence_head": bool(d.get("confidence_head", False)),
             "confidence_head_with_markov": bool(d.get("confidence_head_with_markov", False)),
+            **(
+                {
+                    "lilicorr_top_k": int(
+                        require(dc, "lilicorr_top_k", f"{where} [dflash_config]")
+                    ),
+                    "lilicorr_rank": int(require(dc, "lilicorr_rank", f"{where} [dflash_config]")),
+                    "lilicorr_layers": int(dc.get("lilicorr_layers", 2)),
+                    "lilicorr_heads": int(dc.get("lilicorr_heads", 4)),
+                }
+                if lilicorr
+                else {}
+            ),
         }

@@ -29,8 +29,21 @@ DSpark options (REFERENCES A1, "DSpark"):
 - `ConfidenceHead`: `proj = Linear(H -> 1)` on a drafting slot's normed hidden (`Linear(H + r
   -> 1)` on `[h, markov_w1[prev]]` with `confidence_head_with_markov`), the logit of the
   probability that the draft is accepted (trained by BCE on `sum min(p, q)`).
+
+LiLiCorr option (`LatticeCorrelator`; arXiv 2608.20530, ModelOpt #2342, sglang #37462): the
+lattice is each drafting slot's top-k candidates under the head's logits `U`; a two-layer
+transformer of width `d` runs causally over the block's slots (input: `slot_projection` of each
+slot's normed hidden plus a learned slot embedding) and gives slot s a context `z_s` `[d]`;
+lattice node (s, c) is `z_s + token_projection(E[c])` (`E` the target's frozen input
+embedding); the transition from token `a` at slot s-1 to candidate `b` at slot s scores
+`U_s(b) + <W_u node(s-1, a), W_v node(s, b)>` (every pair of adjacent slots' candidates: one
+batched matmul, `transition_scores`). Drafting walks the lattice from the anchor (node (0,
+anchor)): greedily the argmax, sampled over the K candidates (q over the candidates, -inf
+elsewhere, as DFlash2's selector, so the same rejection sampling keeps it exact). `W_v` starts at
+zero, so an untrained correlator drafts plain DFlash's argmax.
 `draft_logits` is the one function training (teacher-forced predecessors) and the runner
-(the previous draft) score a drafting slot with.
+(the previous draft) score a drafting slot with; `lattice_contexts` the one that gives it the
+correlator's slot contexts.
 
 Shapes: block rows `[B, S]` with `S = (blocks per row) * n`, blocks contiguous, `n` the block
 length (`block`); RoPE positions `[B, S]` or `[3, B, S]`.
@@ -184,6 +197,107 @@ def selector_logits(
     return out.scatter(-1, cand, s)
 
 
+class LatticeLayer(nn.Module):
+    """One pre-norm layer of the correlator: causal multi-head self-attention over a block's
+    slots (slot s sees slots <= s, so capped trailing slots never move live ones), then a GELU
+    MLP of width 4d."""
+
+    def __init__(self, d: int, heads: int, eps: float):
+        super().__init__()
+        self.heads = heads
+        self.attn_norm = RMSNorm(d, eps)
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.out = nn.Linear(d, d, bias=False)
+        self.mlp_norm = RMSNorm(d, eps)
+        self.up = nn.Linear(d, 4 * d, bias=False)
+        self.down = nn.Linear(4 * d, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[N, n, d]` -> `[N, n, d]`."""
+        N, n, d = x.shape
+        qkv = self.qkv(self.attn_norm(x)).view(N, n, 3, self.heads, d // self.heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each [N, heads, n, d / heads]
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out(a.transpose(1, 2).reshape(N, n, d))
+        return x + self.down(F.gelu(self.up(self.mlp_norm(x))))
+
+
+class LatticeCorrelator(nn.Module):
+    """LiLiCorr's scorer of transitions between candidates of adjacent slots (module
+    docstring); identity at init (`successor` zero: the scores are the head's logits)."""
+
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        H, d = c.hidden_size, c.lilicorr_rank
+        self.top_k = c.lilicorr_top_k
+        self.slot_projection = nn.Linear(H, d, bias=False)
+        self.slot_embedding = nn.Parameter(torch.randn(c.block_size, d) * 0.02)  # [B, d]
+        self.layers = nn.ModuleList(
+            LatticeLayer(d, c.lilicorr_heads, c.rms_norm_eps) for _ in range(c.lilicorr_layers)
+        )
+        self.norm = RMSNorm(d, c.rms_norm_eps)
+        self.token_projection = nn.Linear(H, d, bias=False)
+        self.predecessor = nn.Linear(d, d, bias=False)  # W_u
+        self.successor = nn.Linear(d, d, bias=False)  # W_v
+        nn.init.zeros_(self.successor.weight)
+
+    def contexts(self, normed: torch.Tensor) -> torch.Tensor:
+        """A block's slots' normed hidden `[..., n, H]` (slot 0 the anchor's) -> the slots'
+        contexts `z` `[..., n, d]`."""
+        *lead, n, _ = normed.shape
+        w = self.slot_projection.weight
+        x = self.slot_projection(normed.to(w.dtype)) + self.slot_embedding[:n].to(w.dtype)
+        x = x.reshape(-1, n, x.shape[-1])
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x).view(*lead, n, -1)
+
+    def transition_scores(
+        self,
+        z_prev: torch.Tensor,  # [..., d] context of slot s - 1
+        prev_emb: torch.Tensor,  # [..., Kp, H] input embeddings of slot s - 1's tokens
+        z_cur: torch.Tensor,  # [..., d] context of slot s
+        cand_emb: torch.Tensor,  # [..., K, H] input embeddings of slot s's candidates
+    ) -> torch.Tensor:
+        """`<W_u node(s-1, a), W_v node(s, b)>` for every pair `[..., Kp, K]` (fp32)."""
+        w = self.token_projection.weight
+        u = self.predecessor(z_prev[..., None, :] + self.token_projection(prev_emb.to(w.dtype)))
+        v = self.successor(z_cur[..., None, :] + self.token_projection(cand_emb.to(w.dtype)))
+        return (u @ v.transpose(-1, -2)).float()
+
+    def scores(self, embed, z_prev, z_cur, pred, unary, cand) -> torch.Tensor:
+        """Slot s's candidates after token `pred [...]` at slot s - 1: `U(b) + transition`
+        `[..., K]` fp32 (`embed`: the target's input embedding, unary `[..., K]` the head's
+        logits of the candidates `cand [..., K]`)."""
+        pair = self.transition_scores(z_prev, embed(pred)[..., None, :], z_cur, embed(cand))
+        return unary.float() + pair[..., 0, :]
+
+
+def lattice_logits(drafter, lattice, pred: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """The correlator's draft logits of one slot `[..., V]` fp32 given its predecessor token
+    `pred [...]` and `lattice = (z_prev, z_cur)` `[..., d]` each: its scores on the head's
+    top-k candidates, -inf elsewhere (q over the candidates, as `selector_logits`)."""
+    corr = drafter.lattice_correlator
+    unary, cand = logits.topk(corr.top_k, dim=-1)  # [..., K]
+    z_prev, z_cur = lattice
+    s = corr.scores(drafter.embed_tokens, z_prev, z_cur, pred, unary, cand)
+    out = torch.full(logits.shape, float("-inf"), dtype=torch.float32, device=logits.device)
+    return out.scatter(-1, cand, s)
+
+
+def lattice_contexts(drafter, normed: torch.Tensor) -> torch.Tensor | None:
+    """A block's normed hidden `[..., n, H]` (every slot, the anchor's first) -> the
+    correlator's slot contexts `[..., n, d]`, or None without LiLiCorr."""
+    corr = drafter.lattice_correlator
+    return None if corr is None else corr.contexts(normed)
+
+
+def slot_lattice(z: torch.Tensor | None, j: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`(z_prev, z_cur)` of draft j (0-based: slot j + 1, its predecessor slot j) from a
+    block's contexts `z [..., n, d]`, or None."""
+    return None if z is None else (z[..., j, :], z[..., j + 1, :])
+
+
 class MarkovHead(nn.Module):
     """DSpark's Markov head: a logit bias `[..., V]` from the token before the drafted one.
 
@@ -245,11 +359,16 @@ def draft_logits(
     drafter,
     normed: torch.Tensor,  # [..., H] a drafting slot's normed hidden
     prev: torch.Tensor,  # [...] the token before the one drafted (anchor for draft 1)
+    lattice: tuple[torch.Tensor, torch.Tensor] | None = None,  # LiLiCorr: (z_prev, z_cur)
 ) -> torch.Tensor:
     """The draft logits of one drafting slot `[..., V]`: the head's, plus DSpark's Markov bias
-    of `prev`, or DFlash2's selector scores over the top-k given `prev`. Training passes the
-    ground-truth predecessors, the runner the previous draft."""
+    of `prev`, or DFlash2's selector scores over the top-k given `prev`, or LiLiCorr's
+    transition scores over the top-k given `prev` and the slot contexts `lattice`
+    (`slot_lattice`). Training passes the ground-truth predecessors, the runner the previous
+    draft."""
     logits = drafter.logits(normed)
+    if drafter.lattice_correlator is not None:
+        return lattice_logits(drafter, lattice, prev, logits)
     if drafter.markov_head is not None:
         logits = logits + drafter.markov_head(prev, normed).to(logits.dtype)
     sel = drafter.candidate_selector
@@ -283,11 +402,17 @@ class DFlashDrafter(nn.Module):
         )
         conf_in = H + (c.markov_rank if c.confidence_head_with_markov else 0)
         self.confidence_head = ConfidenceHead(conf_in) if c.confidence_head else None
+        self.lattice_correlator = LatticeCorrelator(c) if c.lilicorr_top_k else None
 
     @property
     def chained(self) -> bool:
-        """Whether a draft's logits depend on the previous draft (Markov head, selector)."""
-        return self.markov_head is not None or self.candidate_selector is not None
+        """Whether a draft's logits depend on the previous draft (Markov head, selector,
+        LiLiCorr's lattice)."""
+        return (
+            self.markov_head is not None
+            or self.candidate_selector is not None
+            or self.lattice_correlator is not None
+        )
 
     # -- the context --------------------------------------------------------------------------
     def project_context(self, features: torch.Tensor) -> torch.Tensor:

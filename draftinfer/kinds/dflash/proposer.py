@@ -22,12 +22,14 @@ A round (`propose`), for a padded batch with no host sync:
    (slot j; slot j - 1 with `sample_from_anchor`, the anchor slot drafting too);
 4. drafts are chosen slot by slot (`choose_block`, `module.draft_logits`): from the head's
    logits, plus DSpark's Markov bias of the previous draft (the anchor for draft 1), or with
-   DFlash2's selector from its scores over the top-k candidates given the previous draft (q
-   over the candidates, so verification stays exact). DSpark's confidence head's accept
-   probabilities of the k drafts are kept as `confidence` `[B, k]` (with
-   `confidence_head_with_markov` each reads `markov_w1` of the draft's predecessor): the
-   proposer's `confidences()` (what `SpecDecoder(verify_threshold=)` cuts the block by, in
-   place of the derived confidence of `draftinfer.decoding.confidence`).
+   DFlash2's selector from its scores over the top-k candidates given the previous draft, or
+   LiLiCorr's lattice walk (transition scores from the previous draft over the top-k, with the
+   correlator's slot contexts of the whole block; q over the candidates in both, so
+   verification stays exact). DSpark's confidence head's accept probabilities of the k drafts
+   are kept as `confidence` `[B, k]` (with `confidence_head_with_markov` each reads
+   `markov_w1` of the draft's predecessor): the proposer's `confidences()` (what
+   `SpecDecoder(verify_threshold=)` cuts the block by, in place of the derived confidence of
+   `draftinfer.decoding.confidence`).
 
 K = `k` drafts use a block of `config.block_slots(k)` slots (`k + 1`, vLLM's `1 +
 num_speculative_tokens`; `k` with `sample_from_anchor`); the training block is `block_size`
@@ -51,7 +53,12 @@ from draftinfer.decoding.proposer import (
     last_valid,
 )
 from draftinfer.kinds.dflash.attention import CONTEXT, STALE, nonempty, visible
-from draftinfer.kinds.dflash.module import confidence_logit, draft_logits
+from draftinfer.kinds.dflash.module import (
+    confidence_logit,
+    draft_logits,
+    lattice_contexts,
+    slot_lattice,
+)
 from draftinfer.models.kv_cache import (
     KVCache,
     default_attention,
@@ -166,14 +173,16 @@ def choose_block(
     normed: torch.Tensor,  # [B, k, H] the drafting slots
     anchor_ids: torch.Tensor,  # [B]
     pick: Callable[[int, torch.Tensor], torch.Tensor],
+    z: torch.Tensor | None = None,  # [B, k + 1, d] LiLiCorr's slot contexts (anchor slot first)
 ) -> None:
     """Draft the k slots in order: `pick(step, logits [B, V]) -> chosen ids [B]`, the logits
     of `module.draft_logits` given the token chosen for the previous draft (the anchor for the
     first): the head's alone for plain DFlash, plus DSpark's Markov bias, or DFlash2's
-    selector scores over the top-k (-inf elsewhere)."""
+    selector scores or LiLiCorr's transition scores over the top-k (-inf elsewhere): at T = 0
+    the greedy walk through the lattice from the anchor."""
     pred = anchor_ids
     for step in range(normed.shape[1]):
-        pred = pick(step, draft_logits(drafter, normed[:, step], pred))
+        pred = pick(step, draft_logits(drafter, normed[:, step], pred, slot_lattice(z, step)))
 
 
 class DFlashProposer(Proposer):
@@ -243,6 +252,7 @@ class DFlashProposer(Proposer):
             attn_len = resolve_attn_len(Slots(fp.rows, cache), self.max_seq_len)
         c = self.cache
         normed = self._block(d, c.k, c.v, ids, rope, fp.rows, cache, anchor, block_end, attn_len)
+        z = lattice_contexts(d, normed)  # [B, k + 1, d] or None
         normed = normed[:, first:]  # [B, k, H] the drafting slots
         drafts = torch.zeros(B, k, dtype=torch.long, device=dev)
         if not d.chained:  # the slots' drafts are independent: all at once
@@ -254,7 +264,7 @@ class DFlashProposer(Proposer):
                 qs[0] = self._record(drafts, qs[0], step, logits, num_drafts > step, choose)
                 return drafts[:, step]
 
-            choose_block(d, normed, anchor_ids, pick)
+            choose_block(d, normed, anchor_ids, pick, z)
             q = qs[0]
         if d.confidence_head is not None:
             # Draft j's predecessor: the anchor for draft 1, else draft j - 1.
@@ -306,5 +316,6 @@ class DFlashProposer(Proposer):
             qs.append(q)
             return ids_t[choice]
 
-        choose_block(d, normed[:, c.first_draft_slot :], block[:, 0], pick)
+        z = lattice_contexts(d, normed)
+        choose_block(d, normed[:, c.first_draft_slot :], block[:, 0], pick, z)
         return drafts, qs

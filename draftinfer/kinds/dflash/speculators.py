@@ -37,7 +37,8 @@ position, REFERENCES A1), so its logits differ wherever the window bites (measur
 on the small sliding drafter with W = 6 < B = 16; equal with W = 40); and vLLM's conversion
 of this layout (#47745, fix #56692 open) turns `sliding_window_non_causal: false` into a global
 `dflash_config.causal: true` that makes the full-attention layers causal too. The z-lab layout
-at the export's root carries such drafters per layer.
+at the export's root carries such drafters per layer. LiLiCorr has no speculators algorithm at
+all, so a LiLiCorr drafter has no speculators layout either.
 """
 
 from __future__ import annotations
@@ -72,9 +73,10 @@ _LAYER_KEYS = (
 def speculators_config(
     arch, verifier: str, verifier_architectures: list[str], k: int
 ) -> dict[str, Any] | None:
-    """The speculators `config.json` of architecture `arch` (None for a causal block or
-    sliding-window layers: module docstring)."""
-    if arch.causal_block or "sliding_attention" in arch.layer_types:
+    """The speculators `config.json` of architecture `arch` (None for a causal block,
+    sliding-window layers or LiLiCorr, which speculators has no algorithm for: module
+    docstring)."""
+    if arch.causal_block or "sliding_attention" in arch.layer_types or arch.lilicorr:
         return None
     hf = arch.to_hf()
     algorithm = "dflash2" if arch.dflash2 else arch.speculators_type

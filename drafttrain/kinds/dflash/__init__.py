@@ -75,7 +75,7 @@ class DFlashTrainSpec(TrainSpec):
             layer_types=list(cfg.layer_types),
             sliding_window=cfg.sliding_window,
             causal_block=cfg.causal_block,
-            conv_kernel_size=cfg.conv_kernel_size if cfg.dflash2 else 0,
+            conv_kernel_size=cfg.conv_kernel_size if cfg.dflash2 or cfg.lilicorr_conv else 0,
             conv_group_size=cfg.conv_group_size,
             selector_top_k=cfg.selector_top_k if cfg.dflash2 else 0,
             selector_rank=cfg.selector_rank,
@@ -84,6 +84,10 @@ class DFlashTrainSpec(TrainSpec):
             markov_head_type=cfg.markov_head_type,
             confidence_head=cfg.dspark,
             confidence_head_with_markov=cfg.dspark and cfg.confidence_head_with_markov,
+            lilicorr_top_k=cfg.lilicorr_top_k if cfg.lilicorr else 0,
+            lilicorr_rank=cfg.lilicorr_rank,
+            lilicorr_layers=cfg.lilicorr_layers,
+            lilicorr_heads=cfg.lilicorr_heads,
         )
 
     def features(self, cfg: DFlashTrainConfig, ctx: InitContext):

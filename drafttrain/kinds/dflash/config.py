@@ -66,6 +66,20 @@ class DFlashTrainConfig(DrafterTrainConfig):
     dspark_ce_weight: float = 0.1
     dspark_tv_weight: float = 0.9
     confidence_loss_weight: float = 1.0
+    # LiLiCorr (arXiv 2608.20530; ModelOpt #2342's `projector_type: lilicorr`): a two-layer
+    # transformer correlator over the block's slots scores transitions between adjacent slots'
+    # top-k candidates, drafts walk the lattice from the anchor. `lilicorr_conv` adds DFlash2's
+    # grouped conv (conv_kernel_size / conv_group_size) without its selector (the published
+    # "LiLiCorr + conv"). The lattice loss: `lilicorr_loss_weight x` a K-way cross-entropy over
+    # the draft's top-K (the target's top-1 inserted when missing) scored from the ground-truth
+    # predecessor `x_{a+k-1}`, under the same per-slot weights (as DFlash2's selector CE).
+    lilicorr: bool = False
+    lilicorr_conv: bool = False
+    lilicorr_top_k: int = 16
+    lilicorr_rank: int = 64
+    lilicorr_layers: int = 2
+    lilicorr_heads: int = 4
+    lilicorr_loss_weight: float = 1.0
 
     def check(self) -> None:
         super().check()
@@ -78,6 +92,20 @@ class DFlashTrainConfig(DrafterTrainConfig):
         at_least("drafter", self, 0, "dspark_ce_weight", "dspark_tv_weight")
         at_least("drafter", self, 0, "confidence_loss_weight")
         one_of("drafter", self, "markov_head_type", ("vanilla", "gated"))
+        at_least("drafter", self, 1, "lilicorr_top_k", "lilicorr_rank", "lilicorr_layers")
+        at_least("drafter", self, 1, "lilicorr_heads")
+        at_least("drafter", self, 0, "lilicorr_loss_weight")
+        if self.lilicorr and (self.dflash2 or self.dspark):
+            from drafttrain.jobs.errors import ConfigError
+
+            raise ConfigError(
+                "drafter.lilicorr re-ranks the drafts through its own lattice: keep "
+                "drafter.dflash2=false and drafter.dspark=false (lilicorr_conv adds DFlash2's conv)"
+            )
+        if self.lilicorr_conv and not self.lilicorr:
+            from drafttrain.jobs.errors import ConfigError
+
+            raise ConfigError("drafter.lilicorr_conv needs drafter.lilicorr=true")
         if self.dspark and (self.dflash2 or self.loss != "ce"):
             from drafttrain.jobs.errors import ConfigError
 

@@ -27,6 +27,14 @@ Per sequence of tokens `x_0..x_{T-1}` with target features `f_j` and target posi
   confidence_loss_weight * BCE(confidence logit, alpha)`, TV = `1/2 |q - p|_1`, `alpha = sum
   min(q, p)` (detached: the probability the draft is accepted), q the draft's distribution and
   p the target's at row `a + j - 1`; computed on full `[N, V]` logits (not the fused chunks).
+  LiLiCorr (`drafter.lilicorr`): the backbone keeps its row loss, plus `lilicorr_loss_weight x`
+  the lattice's K-way cross-entropy over the draft's top-K (the target's top-1 inserted in the
+  last place when missing), each candidate scored by the correlator from the ground-truth
+  predecessor `x_{a+k-1}` at slot k - 1 (`LatticeCorrelator.scores` with the block's slot
+  contexts, the runner's function), under the same weights: the DFlash2 selector CE's
+  contract (REFERENCES A2) applied to the lattice's transitions, as ModelOpt #2342 trains its
+  node potentials with a cross-entropy against the ground truth's index (its hinge on the
+  margin to the runner-up is not implemented here).
 
 Metrics (`DraftLoss`): `loss_k` (plain CE / KL of slot k), `acc_k` (the draft, i.e. the head's
 argmax or the selector's choice, equals the target's top-1), `sim_al`; plus `block_al` =
@@ -45,7 +53,7 @@ from draftinfer.conventions.positions import block_positions
 from draftinfer.conventions.window import TokenEmbeds, shift_left
 from draftinfer.kinds.dflash import DFlashDrafter
 from draftinfer.kinds.dflash.attention import CONTEXT, PAD
-from draftinfer.kinds.dflash.module import confidence_logit, draft_logits
+from draftinfer.kinds.dflash.module import confidence_logit, draft_logits, lattice_contexts
 from draftinfer.models.target import TargetOutput
 from drafttrain.frozen.head import target_distribution
 from drafttrain.jobs.errors import ConfigError
@@ -183,17 +191,23 @@ class DFlashObjective:
         """`anchor_logits` of several distinct anchors of one sequence in one forward (one block of
         k + 1 slots per anchor, as training lays them out) `[A, k, V]`."""
         d = self.drafter
-        h = self._anchors_hidden(ids, features, rope_pos, anchors, k)  # [A, k, H]
+        blocks = self._anchors_blocks(ids, features, rope_pos, anchors, k)  # [A, n, H]
+        h = blocks[:, d.config.first_draft_slot :]  # [A, k, H]
         if not d.chained:
             return d.logits(h)
         pred = torch.stack([ids[0, x + 1 : x + 1 + k] for x in anchors])  # x_{a+j-1}, draft j
-        return draft_logits(d, h, pred)
+        z = lattice_contexts(d, blocks)  # [A, k + 1, d] or None
+        lattice = None if z is None else (z[:, :-1], z[:, 1:])
+        return draft_logits(d, h, pred, lattice)
 
-    def _anchors_hidden(self, ids, features, rope_pos, anchors: list[int], k: int):
+    def _anchors_blocks(self, ids, features, rope_pos, anchors: list[int], k: int):
         c = self.drafter.config
         a = torch.as_tensor(anchors, device=ids.device)[None] + 1
-        blocks = self.forward_blocks(ids, features, rope_pos, a, c.block_slots(k))
-        return blocks[0, :, c.first_draft_slot :]
+        return self.forward_blocks(ids, features, rope_pos, a, c.block_slots(k))[0]
+
+    def _anchors_hidden(self, ids, features, rope_pos, anchors: list[int], k: int):
+        blocks = self._anchors_blocks(ids, features, rope_pos, anchors, k)
+        return blocks[:, self.drafter.config.first_draft_slot :]
 
     def anchors_hidden(self, ids, features, rope_pos, anchors: list[int], k: int, mm=None):
         """The head's inputs of `anchors_logits` `[A, k, H]` (differentiable; on-policy
@@ -204,6 +218,11 @@ class DFlashObjective:
             raise ConfigError(
                 "trainer.stage=opd does not train DFlash2's candidate selector yet: its drafts "
                 "are the selector's choice, not the head's (drafter.dflash2=false)"
+            )
+        if self.drafter.lattice_correlator is not None:
+            raise ConfigError(
+                "trainer.stage=opd does not train LiLiCorr's lattice yet: its drafts are the "
+                "lattice walk's, not the head's (drafter.lilicorr=false)"
             )
         if self.drafter.markov_head is not None:
             raise ConfigError(
@@ -238,6 +257,7 @@ class DFlashObjective:
         rows = (bidx * T + labc - 1).reshape(-1)  # the target row that predicts x_{a+k}
         hf = h.reshape(-1, h.shape[-1])
         sel = d.candidate_selector
+        corr = d.lattice_correlator
         metrics: dict[str, torch.Tensor | float] = {}
         if c.dspark:
             pred = input_ids.gather(1, (labc - 1).reshape(B, -1)).reshape(-1)  # x_{a+j-1}
@@ -245,7 +265,8 @@ class DFlashObjective:
             for name, v in parts.items():
                 metrics[name] = (v.view(B, A, K) * valid).sum() / valid.sum().clamp(min=1)
         else:
-            r = self._soft_ce_rows(hf, rows, dist, temp, sel)
+            top_k = sel.top_k if sel is not None else corr.top_k if corr is not None else 0
+            r = self._soft_ce_rows(hf, rows, dist, temp, top_k)
         per_row = r.ce
         if c.loss == "kl":  # KL = CE - H(p), T^2-scaled (same gradient as CE, times T)
             p = dist.probs[rows].float()
@@ -258,16 +279,23 @@ class DFlashObjective:
             extra = c.selector_loss_weight * sce.view(B, A, K)
             hit = shit.view(B, A, K)
             metrics["sel_loss"] = (sce.view(B, A, K) * valid).sum() / valid.sum().clamp(min=1)
+        if corr is not None:
+            z = lattice_contexts(d, normed)  # [B, A, n, d]
+            lattice = (z[:, :, :-1].reshape(-1, z.shape[-1]), z[:, :, 1:].reshape(-1, z.shape[-1]))
+            lce, lhit = self._selector_loss(hf, input_ids, labc, rows, dist.top1, r.cand, lattice)
+            extra = c.lilicorr_loss_weight * lce.view(B, A, K)
+            hit = lhit.view(B, A, K)
+            metrics["lattice_loss"] = (lce.view(B, A, K) * valid).sum() / valid.sum().clamp(min=1)
         return self._weighted(per_row, extra, hit, valid, anchors, r, metrics, loss_mask)
 
-    def _soft_ce_rows(self, hf, rows, dist, temp, sel):
+    def _soft_ce_rows(self, hf, rows, dist, temp, top_k: int):
         return linear_soft_ce_rows(
             hf / temp,
             self.drafter.lm_head.weight,
             dist.probs,
             rows,
             dist.top1,
-            sel.top_k if sel else 0,
+            top_k,
             loss=self.loss,
         )
 
@@ -322,10 +350,11 @@ class DFlashObjective:
             )
         return out.result(loss_mask)
 
-    def _selector_loss(self, hf, input_ids, labc, rows, top1, cand):
-        """DFlash2's selector: K-way cross-entropy over the draft's top-K (the target's top-1
-        inserted in the last place when missing), ground-truth predecessor `x_{a+k-1}`.
-        -> (per-row loss `[N]`, per-row hit `[N]`: the selector picks the target's top-1)."""
+    def _selector_loss(self, hf, input_ids, labc, rows, top1, cand, lattice=None):
+        """DFlash2's selector (or, given `lattice` = the rows' `(z_prev, z_cur)` `[N, d]`
+        each, LiLiCorr's lattice): K-way cross-entropy over the draft's top-K (the target's
+        top-1 inserted in the last place when missing), ground-truth predecessor `x_{a+k-1}`.
+        -> (per-row loss `[N]`, per-row hit `[N]`: the re-ranker picks the target's top-1)."""
         d = self.drafter
         sel = d.candidate_selector
         gold = top1[rows]  # [N] token ids (full vocabulary)
@@ -335,7 +364,11 @@ class DFlashObjective:
         target = (cand == gold[:, None]).long().argmax(-1)
         unary = gathered_logits(hf, d.lm_head.weight, cand)  # [N, K]
         pred = input_ids.gather(1, (labc - 1).reshape(labc.shape[0], -1)).reshape(-1)
-        scores = sel.scores(sel.hidden_projection(hf), pred, unary, cand)
+        if lattice is not None:
+            corr = d.lattice_correlator
+            scores = corr.scores(d.embed_tokens, *lattice, pred, unary, cand)
+        else:
+            scores = sel.scores(sel.hidden_projection(hf), pred, unary, cand)
         return F.cross_entropy(scores, target, reduction="none"), scores.argmax(-1) == target
 
     def checkpoint_meta(self) -> dict:
