@@ -94,6 +94,13 @@ class TrainSpec:
         architecture without building the drafter (vocabulary, weights) overrides this."""
         return self.init_drafter(cfg, ctx).config.features
 
+    def warm_start_heads(self, saved: dict[str, Any], arch: dict[str, Any]) -> tuple[str, ...]:
+        """`trainer.init_from` a checkpoint of this kind whose architecture `saved` differs from
+        this run's `arch`: the name prefixes of the tensors this run adds and leaves at their
+        initialisation (new heads over a trained backbone), every other tensor loaded. Empty
+        (the default): such a start is refused, the architectures must be equal."""
+        return ()
+
     def objective(self, drafter, cfg: Any, backend: str, loss: RowLoss = SOFT_CE):
         """The kind's objective, scoring its rows with `loss` (`trainer.loss`)."""
         return self.objective_class(drafter, cfg, backend, loss=loss)

@@ -193,7 +193,9 @@ class TrainerConfig:
     stage: str = "sft"
     # Start from the drafter weights of an earlier run (its output_dir, whose latest checkpoint
     # is read, or one `checkpoints/step_N` directory): weights only, a fresh optimizer and
-    # schedule. Same kind and architecture, or a one-line error. `resume` wins over it.
+    # schedule. Same kind and architecture (or one the kind starts with heads added, e.g.
+    # DSpark from a DFlash run: `TrainSpec.warm_start_heads`), or a one-line error. `resume`
+    # wins over it.
     init_from: str | None = None
     # A DeepSpeed JSON config (e.g. conf/launch/deepspeed/zero2.json) for launchers without an
     # accelerate config (`torchrun`, `deepspeed`); `accelerate launch --config_file

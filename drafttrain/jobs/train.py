@@ -234,7 +234,14 @@ def _train(cfg: TrainConfig, keep_logger: bool) -> dict[str, Any]:
         runner = RunnerEval.for_run(cfg, device, accelerator)
         init = None
         if tc.init_from is not None and resume_from is None:  # weights only; resume wins
-            init = load_init_weights(tc.init_from, spec.name, drafter.config.to_dict())
+            arch = drafter.config.to_dict()
+            init, heads = load_init_weights(
+                tc.init_from, spec.name, arch, lambda saved: spec.warm_start_heads(saved, arch)
+            )
+            if heads:  # the heads this architecture adds start at their init
+                own = drafter.trainable_state_dict()
+                init.update({k: v for k, v in own.items() if k.startswith(heads)})
+                print(f"init_from: {', '.join(heads)} start at their init", flush=True)
         rollouts = opd_rollouts(cfg, spec.name, drafter, target, device, run_dir, world)
     except BaseException:
         if main and fresh and run_dir.exists():

@@ -202,14 +202,20 @@ def init_checkpoint(path: str | Path) -> Path:
     return ck
 
 
-def load_init_weights(path: str | Path, kind: str, arch: dict) -> dict[str, torch.Tensor]:
+def load_init_weights(
+    path: str | Path, kind: str, arch: dict, new_heads=lambda saved: ()
+) -> tuple[dict[str, torch.Tensor], tuple[str, ...]]:
     """The drafter tensors of `trainer.init_from`'s checkpoint, after checking it holds a
-    `kind` drafter of architecture `arch` (one-line `CheckpointError` otherwise)."""
+    `kind` drafter of architecture `arch`, or of one the kind starts from with heads added
+    (`new_heads(saved_arch)`: their name prefixes, `TrainSpec.warm_start_heads`; one-line
+    `CheckpointError` otherwise) -> (tensors, the prefixes left at their init)."""
     ck = init_checkpoint(path)
     state = json.loads((ck / "state.json").read_text())
-    if state.get("drafter_kind") != kind or state.get("drafter_config") != arch:
+    saved = state.get("drafter_config")
+    heads = () if saved == arch else new_heads(saved or {})
+    if state.get("drafter_kind") != kind or (saved != arch and not heads):
         raise CheckpointError(
             f"trainer.init_from: {ck} holds a {state.get('drafter_kind')} drafter of another "
             f"architecture than this config's {kind} drafter"
         )
-    return load_checkpoint(ck)["drafter"]
+    return load_checkpoint(ck)["drafter"], heads

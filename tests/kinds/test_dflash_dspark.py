@@ -328,3 +328,46 @@ def test_confidence_with_markov_needs_both_heads():
     c = variant_drafter("dspark").config
     with pytest.raises(ConfigError, match="confidence_head_with_markov"):
         dataclasses.replace(c, markov_rank=0, confidence_head_with_markov=True)
+
+
+def test_warm_start_from_a_trained_dflash_drafter(train_env, tmp_path):
+    """`trainer.init_from` a DFlash run into a DSpark run of the same backbone: every backbone
+    tensor is the DFlash checkpoint's (an lr of 1e-30 keeps them there, bitwise, through a step), the Markov and
+    confidence heads start at their init; another backbone is still refused in one line."""
+    from drafttrain.jobs.train import train
+    from drafttrain.trainer.checkpoint import latest_checkpoint, load_checkpoint
+    from tests.support.presets import compose_preset
+
+    def overrides(out, steps, *extra):
+        return [
+            f"target.name_or_path={train_env['target']}",
+            f"data.path={train_env['data']}",
+            f"output_dir={out}",
+            f"trainer.max_steps={steps}",
+            "trainer.save_every=100",
+            "trainer.warmup_steps=1",
+            "trainer.progress=false",
+            "data.batch_size=2",
+            "drafter.num_layers=1",
+            "drafter.num_anchors=4",
+            "export.enabled=false",
+            *extra,
+        ]
+
+    base = tmp_path / "dflash"
+    train(compose_preset("dflash", overrides(base, 2)))
+    dspark = ["drafter.dspark=true", "drafter.markov_rank=8", f"trainer.init_from={base}"]
+    out = tmp_path / "dspark"
+    train(compose_preset("dflash", overrides(out, 1, "trainer.lr=1e-30", *dspark)))
+    before = load_checkpoint(latest_checkpoint(base / "checkpoints"))["drafter"]
+    after = load_checkpoint(latest_checkpoint(out / "checkpoints"))["drafter"]
+    heads = {k for k in after if k.startswith(("markov_head.", "confidence_head."))}
+    assert heads and not heads & set(before)
+    assert set(after) - heads == set(before)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    # Its init, zero (plain DFlash drafts), moved by the one 1e-30 step only.
+    assert after["markov_head.markov_w2.weight"].abs().max() < 1e-20
+    with pytest.raises(CheckpointError, match="another architecture"):
+        train(
+            compose_preset("dflash", overrides(tmp_path / "x", 1, "drafter.num_layers=2", *dspark))
+        )

@@ -31,6 +31,16 @@ def mask_token(cfg: DFlashTrainConfig, vocab_size: int, tokenizer) -> int:
     )
 
 
+# The architecture fields DSpark adds to a DFlash drafter (`warm_start_heads`).
+DSPARK_FIELDS = (
+    "sample_from_anchor",
+    "markov_rank",
+    "markov_head_type",
+    "confidence_head",
+    "confidence_head_with_markov",
+)
+
+
 class DFlashTrainSpec(TrainSpec):
     name = "dflash"
     config_class = DFlashTrainConfig
@@ -38,6 +48,19 @@ class DFlashTrainSpec(TrainSpec):
     # D-PACE per block slot: +0.040 AL over soft_ce with exp-decay weights on the zoo (mean of
     # seeds 0 and 1: 1.696 vs 1.656 at K=3; ahead on both), docs/results.md "Losses on the zoo".
     default_loss = "dpace"
+
+    def warm_start_heads(self, saved: dict, arch: dict) -> tuple[str, ...]:
+        """DSpark from a trained DFlash drafter (REFERENCES A1: DSpark's backbone is DFlash):
+        the checkpoint has no Markov or confidence head, the two architectures differ only in
+        DSpark's fields, so the backbone is loaded and the heads start at their init (the
+        Markov head's `markov_w2` at zero: the start drafts as the DFlash drafter did, one slot
+        later with `sample_from_anchor`)."""
+        if saved.get("markov_rank") or saved.get("confidence_head"):
+            return ()
+        same = {k: v for k, v in saved.items() if k not in DSPARK_FIELDS}
+        if same != {k: v for k, v in arch.items() if k not in DSPARK_FIELDS}:
+            return ()
+        return ("markov_head.", "confidence_head.")
 
     def arch(self, cfg: DFlashTrainConfig, ctx: InitContext):
         info, tc = ctx.target.info, ctx.target.config
