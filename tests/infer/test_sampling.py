@@ -284,6 +284,8 @@ def test_record_all_picks_what_step_by_step_picks():
     ns = SimpleNamespace(vocab_ids=torch.randperm(1000, generator=g)[:Dd])
     ns._record = lambda *a: Proposer._record(ns, *a)
     ns._greedy = greedy_record
+    ns.track_confidence = False  # no confidence kept (`Proposer._keep_derived` returns at once)
+    ns._keep_derived = lambda *a: Proposer._keep_derived(ns, *a)
 
     def sampled(x, step):  # no `all`: a q per step
         return x.argmin(-1), torch.softmax(x, -1)
