@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
-import time
 from pathlib import Path
+
+from draftbench.train_runs import run_preset
 
 STEPS = 600
 BLOCK = 4
@@ -47,18 +46,10 @@ def _reports(run: Path) -> dict[int, dict]:
 def cell(out: Path, arm: str, seed: int, steps: int) -> dict:
     preset, extra = ARMS[arm]
     run = out / f"{arm}_s{seed}_n{steps}"
-    cmd = [
-        sys.executable, "-m", "drafttrain", f"conf={preset}", f"output_dir={run}",
-        f"drafter.block_size={BLOCK}", "trainer.num_threads=1", "trainer.progress=false",
-        f"trainer.max_steps={steps}", f"seed={seed}", *extra,
-    ]  # fmt: skip
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    (out / f"{run.name}.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:]
-        raise SystemExit(f"{run.name} failed: {tail}")
+    cmd, wall = run_preset(
+        out, run, preset,
+        [f"drafter.block_size={BLOCK}", f"trainer.max_steps={steps}", f"seed={seed}", *extra],
+    )  # fmt: skip
     reps = _reports(run)
     return {
         "arm": arm,

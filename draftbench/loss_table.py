@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
-import time
 from pathlib import Path
 
+from draftbench.train_runs import run_preset
 from drafttrain.objectives.loss_fns import LOSSES
 from drafttrain.trainer.loggers import read_metrics
 
@@ -32,18 +30,9 @@ PRESETS = {"eagle3": ("eagle3", 600), "ptd": ("ptd_eagle3", 1500), "mtp": ("mtp3
 def _cell(out: Path, kind: str, loss: str, seed: int, steps: int) -> dict:
     preset, _ = PRESETS[kind]
     run = out / f"{kind}_{loss}_s{seed}"
-    cmd = [
-        sys.executable, "-m", "drafttrain", f"conf={preset}", f"output_dir={run}",
-        f"trainer.loss={loss}", "trainer.num_threads=1", "trainer.progress=false",
-        f"trainer.max_steps={steps}", f"seed={seed}",
-    ]  # fmt: skip
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    (out / f"{run.name}.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:]
-        raise SystemExit(f"{run.name} failed: {tail}")
+    cmd, wall = run_preset(
+        out, run, preset, [f"trainer.loss={loss}", f"trainer.max_steps={steps}", f"seed={seed}"]
+    )
     rep = json.loads(next(run.rglob("runner_report.json")).read_text())
     last = [r for r in read_metrics(run) if "sim_al" in r][-1]  # the last training window
     return {
