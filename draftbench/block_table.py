@@ -21,7 +21,7 @@ import argparse
 import json
 from pathlib import Path
 
-from draftbench.train_runs import run_preset
+from draftbench.train_runs import run_preset, table_cells
 
 STEPS = 600
 BLOCK = 4
@@ -94,10 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--steps-scale", type=float, default=1.0)
     a = ap.parse_args(argv)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    table_path = out / "table.json"
-    cells = json.loads(table_path.read_text()) if table_path.exists() else []
+    out, table_path, cells = table_cells(a.out)
     done = {(c["arm"], c["seed"], c["steps"]) for c in cells}
     steps = max(1, round(STEPS * a.steps_scale))
     for seed in [int(s) for s in a.seeds.split(",")]:

@@ -18,7 +18,7 @@ import argparse
 import json
 from pathlib import Path
 
-from draftbench.train_runs import run_preset
+from draftbench.train_runs import run_preset, table_cells
 from drafttrain.objectives.loss_fns import LOSSES
 from drafttrain.trainer.loggers import read_metrics
 
@@ -59,10 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--steps-scale", type=float, default=1.0)
     a = ap.parse_args(argv)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    table_path = out / "table.json"
-    cells = json.loads(table_path.read_text()) if table_path.exists() else []
+    out, table_path, cells = table_cells(a.out)
     done = {(c["kind"], c["loss"], c["seed"], c["steps"]) for c in cells}
     for kind in a.kinds.split(","):
         steps = max(1, round(PRESETS[kind][1] * a.steps_scale))

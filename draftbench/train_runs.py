@@ -3,6 +3,7 @@ the cells of the comparison tables (`draftbench.loss_table`, `draftbench.block_t
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -25,3 +26,12 @@ def run_preset(out: Path, run: Path, preset: str, overrides: list[str]) -> tuple
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:]
         raise SystemExit(f"{run.name} failed: {tail}")
     return cmd, wall
+
+
+def table_cells(out: str | Path) -> tuple[Path, Path, list[dict]]:
+    """A resumable table's folder (created), its `table.json` and the cells already in it
+    (a rerun skips those) -> (folder, table path, cells)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "table.json"
+    return out, path, json.loads(path.read_text()) if path.exists() else []
